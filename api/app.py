@@ -1,0 +1,33 @@
+"""The FastAPI application. Routes live in `routers/`, one per resource."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from kuangchao.api.routers import health, jobs
+from kuangchao.platform.errors import StoreUnavailable
+from kuangchao.platform.version import __version__
+
+
+def create_app() -> FastAPI:
+    # /docs and /redoc would load their assets from a CDN, which an offline
+    # cluster cannot reach; they are off, and /openapi.json is served.
+    app = FastAPI(title="kuangchao", version=__version__, docs_url=None, redoc_url=None)
+    app.include_router(health.router)
+    app.include_router(jobs.router)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:
+        return JSONResponse(status_code=503, content={"detail": exc.message})
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": [
+            {"loc": list(e["loc"]), "msg": e["msg"], "field": ".".join(map(str, e["loc"]))}
+            for e in exc.errors()]})
+
+    return app
+
+
+app = create_app()

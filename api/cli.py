@@ -1,0 +1,197 @@
+"""`kc`: the command line. Every command that prints data takes `--json`.
+
+Exit codes: 0 success; 1 the job or operation failed; 2 bad input (spec, flag,
+unknown job, unreachable service), with a message saying what to change.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from kuangchao.api.client import ApiError, Client
+from kuangchao.api.render import print_events, print_job, print_jobs, print_log_lines, progress_line
+from kuangchao.platform.errors import KuangchaoError, SpecError
+from kuangchao.platform.settings import DEFAULT_API_PORT, DEFAULT_DASHBOARD_PORT, Settings
+from kuangchao.platform.spec import load_spec_document, validate_spec
+
+app = typer.Typer(help="kuangchao: elastic, topology-aware training on Ray.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+Sets = Annotated[list[str] | None, typer.Option("--set", help="Override a field: a.b=value.")]
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def client() -> Client:
+    return Client(Settings.from_env().api_url)
+
+
+def load_job_doc(path: Path, sets: list[str] | None) -> dict[str, Any]:
+    """Read a spec file, validate it, and make its relative paths absolute."""
+    try:
+        doc = load_spec_document(path, sets or [])
+        spec = validate_spec(doc)
+    except SpecError as exc:
+        fail(f"{path}:\n" + "\n".join(f"  {p or '.'}: {m}" for p, m in exc.errors))
+    doc = spec.model_dump(mode="json")
+    # Relative paths mean "relative to where I ran kc", not to the server.
+    doc["checkpoint"]["path"] = str(Path(doc["checkpoint"]["path"]).expanduser().absolute())
+    if doc["data"]["path"]:
+        doc["data"]["path"] = str(Path(doc["data"]["path"]).expanduser().absolute())
+    return doc
+
+
+def _api(fn, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except ApiError as exc:
+        fail(exc.describe(), 2 if exc.is_user_error else 1)
+
+
+def follow(c: Client, job_id: str, as_json: bool) -> dict[str, Any]:
+    """Poll a job until it ends, showing step/total and loss on a terminal."""
+    out = sys.stderr if as_json else sys.stdout
+    last = ""
+    while True:
+        job = _api(c.job, job_id)
+        line = progress_line(job)
+        if line != last:
+            if out.isatty():
+                out.write("\r\033[K" + line)
+            else:
+                out.write(line + "\n")
+            out.flush()
+            last = line
+        if job["state"] in TERMINAL:
+            if out.isatty():
+                out.write("\n")
+            return job
+        time.sleep(1.0)
+
+
+@app.command()
+def submit(spec: Annotated[Path, typer.Argument(help="Job YAML.")], set_: Sets = None,
+           wait: Annotated[bool, typer.Option("--wait", help="Follow the job to its end.")] = False,
+           as_json: Json = False) -> None:
+    """Submit a job to the control plane."""
+    doc = load_job_doc(spec, set_)
+    c = client()
+    job = _api(c.submit, doc)
+    if wait:
+        job = follow(c, job["id"], as_json)
+    if as_json:
+        typer.echo(json.dumps(job))
+    elif wait:
+        print_job(job)
+    else:
+        typer.echo(job["id"])
+    if wait and job["state"] != "SUCCEEDED":
+        raise typer.Exit(1)
+
+
+@app.command()
+def status(job_id: str, as_json: Json = False) -> None:
+    """Show one job."""
+    job = _api(client().job, job_id)
+    typer.echo(json.dumps(job)) if as_json else print_job(job)
+
+
+@app.command("list")
+def list_(as_json: Json = False) -> None:
+    """List jobs."""
+    jobs = _api(client().jobs)
+    typer.echo(json.dumps(jobs)) if as_json else print_jobs(jobs)
+
+
+@app.command()
+def cancel(job_id: str, as_json: Json = False) -> None:
+    """Cancel a job."""
+    job = _api(client().cancel, job_id)
+    typer.echo(json.dumps(job)) if as_json else typer.echo(f"{job_id}: cancel requested "
+                                                           f"(state {job['state']})")
+
+
+@app.command()
+def events(job_id: str, as_json: Json = False) -> None:
+    """Show a job's events."""
+    evs = _api(client().events, job_id)["events"]
+    typer.echo(json.dumps(evs)) if as_json else print_events(evs)
+
+
+@app.command()
+def logs(job_id: str,
+         follow_: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing.")] = False,
+         as_json: Json = False) -> None:
+    """Print a job's logs from every rank."""
+    c, start = client(), 0
+    while True:
+        page = _api(c.logs, job_id, start)
+        print_log_lines(page["logs"], as_json)
+        start = page["next"]
+        if not follow_:
+            return
+        if not page["logs"] and _api(c.job, job_id)["state"] in TERMINAL:
+            if not _api(c.logs, job_id, start)["logs"]:
+                return
+        time.sleep(1.0)
+
+
+@app.command()
+def up(cluster: Annotated[Path, typer.Option(help="Cluster topology YAML.")] = Path(
+           "examples/cluster-2x4.yaml"),
+       api_port: Annotated[int, typer.Option(help="Port for the REST API.")] = DEFAULT_API_PORT,
+       dashboard_port: Annotated[int, typer.Option(help="Port for Ray's dashboard.")] =
+       DEFAULT_DASHBOARD_PORT,
+       as_json: Json = False) -> None:
+    """Start Redis, a local Ray cluster, the control plane and the API."""
+    from kuangchao.platform import localcluster
+
+    try:
+        state = localcluster.up(localcluster.UpOptions(cluster=cluster, api_port=api_port,
+                                                       dashboard_port=dashboard_port))
+    except KuangchaoError as exc:
+        fail(exc.message)
+    public = {k: v for k, v in state.items() if k != "redis_url"}
+    typer.echo(json.dumps(public) if as_json else f"kuangchao is up: API {state['api_url']}")
+
+
+@app.command()
+def down() -> None:
+    """Stop everything `kc up` started."""
+    from kuangchao.platform import localcluster
+
+    typer.echo("kuangchao stopped" if localcluster.down() else "nothing to stop")
+
+
+@app.command()
+def train(config: Annotated[Path, typer.Option("--config", help="Job YAML.")], set_: Sets = None,
+          as_json: Json = False) -> None:
+    """Run a job with this process as the driver (what `ray job submit` runs)."""
+    from kuangchao.platform.driver import run_as_driver
+
+    doc = load_job_doc(config, set_)
+    try:
+        job = run_as_driver(doc)
+    except KuangchaoError as exc:
+        fail(exc.message)
+    typer.echo(json.dumps(job)) if as_json else print_job(job)
+    if job["state"] != "SUCCEEDED":
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

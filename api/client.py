@@ -1,0 +1,81 @@
+"""A small Python client for the kuangchao REST API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class ApiError(Exception):
+    """The API answered with an error, or could not be reached.
+
+    Attributes:
+        status: HTTP status, or 0 when the server could not be reached.
+        detail: The server's `detail` (a string, or a list of field errors).
+    """
+
+    def __init__(self, status: int, detail: Any) -> None:
+        self.status, self.detail = status, detail
+        super().__init__(self.describe())
+
+    def __reduce__(self):
+        return (self.__class__, (self.status, self.detail))
+
+    def describe(self) -> str:
+        if isinstance(self.detail, list):
+            return "\n".join(f"{d.get('field') or '.'.join(map(str, d.get('loc', [])))}: {d['msg']}"
+                             for d in self.detail)
+        return str(self.detail)
+
+    @property
+    def is_user_error(self) -> bool:
+        return self.status == 0 or 400 <= self.status < 500 or self.status == 503
+
+
+class Client:
+    """Talks to the API at `base_url` (e.g. http://127.0.0.1:8000)."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.base_url = base_url
+        self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=headers)
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            resp = self._http.request(method, path, **kw)
+        except httpx.HTTPError as exc:
+            raise ApiError(0, f"cannot reach the kuangchao API at {self.base_url} ({exc}); "
+                              "start it with `kc up`, or set KC_API_URL") from None
+        if resp.status_code >= 400:
+            try:
+                detail = resp.json().get("detail", resp.text)
+            except ValueError:
+                detail = resp.text
+            raise ApiError(resp.status_code, detail)
+        return resp.json()
+
+    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", "/v1/jobs", json=spec)
+
+    def submit_yaml(self, text: str) -> dict[str, Any]:
+        return self._call("POST", "/v1/jobs", content=text,
+                          headers={"Content-Type": "application/yaml"})
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}")
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/jobs")["jobs"]
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def events(self, job_id: str, start: int = 0) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}/events", params={"start": start})
+
+    def logs(self, job_id: str, start: int = 0) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}/logs", params={"start": start})
+
+    def health(self) -> dict[str, Any]:
+        return self._call("GET", "/healthz")

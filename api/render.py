@@ -1,0 +1,76 @@
+"""Human-readable output of the CLI."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import typer
+
+
+def _ts(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _loss(v: Any) -> str:
+    return f"{v:.4f}" if isinstance(v, int | float) else "-"
+
+
+def progress_line(job: dict[str, Any]) -> str:
+    p = job.get("progress") or {}
+    line = (f"{job['id']} {job['state']:<10} step {p.get('step', 0)}/{p.get('total_steps') or '?'}"
+            f" loss {_loss(p.get('loss'))}")
+    if job.get("waiting_for") and job["state"] == "QUEUED":
+        line += f" (waiting: {job['waiting_for']})"
+    return line
+
+
+def print_job(job: dict[str, Any]) -> None:
+    p = job.get("progress") or {}
+    rows = [
+        ("id", job["id"]), ("name", job["name"]), ("state", job["state"]),
+        ("world size", job["world_size"]), ("restarts", job["restarts"]),
+        ("created", _ts(job.get("created_at"))), ("started", _ts(job.get("started_at"))),
+        ("finished", _ts(job.get("finished_at"))),
+        ("step", f"{p.get('step', 0)}/{p.get('total_steps') or '?'}"),
+        ("loss", f"{_loss(p.get('loss'))} (initial {_loss(p.get('initial_loss'))})"),
+    ]
+    if job.get("waiting_for"):
+        rows.append(("waiting for", job["waiting_for"]))
+    if job.get("message"):
+        rows.append(("message", job["message"].splitlines()[0]))
+    for k, v in rows:
+        typer.echo(f"{k:<12} {v}")
+    for pl in job.get("placement") or []:
+        typer.echo(f"  rank {pl['rank']:<3} {pl['node']:<12} leaf {pl['leaf']:<10} "
+                   f"gpu {pl['gpu']} pid {pl['pid']}")
+    ckpts = job.get("checkpoints") or []
+    if ckpts:
+        last = ckpts[-1]
+        typer.echo(f"checkpoint   step {last['step']} at {last['path']} ({last['bytes']} bytes)")
+
+
+def print_jobs(jobs: list[dict[str, Any]]) -> None:
+    typer.echo(f"{'ID':<28} {'NAME':<16} {'STATE':<10} {'STEP':>11} {'LOSS':>8}  CREATED")
+    for j in jobs:
+        p = j.get("progress") or {}
+        step = f"{p.get('step', 0)}/{p.get('total_steps') or '?'}"
+        typer.echo(f"{j['id']:<28} {j['name'][:16]:<16} {j['state']:<10} {step:>11} "
+                   f"{_loss(p.get('loss')):>8}  {_ts(j.get('created_at'))}")
+
+
+def print_events(events: list[dict[str, Any]]) -> None:
+    for e in events:
+        what = f"{e.get('from') or '-'} -> {e['to']}" if e.get("type") == "state" else e.get("type")
+        typer.echo(f"{_ts(e.get('ts'))}  {what:<24} {e.get('message') or ''}")
+
+
+def print_log_lines(lines: list[dict[str, Any]], as_json: bool) -> None:
+    for rec in lines:
+        if as_json:
+            typer.echo(json.dumps(rec))
+        else:
+            rank = rec.get("rank")
+            who = f"rank {rank}" if rank is not None else rec.get("module", "")
+            typer.echo(f"[{who}] {rec.get('message', '')}")

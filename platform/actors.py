@@ -1,0 +1,134 @@
+"""The Ray actors of the control plane: thin shells around plain classes.
+
+All are detached and live in the `kuangchao` namespace, pinned to the head
+node when one is labelled `kc.io/role=head`:
+
+    kc-registry     Registry: node view from Ray, published to Redis
+    kc-scheduler    SchedulerService: the scheduling loop
+    kc-job-{id}     JobControllerActor: one per scheduled job
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import ray
+from kuangchao.platform.controller import JobController
+from kuangchao.platform.policies import make_policy
+from kuangchao.platform.registry import Registry, head_node_id
+from kuangchao.platform.scheduler import Scheduler
+from kuangchao.platform.settings import RAY_NAMESPACE, Settings
+from kuangchao.platform.store import JobStore
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+log = logging.getLogger(__name__)
+
+REGISTRY_NAME = "kc-registry"
+SCHEDULER_NAME = "kc-scheduler"
+
+
+def _control_options(name: str) -> dict[str, Any]:
+    opts: dict[str, Any] = {"name": name, "namespace": RAY_NAMESPACE, "lifetime": "detached",
+                            "num_cpus": 0, "max_concurrency": 8}
+    head = head_node_id(ray.nodes())
+    if head:
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=True)
+    return opts
+
+
+class RegistryActor:
+    def __init__(self, settings: Settings) -> None:
+        self.registry = Registry(JobStore.from_url(settings.redis_url, settings.redis_prefix))
+
+    def snapshot(self):
+        return self.registry.snapshot()
+
+
+
+class JobControllerActor:
+    def __init__(self, job_id: str, settings: Settings) -> None:
+        self.controller = JobController(job_id, settings)
+
+    def run(self) -> str:
+        try:
+            return self.controller.run()
+        finally:
+            ray.actor.exit_actor()
+
+
+def launch_controller(job_id: str, settings: Settings) -> None:
+    """Start a detached controller actor for a job and set it running."""
+    actor = ray.remote(JobControllerActor).options(
+        **{**_control_options(f"kc-job-{job_id}"), "max_concurrency": 2}
+    ).remote(job_id, settings)
+    actor.run.remote()
+
+
+class SchedulerService:
+    """Runs scheduling cycles in a background thread until stopped."""
+
+    def __init__(self, settings: Settings, policy: str = "fifo", idle_s: float = 0.5) -> None:
+        self.settings, self.idle_s = settings, idle_s
+        self.store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
+        self.registry = ray.get_actor(REGISTRY_NAME, namespace=RAY_NAMESPACE)
+        self.scheduler = Scheduler(
+            self.store,
+            nodes=lambda: ray.get(self.registry.snapshot.remote()),
+            launch=lambda job_id: launch_controller(job_id, settings),
+            policy=make_policy(policy),
+        )
+        self.cycles = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="kc-scheduler")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.scheduler.step()
+                self.cycles += 1
+            except Exception:
+                log.exception("scheduling cycle failed; retrying")
+                time.sleep(self.idle_s)
+            try:
+                self.store.wait_for_wake(self.idle_s)
+            except Exception:
+                time.sleep(self.idle_s)
+
+    def info(self) -> dict[str, Any]:
+        return {"cycles": self.cycles, "redis_url": self.settings.redis_url,
+                "redis_prefix": self.settings.redis_prefix}
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def start_control_plane(settings: Settings, policy: str = "fifo") -> None:
+    """Create the registry and scheduler actors (idempotent) and wait until ready."""
+    registry = ray.remote(RegistryActor).options(
+        **_control_options(REGISTRY_NAME), get_if_exists=True).remote(settings)
+    ray.get(registry.snapshot.remote(), timeout=120)
+    scheduler = ray.remote(SchedulerService).options(
+        **_control_options(SCHEDULER_NAME), get_if_exists=True).remote(settings, policy)
+    ray.get(scheduler.info.remote(), timeout=120)
+
+
+def find_scheduler() -> Any | None:
+    """The running scheduler actor, or None when no control plane is up."""
+    try:
+        return ray.get_actor(SCHEDULER_NAME, namespace=RAY_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def wait_for_nodes(count: int, timeout_s: float = 120.0) -> None:
+    """Block until `count` live nodes have registered with Ray."""
+    deadline = time.monotonic() + timeout_s
+    while sum(1 for n in ray.nodes() if n.get("Alive")) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {sum(1 for n in ray.nodes() if n.get('Alive'))} of {count} "
+                               "Ray nodes joined; see the ray-*.log files under $KC_HOME/logs")
+        time.sleep(0.2)

@@ -1,0 +1,201 @@
+"""The per-job controller: turns a placed job into running ranks and watches them.
+
+It makes the placement group from the plan (bundles pinned to nodes with
+`bundle_label_selector`), starts one worker actor per rank in plan order,
+forms the process group, runs the train function and records every step in
+the job's state and events. It runs as a Ray actor for scheduled jobs and
+in-process for `kc train`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from kuangchao.platform.errors import KuangchaoError
+from kuangchao.platform.settings import Settings
+from kuangchao.platform.spec import JobSpec, validate_spec
+from kuangchao.platform.state import JobRecord, JobState
+from kuangchao.platform.store import JobStore
+from kuangchao.workers.checkpoint import verify
+from kuangchao.workers.errors import CheckpointError, WorkerError
+from kuangchao.workers.worker import TrainWorker
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+PG_READY_TIMEOUT_S = 180.0
+RENDEZVOUS_TIMEOUT_S = 300.0
+
+
+class Cancelled(KuangchaoError):
+    """The job was cancelled while the controller was working on it."""
+
+
+def _bundles(spec: JobSpec) -> list[dict[str, float]]:
+    par = spec.parallel
+    bundle: dict[str, float] = {"CPU": par.cpus_per_rank}
+    if par.gpus_per_rank:
+        bundle["GPU"] = par.gpus_per_rank
+    return [dict(bundle) for _ in range(spec.world_size)]
+
+
+def _cause(exc: BaseException) -> str:
+    """The message of the error a worker raised, without Ray's wrapping."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, WorkerError | KuangchaoError):
+        return cause.message
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return f"a worker process died: {exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class JobController:
+    """Runs one job from PLACING to a terminal state.
+
+    Args:
+        job_id: A job in PLACING with a placement plan.
+        settings: Redis and Ray settings.
+        store: The job store (opened from settings when omitted).
+        poll_s: How often the watch loop checks workers and cancel requests.
+    """
+
+    def __init__(self, job_id: str, settings: Settings, store: JobStore | None = None,
+                 poll_s: float = 0.5) -> None:
+        self.job_id, self.settings, self.poll_s = job_id, settings, poll_s
+        self.store = store or JobStore.from_url(settings.redis_url, settings.redis_prefix)
+        self.pg = None
+        self.workers: list[Any] = []
+
+    def run(self) -> str:
+        """Drive the job to its end; returns the final state's name."""
+        job = self.store.get(self.job_id)
+        if job.state.is_terminal:
+            return job.state.value
+        try:
+            spec = validate_spec(job.spec)
+            self._start(job, spec)
+            result = self._watch(spec)
+            self._finish(spec, result)
+        except Cancelled:
+            self._teardown()
+            self._set(JobState.CANCELLED, "cancelled on request")
+        except Exception as exc:
+            self._teardown()
+            self._set(JobState.FAILED, _cause(exc))
+        finally:
+            self._teardown()
+        return self.store.get(self.job_id).state.value
+
+    # -- phases ------------------------------------------------------------
+    def _start(self, job: JobRecord, spec: JobSpec) -> None:
+        selectors = [{"ray.io/node-id": p.node_id} for p in job.placement]
+        self.pg = placement_group(_bundles(spec), strategy="PACK", name=f"kc-{self.job_id}",
+                                  bundle_label_selector=selectors)
+        self._wait_ready(self.pg.ready(), PG_READY_TIMEOUT_S, "placement group")
+        par = spec.parallel
+        cls = ray.remote(TrainWorker)
+        self.workers = [
+            cls.options(num_cpus=par.cpus_per_rank, num_gpus=par.gpus_per_rank, max_restarts=0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            self.pg, placement_group_bundle_index=r),
+                        ).remote(self.job_id, r, spec.world_size, self.settings)
+            for r in range(spec.world_size)
+        ]
+        infos = self._wait_ready([w.describe.remote() for w in self.workers], 300.0, "workers")
+        self._record_workers(job, infos)
+        host = infos[0]["ip"]
+        port = self._wait_ready(self.workers[0].open_rendezvous.remote(host), 60.0, "rendezvous")
+        backends = self._wait_ready(
+            [w.join.remote(host, port, RENDEZVOUS_TIMEOUT_S) for w in self.workers],
+            RENDEZVOUS_TIMEOUT_S + 30, "process group")
+        self._set(JobState.RUNNING,
+                  f"{spec.world_size} rank(s) joined the {backends[0]} process group")
+
+    def _record_workers(self, job: JobRecord, infos: list[dict[str, Any]]) -> None:
+        for slot, info in zip(job.placement, infos, strict=True):
+            if slot.node_id and info["node_id"] != slot.node_id:
+                raise KuangchaoError(
+                    f"rank {slot.rank} was planned on {slot.node} but Ray started it on node "
+                    f"{info['node_id'][:12]}; the placement group did not honour the plan")
+
+        def update(j: JobRecord) -> tuple[JobRecord, dict[str, Any]]:
+            placement = tuple(dataclasses.replace(p, pid=i["pid"])
+                              for p, i in zip(j.placement, infos, strict=True))
+            message = "; ".join(f"rank {p.rank} on {p.node} gpu {p.gpu} pid {p.pid}"
+                                for p in placement)
+            return dataclasses.replace(j, placement=placement), {"type": "placement",
+                                                                 "message": message}
+
+        self.store.update(self.job_id, update)
+
+    def _watch(self, spec: JobSpec) -> list[dict[str, Any]]:
+        refs = [w.run.remote(spec.model_dump(mode="json")) for w in self.workers]
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            for ref in ready:
+                results[refs.index(ref)] = ray.get(ref)  # raises the worker's error
+            if self.store.cancel_requested(self.job_id):
+                raise Cancelled("cancelled")
+        return [results[i] for i in range(len(refs))]
+
+    def _finish(self, spec: JobSpec, results: list[dict[str, Any]]) -> None:
+        ckpt = (results[0] or {}).get("checkpoint") if results else None
+        path = Path(ckpt["path"]) if ckpt else None
+        if path is None:
+            from kuangchao.workers.checkpoint import CheckpointManager
+            mgr = CheckpointManager(spec.checkpoint.path, self.job_id, 0, 1, "")
+            latest = mgr.latest_verified()
+            path = latest[0] if latest else None
+        if path is None:
+            raise KuangchaoError("the train function returned without saving a checkpoint; "
+                                 "call ctx.checkpoint.save(...) before returning")
+        try:
+            manifest = verify(path)
+        except CheckpointError as exc:
+            raise KuangchaoError(f"final checkpoint does not verify: {exc.message}") from None
+        final_loss = (results[0] or {}).get("final_loss")
+        self._set(JobState.SUCCEEDED,
+                  f"finished at step {manifest['step']}; final checkpoint {path}"
+                  + (f"; final loss {final_loss:.4f}" if isinstance(final_loss, float) else ""))
+
+    # -- helpers -----------------------------------------------------------
+    def _wait_ready(self, refs: Any, timeout_s: float, what: str) -> Any:
+        single = not isinstance(refs, list)
+        pending = [refs] if single else list(refs)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            _, not_ready = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            if not not_ready:
+                break
+            if self.store.cancel_requested(self.job_id):
+                raise Cancelled("cancelled")
+            if time.monotonic() > deadline:
+                raise KuangchaoError(f"{what} not ready after {timeout_s:.0f}s; check `ray status` "
+                                     "for missing nodes or resources")
+        values = ray.get(pending)
+        return values[0] if single else values
+
+    def _set(self, state: JobState, reason: str) -> None:
+        job = self.store.get(self.job_id)
+        if job.state is state or job.state.is_terminal:
+            return
+        self.store.transition(self.job_id, state, reason)
+
+    def _teardown(self) -> None:
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+        self.workers = []
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None

@@ -1,0 +1,97 @@
+"""`kc train`: run a job with the calling process as the Ray driver.
+
+This is what `ray job submit -- kc train --config job.yaml` runs. When a
+kuangchao control plane is up, the job is queued there (so `kc list` shows it
+and the scheduler's capacity accounting includes it) and this process waits
+for admission, then runs the job controller itself. Without a control plane it
+places the job on the Ray cluster directly.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import ray
+from kuangchao.platform import jobs
+from kuangchao.platform.controller import JobController
+from kuangchao.platform.errors import ClusterError, PlacementError
+from kuangchao.platform.placement import Infeasible, place
+from kuangchao.platform.policies import job_shape
+from kuangchao.platform.registry import nodes_from_ray
+from kuangchao.platform.settings import RAY_NAMESPACE, Settings
+from kuangchao.platform.spec import validate_spec
+from kuangchao.platform.state import JobState, PlacedRank, transition
+from kuangchao.platform.store import JobStore
+
+
+def _connect_ray(settings: Settings) -> None:
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=settings.ray_address or "auto", namespace=RAY_NAMESPACE,
+                 log_to_driver=False, logging_level="ERROR")
+    except ConnectionError as exc:
+        raise ClusterError(f"cannot connect to Ray ({exc}); run `kc up`, or set RAY_ADDRESS "
+                           "to a running cluster") from None
+
+
+def _place_here(store: JobStore, job_id: str) -> None:
+    job = store.get(job_id)
+    nodes = nodes_from_ray(ray.nodes())
+    active = [j for j in store.list() if j.state.holds_resources]
+    used: dict[str, set[int]] = {}
+    for j in active:
+        for p in j.placement:
+            used.setdefault(p.node, set()).update(p.gpus)
+    plan = place(nodes, used, job_shape(job))
+    if isinstance(plan, Infeasible):
+        store.transition(job_id, JobState.FAILED, f"cannot place: {plan.reason}")
+        raise PlacementError(f"cannot place job {job_id}: {plan.reason}")
+    placement = tuple(PlacedRank(rank=s.rank, node=s.node, node_id=s.node_id, leaf=s.leaf,
+                                 gpu=s.gpus[0] if s.gpus else None, gpus=s.gpus)
+                      for s in plan.slots)
+    store.update(job_id, lambda j: transition(j, JobState.PLACING, "placed by the driver",
+                                              placement=placement))
+
+
+def _wait_admitted(store: JobStore, job_id: str) -> None:
+    reported = None
+    while True:
+        job = store.get(job_id)
+        if job.state is not JobState.QUEUED:
+            return
+        if job.waiting_for and job.waiting_for != reported:
+            print(f"{job_id}: queued, waiting for {job.waiting_for}", file=sys.stderr, flush=True)
+            reported = job.waiting_for
+        time.sleep(0.5)
+
+
+def run_as_driver(doc: dict[str, Any], settings: Settings | None = None) -> dict[str, Any]:
+    """Run the job in `doc` to its end and return its public JSON."""
+    settings = settings or Settings.from_env()
+    spec = validate_spec(doc)
+    store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
+    _connect_ray(settings)
+    from kuangchao.platform.actors import find_scheduler
+
+    managed = find_scheduler() is not None
+    job = jobs.submit(store, spec, driver="external")
+    print(f"job {job.id} submitted", file=sys.stderr, flush=True)
+    try:
+        if managed:
+            _wait_admitted(store, job.id)
+        else:
+            _place_here(store, job.id)
+        if store.get(job.id).state is JobState.PLACING:
+            JobController(job.id, settings, store).run()
+    except KeyboardInterrupt:
+        store.request_cancel(job.id)
+        cur = store.get(job.id)
+        if not cur.state.is_terminal:
+            store.transition(job.id, JobState.CANCELLED, "driver interrupted")
+        raise
+    return jobs.job_view(store, store.get(job.id))
+
+

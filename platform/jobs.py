@@ -1,0 +1,61 @@
+"""Operations on jobs shared by the REST API, the CLI and `kc train`."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any
+
+from kuangchao.platform.errors import InvalidTransition
+from kuangchao.platform.spec import JobSpec
+from kuangchao.platform.state import JobRecord, JobState, transition
+from kuangchao.platform.store import JobStore
+
+
+def new_job_id(name: str) -> str:
+    slug = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:40] or "job"
+    return f"{slug}-{secrets.token_hex(4)}"
+
+
+def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
+           owner: str | None = None) -> JobRecord:
+    """Record a validated job as QUEUED and wake the scheduler."""
+    job = JobRecord(
+        id=new_job_id(spec.task.name), name=spec.task.name, spec=spec.model_dump(mode="json"),
+        queue=spec.task.queue, priority=spec.task.priority_value, world_size=spec.world_size,
+        gpus=spec.gpus_required, driver=driver, owner=owner)
+    return store.create(job)
+
+
+def cancel(store: JobStore, job_id: str) -> JobRecord:
+    """Cancel a job. Queued jobs end at once; running ones via their controller.
+
+    Raises:
+        InvalidTransition: When the job has already finished.
+    """
+    job = store.get(job_id)
+    if job.state.is_terminal:
+        raise InvalidTransition(f"job {job_id} already finished as {job.state.value}")
+    store.request_cancel(job_id)
+    out = store.update(job_id, lambda j: transition(j, JobState.CANCELLED, "cancelled while queued")
+                       if j.state is JobState.QUEUED else None)
+    if out is None:
+        store.add_event(job_id, {"type": "cancel", "message": "cancel requested"})
+    return store.get(job_id)
+
+
+def job_view(store: JobStore, job: JobRecord) -> dict[str, Any]:
+    """The public JSON of a job: the record plus progress and checkpoints."""
+    d = job.to_json()
+    d.pop("version", None)
+    prog = store.progress(job.id)
+    total = job.spec.get("training", {}).get("steps")
+    d["progress"] = {
+        "step": prog.get("step", 0),
+        "total_steps": prog.get("total_steps", total),
+        "loss": prog.get("loss"),
+        "initial_loss": prog.get("initial_loss"),
+        "tokens_per_s": prog.get("tokens_per_s"),
+    }
+    d["checkpoints"] = store.checkpoints(job.id)
+    return d

@@ -1,0 +1,57 @@
+"""The node registry: what nodes the cluster has and how they are wired.
+
+`nodes_from_ray` turns `ray.nodes()` output into `NodeInfo` values using the
+`kc.io/*` labels (see topology.py); it is pure so tests feed it plain dicts.
+The `Registry` class is what the Ray actor hosts: it refreshes from Ray and
+publishes the node list to Redis for the API.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kuangchao.platform.topology import LABEL_ROLE, NodeInfo, node_from_labels
+
+
+def nodes_from_ray(ray_nodes: list[dict[str, Any]]) -> tuple[NodeInfo, ...]:
+    """Convert Ray's node table into `NodeInfo`s, sorted by name.
+
+    Nodes labelled `kc.io/role=head` host the control plane and are left out
+    of the GPU pool even if they have GPUs.
+    """
+    out = []
+    for n in ray_nodes:
+        labels = n.get("Labels") or {}
+        if labels.get(LABEL_ROLE) == "head":
+            continue
+        res = n.get("Resources") or {}
+        out.append(node_from_labels(
+            node_id=n["NodeID"], labels=labels, gpus=int(res.get("GPU", 0)),
+            cpus=float(res.get("CPU", 0)), alive=bool(n.get("Alive", False))))
+    # A name may repeat when a node died and rejoined; keep the live entry.
+    by_name: dict[str, NodeInfo] = {}
+    for node in sorted(out, key=lambda x: (x.name, x.alive)):
+        by_name[node.name] = node
+    return tuple(sorted(by_name.values(), key=lambda x: x.name))
+
+
+def head_node_id(ray_nodes: list[dict[str, Any]]) -> str | None:
+    for n in ray_nodes:
+        if n.get("Alive") and (n.get("Labels") or {}).get(LABEL_ROLE) == "head":
+            return n["NodeID"]
+    return None
+
+
+class Registry:
+    """Keeps the node view current. Hosted by a Ray actor; reads `ray.nodes()`."""
+
+    def __init__(self, store=None) -> None:
+        self.store = store
+
+    def snapshot(self) -> tuple[NodeInfo, ...]:
+        import ray
+
+        nodes = nodes_from_ray(ray.nodes())
+        if self.store is not None:
+            self.store.set_info("nodes", {"nodes": [n.to_json() for n in nodes]})
+        return nodes

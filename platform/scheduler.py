@@ -1,0 +1,91 @@
+"""The scheduler: each cycle snapshots the cluster, asks the admission policy,
+and applies its decisions to Redis. Pure of Ray: the node source and the
+launcher of job controllers are injected, so tests step it directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from kuangchao.platform.errors import InvalidTransition, JobNotFound
+from kuangchao.platform.policies import AdmissionPolicy, Admit, Snapshot, Wait
+from kuangchao.platform.state import JobRecord, JobState, PlacedRank, transition
+from kuangchao.platform.store import JobStore
+from kuangchao.platform.topology import NodeInfo
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """One scheduling cycle at a time; see `step`.
+
+    Args:
+        store: Where jobs live.
+        nodes: Returns the current node view (the Registry's snapshot).
+        launch: Starts a controller for an admitted job run by the scheduler.
+        policy: The admission policy.
+    """
+
+    def __init__(self, store: JobStore, nodes: Callable[[], tuple[NodeInfo, ...]],
+                 launch: Callable[[str], None], policy: AdmissionPolicy) -> None:
+        self.store, self.nodes, self.launch, self.policy = store, nodes, launch, policy
+
+    def snapshot(self) -> Snapshot:
+        jobs = [j for j in self.store.list() if not j.state.is_terminal]
+        return Snapshot(nodes=self.nodes(),
+                        queued=tuple(j for j in jobs if j.state is JobState.QUEUED),
+                        active=tuple(j for j in jobs if j.state.holds_resources))
+
+    def step(self) -> list[Admit | Wait]:
+        """Run one cycle: cancel queued jobs on request, then admit in policy order."""
+        snap = self.snapshot()
+        queued = []
+        for job in snap.queued:
+            if self.store.cancel_requested(job.id):
+                self._cancel_queued(job.id)
+            else:
+                queued.append(job)
+        snap = dataclasses.replace(snap, queued=tuple(queued))
+        decisions = self.policy.decide(snap)
+        for d in decisions:
+            if isinstance(d, Admit):
+                self._admit(d)
+            else:
+                self._wait(d)
+        return decisions
+
+    def _cancel_queued(self, job_id: str) -> None:
+        try:
+            self.store.update(job_id, lambda j: transition(j, JobState.CANCELLED,
+                                                           "cancelled while queued")
+                              if j.state is JobState.QUEUED else None)
+        except (InvalidTransition, JobNotFound) as exc:
+            log.info("cancel of %s skipped: %s", job_id, exc)
+
+    def _admit(self, d: Admit) -> None:
+        placement = tuple(
+            PlacedRank(rank=s.rank, node=s.node, node_id=s.node_id, leaf=s.leaf,
+                       gpu=s.gpus[0] if s.gpus else None, gpus=s.gpus)
+            for s in d.plan.slots)
+
+        def admit(j: JobRecord):
+            if j.state is not JobState.QUEUED:
+                return None
+            summary = ", ".join(f"{p.rank}:{p.node}/{p.gpu}" for p in placement)
+            return transition(j, JobState.PLACING, f"admitted; placement {summary}",
+                              placement=placement)
+        if self.store.update(d.job_id, admit) is None:
+            return
+        job = self.store.get(d.job_id)
+        if job.driver == "scheduler":
+            self.launch(d.job_id)
+
+    def _wait(self, d: Wait) -> None:
+        def note(j: JobRecord):
+            if j.state is not JobState.QUEUED or j.waiting_for == d.reason:
+                return None
+            return dataclasses.replace(j, waiting_for=d.reason), {
+                "type": "waiting", "message": d.reason}
+        self.store.update(d.job_id, note)

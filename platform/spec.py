@@ -1,0 +1,311 @@
+"""The job spec: what a user writes in a job YAML.
+
+Pydantic validates at the boundary; cross-field rules that name two fields
+(`parallel.tensor_parallel_size` against `model.n_heads`) run after the field
+checks so that every problem is reported with its own path. `extends:` and
+`--set` overrides are resolved here, before validation.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from kuangchao.platform.errors import SpecError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+BUILTIN_MODELS = ("gpt", "llama")
+PRIORITY_NAMES = {"high": 100, "normal": 50, "low": 10}
+_IMPORT_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+
+
+class _Section(BaseModel):
+    # Typos in a spec must fail loudly rather than be silently ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TaskSection(_Section):
+    name: str = Field("job", pattern=_NAME)
+    priority: int | Literal["high", "normal", "low"] = "normal"
+    queue: str = Field("default", pattern=_NAME)
+
+    @property
+    def priority_value(self) -> int:
+        return PRIORITY_NAMES[self.priority] if isinstance(self.priority, str) else self.priority
+
+
+class ModelSection(_Section):
+    type: str = "gpt"
+    n_layers: int = Field(2, ge=1, le=512)
+    n_heads: int = Field(4, ge=1, le=512)
+    d_model: int = Field(128, ge=8, le=65536)
+    seq_len: int = Field(128, ge=2, le=131072)
+    vocab_size: int = Field(256, ge=2, le=1_000_000)
+    d_ff: int | None = Field(None, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+
+class DataSection(_Section):
+    corpus: Literal["stdlib"] = "stdlib"
+    path: str | None = None
+    max_bytes: int = Field(4_000_000, ge=1024)
+    prefetch: int = Field(2, ge=0, le=64)
+
+
+class ParallelSection(_Section):
+    data_parallel_size: int = Field(1, ge=1, le=65536)
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    pipeline_parallel_size: int = Field(1, ge=1, le=1024)
+    micro_batch_size: int = Field(8, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    gpus_per_rank: int = Field(1, ge=0, le=16)
+    cpus_per_rank: float = Field(1.0, gt=0)
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class OptimizerSection(_Section):
+    type: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0, le=10)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    warmup_steps: int = Field(10, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float | None = Field(1.0, gt=0)
+
+
+class TrainingSection(_Section):
+    steps: int = Field(100, ge=1)
+    seed: int = Field(0, ge=0)
+    log_interval: int = Field(10, ge=1)
+    torch_threads: int = Field(1, ge=1, le=256)
+
+
+class CheckpointSection(_Section):
+    interval_steps: int = Field(50, ge=1)
+    path: str = "checkpoints"
+    keep_last: int = Field(3, ge=1)
+
+
+class FaultToleranceSection(_Section):
+    max_restarts: int = Field(3, ge=0)
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    heartbeat_timeout_s: float = Field(10.0, gt=0)
+    hang_timeout_s: float = Field(300.0, gt=0)
+    grad_norm_spike_factor: float = Field(10.0, gt=1)
+
+
+class ElasticSection(_Section):
+    min_replicas: int | None = Field(None, ge=1)
+    max_replicas: int | None = Field(None, ge=1)
+
+
+class PermissionSection(_Section):
+    collectives: list[str] = Field(
+        default_factory=lambda: ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"]
+    )
+    token_ttl_s: int = Field(86400, ge=60)
+
+
+class JobSpec(_Section):
+    """A validated job. `model_dump(mode="json")` round-trips through YAML."""
+
+    task: TaskSection = TaskSection()
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    parallel: ParallelSection = ParallelSection()
+    optimizer: OptimizerSection = OptimizerSection()
+    training: TrainingSection = TrainingSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    fault_tolerance: FaultToleranceSection = FaultToleranceSection()
+    elastic: ElasticSection = ElasticSection()
+    permission: PermissionSection = PermissionSection()
+    entrypoint: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    @property
+    def gpus_required(self) -> int:
+        return self.world_size * self.parallel.gpus_per_rank
+
+    def spec_hash(self) -> str:
+        """Stable hash of the full spec, recorded in checkpoint manifests."""
+        canon = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
+    """Rules that relate two fields; each error names the field to change."""
+    errs: list[tuple[str, str]] = []
+    m, p = spec.model, spec.parallel
+    if m.type not in BUILTIN_MODELS and not _IMPORT_REF.match(m.type):
+        errs.append((
+            "model.type",
+            f"{m.type!r} is not a built-in model; use one of {', '.join(BUILTIN_MODELS)} "
+            "or a custom factory as 'package.module:function'",
+        ))
+    if m.d_model % m.n_heads:
+        errs.append(("model.d_model", f"{m.d_model} is not divisible by model.n_heads ({m.n_heads})"))
+    if m.n_heads % p.tensor_parallel_size:
+        errs.append((
+            "parallel.tensor_parallel_size",
+            f"{p.tensor_parallel_size} does not divide model.n_heads ({m.n_heads})",
+        ))
+    if m.n_layers % p.pipeline_parallel_size:
+        errs.append((
+            "parallel.pipeline_parallel_size",
+            f"{p.pipeline_parallel_size} does not divide model.n_layers ({m.n_layers})",
+        ))
+    if spec.entrypoint is not None and not _IMPORT_REF.match(spec.entrypoint):
+        errs.append(("entrypoint", f"{spec.entrypoint!r} is not of the form 'package.module:function'"))
+    e = spec.elastic
+    if e.min_replicas and e.max_replicas and e.min_replicas > e.max_replicas:
+        errs.append(("elastic.min_replicas",
+                     f"{e.min_replicas} exceeds elastic.max_replicas ({e.max_replicas})"))
+    ft = spec.fault_tolerance
+    if ft.heartbeat_timeout_s <= ft.heartbeat_interval_s:
+        errs.append((
+            "fault_tolerance.heartbeat_timeout_s",
+            f"{ft.heartbeat_timeout_s} must exceed fault_tolerance.heartbeat_interval_s "
+            f"({ft.heartbeat_interval_s})",
+        ))
+    return errs
+
+
+def _pydantic_errors(exc: ValidationError) -> list[tuple[str, str]]:
+    out = []
+    for err in exc.errors():
+        path = ".".join(str(part) for part in err["loc"])
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling against docs/user-guide.md"
+        elif "input" in err and not isinstance(err["input"], dict | list):
+            msg = f"{msg} (got {err['input']!r})"
+        out.append((path, msg))
+    return out
+
+
+def validate_spec(data: Any) -> JobSpec:
+    """Validate a parsed spec document.
+
+    Args:
+        data: The spec as plain data (dicts, lists, scalars); `extends` must
+            already be resolved.
+
+    Returns:
+        The validated `JobSpec`.
+
+    Raises:
+        SpecError: With one `(field path, message)` per problem.
+    """
+    if not isinstance(data, dict):
+        raise SpecError([("", f"a job spec must be a mapping, got {type(data).__name__}")])
+    if "extends" in data:
+        raise SpecError([(
+            "extends",
+            "is resolved from files by the CLI (`kc submit FILE`); send the merged spec instead",
+        )])
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(_pydantic_errors(exc)) from None
+    errs = _cross_field_errors(spec)
+    if errs:
+        raise SpecError(errs)
+    return spec
+
+
+def deep_merge(base: dict, child: dict) -> dict:
+    """Merge `child` over `base`: mappings merge recursively, the child wins."""
+    out = copy.deepcopy(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError([("", f"spec file {path} does not exist")]) from None
+    except yaml.YAMLError as exc:
+        raise SpecError([("", f"{path} is not valid YAML: {exc}")]) from None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise SpecError([("", f"{path} must hold a mapping at the top level")])
+    return doc
+
+
+def resolve_extends(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """Load a spec file, following `extends:` chains (relative to each file)."""
+    path = path.resolve()
+    if path in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, path))
+        raise SpecError([("extends", f"cycle in extends chain: {chain}")])
+    doc = _read_yaml(path)
+    parent = doc.pop("extends", None)
+    if parent is None:
+        return doc
+    if not isinstance(parent, str):
+        raise SpecError([("extends", f"must be a file path, got {parent!r}")])
+    base = resolve_extends((path.parent / parent), (*_seen, path))
+    return deep_merge(base, doc)
+
+
+def apply_overrides(doc: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=c` overrides; values are parsed as YAML scalars."""
+    doc = copy.deepcopy(doc)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError([("--set", f"{item!r} is not of the form section.field=value")])
+        parts = key.strip().split(".")
+        node = doc
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise SpecError([(key, f"cannot set a field inside {part!r}, which is not a section")])
+            node = child
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            node[parts[-1]] = raw
+    return doc
+
+
+def load_spec_document(path: str | Path, overrides: list[str] | None = None) -> dict:
+    """Read a spec file, resolve `extends`, apply overrides; not yet validated."""
+    return apply_overrides(resolve_extends(Path(path)), overrides or [])
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+    """Read and validate a spec file. Raises `SpecError` on any problem."""
+    return validate_spec(load_spec_document(path, overrides))
+
+
+def parse_spec_text(text: str) -> dict:
+    """Parse a YAML or JSON request body into a spec document."""
+    try:
+        doc = yaml.safe_load(text)  # JSON is a subset of YAML
+    except yaml.YAMLError as exc:
+        raise SpecError([("", f"body is neither valid JSON nor YAML: {exc}")]) from None
+    if not isinstance(doc, dict):
+        raise SpecError([("", "a job spec must be a mapping at the top level")])
+    return doc

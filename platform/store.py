@@ -1,0 +1,228 @@
+"""Job state in Redis.
+
+Keys (all under the configured prefix, default `kc:`):
+
+    {p}job:{id}               JSON job record, with a `version`
+    {p}jobs                   sorted set of job ids by creation time
+    {p}job:{id}:events        list of JSON events
+    {p}job:{id}:logs          list of JSON log lines (capped)
+    {p}job:{id}:progress      hash: step, total_steps, loss, initial_loss, tokens_per_s
+    {p}job:{id}:checkpoints   list of JSON {step, path, bytes}
+    {p}job:{id}:cancel        set when a cancel was requested
+    {p}sched:wake             list the scheduler blocks on; a push wakes it
+
+Writers that race (API, scheduler, job controller) update a record with
+compare-and-set on its version, so no update is ever lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from kuangchao.platform.errors import JobNotFound, StoreUnavailable
+from kuangchao.platform.state import JobRecord, JobState, transition
+
+LOG_CAP = 20_000
+EVENT_CAP = 5_000
+
+# Set the record only when the stored version still matches the one read.
+_CAS_SCRIPT = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return -1 end
+local v = cjson.decode(cur)['version']
+if tostring(v) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+def connect(url: str | None) -> redis.Redis:
+    """Open and check a Redis connection.
+
+    Raises:
+        StoreUnavailable: When no URL is configured or Redis does not answer.
+    """
+    if not url:
+        raise StoreUnavailable(
+            "no Redis configured: set KC_REDIS_URL (e.g. redis://127.0.0.1:6379/0), "
+            "or run `kc up`, which starts an embedded Valkey"
+        )
+    try:
+        client = redis.Redis.from_url(
+            url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30,
+            health_check_interval=30,
+        )
+        client.ping()
+    except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, ValueError) as exc:
+        raise StoreUnavailable(
+            f"cannot reach Redis at {redact(url)}: {exc}. Check that it is running, or set "
+            "KC_REDIS_URL to a reachable Redis"
+        ) from None
+    except redis.ResponseError as exc:
+        raise StoreUnavailable(f"Redis at {redact(url)} refused the connection: {exc}") from None
+    return client
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced, for messages and logs."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+
+
+class JobStore:
+    """Typed access to the job keys. Safe to share between threads."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "kc:") -> None:
+        self.r = client
+        self.p = prefix
+        self._cas = client.register_script(_CAS_SCRIPT)
+
+    @classmethod
+    def from_url(cls, url: str | None, prefix: str = "kc:") -> JobStore:
+        return cls(connect(url), prefix)
+
+    def key(self, *parts: str) -> str:
+        return self.p + ":".join(parts)
+
+    # -- records -----------------------------------------------------------
+    def create(self, job: JobRecord, event_message: str = "submitted") -> JobRecord:
+        job = dataclasses.replace(job, version=1)
+        with self.r.pipeline() as pipe:
+            pipe.set(self.key("job", job.id), json.dumps(job.to_json()), nx=True)
+            pipe.zadd(self.key("jobs"), {job.id: job.created_at})
+            pipe.rpush(self.key("job", job.id, "events"), json.dumps(
+                {"ts": job.created_at, "type": "state", "from": None, "to": job.state.value,
+                 "message": event_message}))
+            pipe.rpush(self.key("sched", "wake"), job.id)
+            pipe.execute()
+        return job
+
+    def get(self, job_id: str) -> JobRecord:
+        raw = self.r.get(self.key("job", job_id))
+        if raw is None:
+            raise JobNotFound(f"no job with id {job_id!r}; `kc list` shows the known jobs")
+        return JobRecord.from_json(json.loads(raw))
+
+    def list(self, limit: int = 1000) -> list[JobRecord]:
+        ids = self.r.zrange(self.key("jobs"), -limit, -1)
+        if not ids:
+            return []
+        raws = self.r.mget([self.key("job", i) for i in ids])
+        return [JobRecord.from_json(json.loads(r)) for r in raws if r]
+
+    def update(
+        self,
+        job_id: str,
+        fn: Callable[[JobRecord], tuple[JobRecord, dict | None] | None],
+        attempts: int = 50,
+    ) -> JobRecord | None:
+        """Read-modify-write with compare-and-set.
+
+        Args:
+            job_id: The job.
+            fn: Given the current record, returns `(new_record, event_or_None)`,
+                or None to leave the record alone. It may run more than once.
+
+        Returns:
+            The stored new record, or None when `fn` chose not to change it.
+        """
+        for _ in range(attempts):
+            cur = self.get(job_id)
+            out = fn(cur)
+            if out is None:
+                return None
+            new, event = out
+            new = dataclasses.replace(new, version=cur.version + 1)
+            ok = self._cas(keys=[self.key("job", job_id)],
+                           args=[str(cur.version), json.dumps(new.to_json())])
+            if ok == 1:
+                if event:
+                    self.add_event(job_id, event)
+                return new
+            if ok == -1:
+                raise JobNotFound(f"job {job_id!r} vanished from the store")
+        raise StoreUnavailable(f"job {job_id}: too much write contention; retry the request")
+
+    def transition(self, job_id: str, to: JobState, reason: str = "", **changes: Any) -> JobRecord:
+        """Apply one state-machine transition with compare-and-set."""
+        out = self.update(job_id, lambda j: transition(j, to, reason, **changes))
+        assert out is not None
+        return out
+
+    # -- events, logs, progress, checkpoints -------------------------------
+    def add_event(self, job_id: str, event: dict[str, Any]) -> None:
+        event = {"ts": time.time(), **event}
+        k = self.key("job", job_id, "events")
+        with self.r.pipeline() as pipe:
+            pipe.rpush(k, json.dumps(event, default=str))
+            pipe.ltrim(k, -EVENT_CAP, -1)
+            pipe.execute()
+
+    def events(self, job_id: str, start: int = 0) -> list[dict[str, Any]]:
+        return [json.loads(e) for e in self.r.lrange(self.key("job", job_id, "events"), start, -1)]
+
+    def add_logs(self, job_id: str, records: list[dict[str, Any]]) -> None:
+        if not records:
+            return
+        k = self.key("job", job_id, "logs")
+        with self.r.pipeline() as pipe:
+            pipe.rpush(k, *[json.dumps(r, default=str) for r in records])
+            pipe.ltrim(k, -LOG_CAP, -1)
+            pipe.execute()
+
+    def logs(self, job_id: str, start: int = 0) -> list[dict[str, Any]]:
+        return [json.loads(e) for e in self.r.lrange(self.key("job", job_id, "logs"), start, -1)]
+
+    def set_progress(self, job_id: str, progress: dict[str, Any]) -> None:
+        """Merge progress fields; `initial_loss` is written once and kept across restarts."""
+        k = self.key("job", job_id, "progress")
+        progress = dict(progress)
+        initial = progress.pop("initial_loss", None)
+        with self.r.pipeline() as pipe:
+            if initial is not None:
+                pipe.hsetnx(k, "initial_loss", json.dumps(initial))
+            if progress:
+                pipe.hset(k, mapping={f: json.dumps(v) for f, v in progress.items()})
+            pipe.execute()
+
+    def progress(self, job_id: str) -> dict[str, Any]:
+        raw = self.r.hgetall(self.key("job", job_id, "progress"))
+        return {k: json.loads(v) for k, v in raw.items()}
+
+    def add_checkpoint(self, job_id: str, ckpt: dict[str, Any]) -> None:
+        self.r.rpush(self.key("job", job_id, "checkpoints"), json.dumps(ckpt))
+
+    def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        return [json.loads(c) for c in self.r.lrange(self.key("job", job_id, "checkpoints"), 0, -1)]
+
+    # -- cancellation and scheduler wake-ups --------------------------------
+    def request_cancel(self, job_id: str) -> None:
+        self.r.set(self.key("job", job_id, "cancel"), "1")
+        self.wake_scheduler(job_id)
+
+    def cancel_requested(self, job_id: str) -> bool:
+        return bool(self.r.exists(self.key("job", job_id, "cancel")))
+
+    def wake_scheduler(self, reason: str = "") -> None:
+        self.r.rpush(self.key("sched", "wake"), reason or "tick")
+
+    def wait_for_wake(self, timeout_s: float) -> None:
+        """Block until someone wakes the scheduler or `timeout_s` passes."""
+        got = self.r.blpop([self.key("sched", "wake")], timeout=timeout_s)
+        if got:  # drain the backlog: one cycle serves all pending wake-ups
+            self.r.delete(self.key("sched", "wake"))
+
+    # -- cluster-wide info ---------------------------------------------------
+    def set_info(self, name: str, value: dict[str, Any]) -> None:
+        self.r.set(self.key("info", name), json.dumps(value))
+
+    def info(self, name: str) -> dict[str, Any] | None:
+        raw = self.r.get(self.key("info", name))
+        return json.loads(raw) if raw else None

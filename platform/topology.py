@@ -1,0 +1,172 @@
+"""Cluster topology: nodes, their GPUs, NVLink islands and leaf switches.
+
+A topology comes from a cluster YAML when running locally and from Ray node
+labels on a real cluster. Both become the same `NodeInfo` values. Label scheme
+(each value matches Ray's label syntax):
+
+    kc.io/node    node name, e.g. node-0
+    kc.io/leaf    leaf switch, e.g. leaf-0
+    kc.io/spine   spine switch (optional)
+    kc.io/nvlink  NVLink islands: GPU ids joined by '.', islands by '_'
+                  ('0.1.2.3_4.5.6.7'), or 'full' for an NVSwitch node
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kuangchao.platform.errors import TopologyError
+
+LABEL_NODE = "kc.io/node"
+LABEL_LEAF = "kc.io/leaf"
+LABEL_SPINE = "kc.io/spine"
+LABEL_NVLINK = "kc.io/nvlink"
+LABEL_ROLE = "kc.io/role"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node as the placement solver sees it.
+
+    Attributes:
+        name: Stable node name (`kc.io/node`).
+        gpus: Number of GPUs.
+        islands: NVLink islands as tuples of GPU ids; they cover all GPUs.
+        leaf: Leaf switch name.
+        spine: Spine switch name, if known.
+        cpus: Logical CPUs.
+        node_id: Ray node id, once the node has joined.
+        alive: Whether Ray reports the node alive.
+    """
+
+    name: str
+    gpus: int
+    islands: tuple[tuple[int, ...], ...]
+    leaf: str
+    spine: str | None = None
+    cpus: float = 0.0
+    node_id: str = ""
+    alive: bool = True
+
+    def labels(self) -> dict[str, str]:
+        out = {LABEL_NODE: self.name, LABEL_LEAF: self.leaf,
+               LABEL_NVLINK: encode_islands(self.islands, self.gpus)}
+        if self.spine:
+            out[LABEL_SPINE] = self.spine
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "node_id": self.node_id, "gpus": self.gpus,
+                "nvlink": [list(i) for i in self.islands], "leaf": self.leaf,
+                "spine": self.spine, "cpus": self.cpus, "alive": self.alive}
+
+
+@dataclass(frozen=True)
+class ClusterTopology:
+    name: str
+    nodes: tuple[NodeInfo, ...] = field(default_factory=tuple)
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(n.gpus for n in self.nodes)
+
+
+def encode_islands(islands: tuple[tuple[int, ...], ...], gpus: int) -> str:
+    if len(islands) == 1 and sorted(islands[0]) == list(range(gpus)):
+        return "full"
+    return "_".join(".".join(str(g) for g in isl) for isl in islands)
+
+
+def decode_islands(value: str | None, gpus: int) -> tuple[tuple[int, ...], ...]:
+    """Parse a `kc.io/nvlink` label; a missing label means one island per GPU."""
+    if gpus == 0:
+        return ()
+    if not value:
+        return tuple((g,) for g in range(gpus))
+    if value == "full":
+        return (tuple(range(gpus)),)
+    try:
+        islands = tuple(tuple(int(g) for g in part.split(".")) for part in value.split("_"))
+    except ValueError:
+        raise TopologyError(
+            f"label {LABEL_NVLINK}={value!r} is malformed; use GPU ids joined by '.' "
+            "and islands by '_', e.g. 0.1.2.3_4.5.6.7, or 'full'"
+        ) from None
+    _check_islands(islands, gpus, f"label {LABEL_NVLINK}")
+    return islands
+
+
+def _check_islands(islands: tuple[tuple[int, ...], ...], gpus: int, where: str) -> None:
+    flat = sorted(g for isl in islands for g in isl)
+    if flat != list(range(gpus)):
+        raise TopologyError(
+            f"{where}: NVLink islands {[list(i) for i in islands]} must cover GPU ids "
+            f"0..{gpus - 1} exactly once each"
+        )
+
+
+def _node_from_yaml(i: int, raw: Any) -> NodeInfo:
+    where = f"nodes[{i}]"
+    if not isinstance(raw, dict):
+        raise TopologyError(f"{where}: must be a mapping with name, gpus, nvlink, leaf")
+    unknown = set(raw) - {"name", "gpus", "nvlink", "leaf", "spine", "cpus"}
+    if unknown:
+        raise TopologyError(f"{where}: unknown field(s) {sorted(unknown)}")
+    gpus = raw.get("gpus", 0)
+    if not isinstance(gpus, int) or gpus < 0:
+        raise TopologyError(f"{where}.gpus: must be a non-negative integer, got {gpus!r}")
+    nvlink = raw.get("nvlink", "full" if gpus else None)
+    if nvlink == "full" or nvlink is None:
+        islands = decode_islands(nvlink, gpus) if gpus else ()
+    elif isinstance(nvlink, list) and all(isinstance(isl, list) for isl in nvlink):
+        islands = tuple(tuple(int(g) for g in isl) for isl in nvlink)
+        _check_islands(islands, gpus, f"{where}.nvlink")
+    else:
+        raise TopologyError(f"{where}.nvlink: use a list of GPU-id lists, or 'full'")
+    name = str(raw.get("name") or f"node-{i}")
+    leaf = raw.get("leaf")
+    if not leaf:
+        raise TopologyError(f"{where}.leaf: every node needs a leaf switch name")
+    cpus = raw.get("cpus", max(gpus, 1))
+    return NodeInfo(name=name, gpus=gpus, islands=islands, leaf=str(leaf),
+                    spine=raw.get("spine"), cpus=float(cpus))
+
+
+def load_topology(path: str | Path) -> ClusterTopology:
+    """Read a cluster YAML (see examples/cluster-2x4.yaml).
+
+    Raises:
+        TopologyError: Naming the node and field that is wrong.
+    """
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise TopologyError(f"cluster file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise TopologyError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("nodes"), list) or not doc["nodes"]:
+        raise TopologyError(f"{path}: expected a mapping with a non-empty 'nodes' list")
+    nodes = tuple(_node_from_yaml(i, raw) for i, raw in enumerate(doc["nodes"]))
+    names = [n.name for n in nodes]
+    if len(set(names)) != len(names):
+        raise TopologyError(f"{path}: node names must be unique, got {names}")
+    return ClusterTopology(name=str(doc.get("name", path.stem)), nodes=nodes)
+
+
+def node_from_labels(node_id: str, labels: dict[str, str], gpus: int, cpus: float,
+                     alive: bool) -> NodeInfo:
+    """Build a `NodeInfo` from a Ray node's labels and resources."""
+    return NodeInfo(
+        name=labels.get(LABEL_NODE) or node_id[:12],
+        gpus=gpus,
+        islands=decode_islands(labels.get(LABEL_NVLINK), gpus),
+        leaf=labels.get(LABEL_LEAF, "default"),
+        spine=labels.get(LABEL_SPINE),
+        cpus=cpus,
+        node_id=node_id,
+        alive=alive,
+    )

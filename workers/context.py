@@ -1,0 +1,73 @@
+"""What a train function receives: its rank, the spec, checkpoints, reporting."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from kuangchao.platform.spec import JobSpec
+from kuangchao.platform.store import JobStore
+from kuangchao.workers.checkpoint import CheckpointManager
+from kuangchao.workers.joblog import JobLogSink
+
+
+@dataclass
+class TrainContext:
+    """Handed to every train function, built-in or the user's `module:function`.
+
+    Attributes:
+        job_id: The job.
+        rank, world_size, local_rank: This process's place in the process group.
+        spec: The validated job spec; `spec.args` carries free-form user args.
+        device: `cuda:N` when a GPU is assigned, else `cpu`.
+        checkpoint: Saves and restores sharded checkpoints for this job.
+        dp_rank, dp_size: Data-parallel coordinates (equal to rank and
+            world_size until tensor/pipeline parallelism lands).
+    """
+
+    job_id: str
+    rank: int
+    world_size: int
+    local_rank: int
+    spec: JobSpec
+    device: torch.device
+    checkpoint: CheckpointManager
+    sink: JobLogSink
+    store: JobStore | None = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    _last_report: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    def log(self, message: str, level: str = "INFO", **fields: Any) -> None:
+        """A structured log line in the job log (and this process's stdout)."""
+        self.sink.emit(message, level=level, module="train", **fields)
+
+    def report(self, step: int, **metrics: Any) -> None:
+        """Publish progress. Only rank 0's reports reach the job record.
+
+        Args:
+            step: Optimizer steps completed so far.
+            **metrics: e.g. loss, tokens_per_s; `initial_loss` is kept from
+                the first report that carries a loss.
+        """
+        if not self.is_chief or self.store is None:
+            return
+        progress = {"step": step, "total_steps": self.spec.training.steps,
+                    "updated_at": time.time(), **metrics}
+        if "loss" in metrics and "initial_loss" not in self._last_report:
+            progress["initial_loss"] = metrics["loss"]
+        self._last_report.update(progress)
+        try:
+            self.store.set_progress(self.job_id, progress)
+        except Exception as exc:  # progress is best effort; training goes on
+            self.sink.emit(f"progress report failed: {exc}", level="WARNING")
+
+    def should_stop(self) -> bool:
+        """True once a cancel was requested; cooperative train loops poll it."""
+        return self.store is not None and self.store.cancel_requested(self.job_id)

@@ -1,0 +1,123 @@
+"""One training process: the plain class behind each rank's Ray actor.
+
+The controller creates one per rank inside the job's placement group, asks
+each where it landed, forms the process group, then calls `run`. The class
+takes no Ray dependency beyond reading its own node and GPU ids.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from kuangchao.platform.settings import Settings
+from kuangchao.platform.spec import JobSpec, validate_spec
+from kuangchao.platform.store import JobStore
+from kuangchao.workers.checkpoint import CheckpointManager
+from kuangchao.workers.context import TrainContext
+from kuangchao.workers.errors import EntrypointError, TrainingError
+from kuangchao.workers.joblog import JobLogSink, capture_output
+
+
+def resolve_entrypoint(ref: str | None) -> Callable[[TrainContext], Any]:
+    """The train function: the built-in trainer, or the user's `module:function`."""
+    if ref is None:
+        from kuangchao.workers.trainer import train
+        return train
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise EntrypointError(
+            f"entrypoint {ref!r}: cannot import module {module_name!r} on "
+            f"{socket.gethostname()}: {type(exc).__name__}: {exc}. Make it importable on every "
+            "node (install it, or submit with `ray job submit --working-dir DIR`)"
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise EntrypointError(f"entrypoint {ref!r}: module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+class TrainWorker:
+    """Hosts one rank. Methods are called by the job controller in order:
+    `describe`, `open_rendezvous` (rank 0), `join`, `run`."""
+
+    def __init__(self, job_id: str, rank: int, world_size: int, settings: Settings) -> None:
+        self.job_id, self.rank, self.world_size = job_id, rank, world_size
+        self.settings = settings
+        self.store: JobStore | None = None
+        if settings.redis_url:
+            self.store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
+        self.sink = JobLogSink(self.store, job_id, rank)
+        self._rendezvous: dist.TCPStore | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """Where this rank landed: host, IP, pid, and the GPU ids Ray assigned."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                "ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
+                "gpu_ids": [int(g) for g in ray.get_gpu_ids()]}
+
+    def open_rendezvous(self, host: str) -> int:
+        """Rank 0 only: start the TCP store the group meets at; return its port."""
+        # Port 0 lets the OS choose, so two jobs on one node never collide.
+        self._rendezvous = dist.TCPStore(host, 0, self.world_size, is_master=True,
+                                         wait_for_workers=False,
+                                         timeout=timedelta(seconds=300))
+        return int(self._rendezvous.port)
+
+    def join(self, host: str, port: int, timeout_s: float = 300.0) -> str:
+        """Join the process group: NCCL with CUDA, else gloo."""
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        store = self._rendezvous or dist.TCPStore(host, port, self.world_size, is_master=False,
+                                                  timeout=timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray exposes only this rank's GPUs
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        return backend
+
+    def run(self, spec_doc: dict[str, Any]) -> dict[str, Any]:
+        """Run the train function; on failure raise `TrainingError` with the traceback."""
+        spec = validate_spec(spec_doc)
+        torch.set_num_threads(spec.training.torch_threads)
+        with capture_output(self.sink):
+            try:
+                ctx = self._context(spec)
+                fn = resolve_entrypoint(spec.entrypoint)
+                result = fn(ctx)
+                return result if isinstance(result, dict) else {"result": result}
+            except Exception as exc:
+                tb = traceback.format_exc()
+                self.sink.emit(tb, level="ERROR", module="worker")
+                message = exc.message if isinstance(exc, EntrypointError) else (
+                    f"rank {self.rank} on {socket.gethostname()}: {type(exc).__name__}: {exc}")
+                raise TrainingError(f"{message}\n{tb}") from None
+            finally:
+                self.sink.flush()
+
+    def _context(self, spec: JobSpec) -> TrainContext:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        ckpt = CheckpointManager(spec.checkpoint.path, self.job_id, self.rank, self.world_size,
+                                 spec.spec_hash(), spec.checkpoint.keep_last)
+        return TrainContext(job_id=self.job_id, rank=self.rank, world_size=self.world_size,
+                            local_rank=0, spec=spec, device=device, checkpoint=ckpt,
+                            sink=self.sink, store=self.store, dp_rank=self.rank,
+                            dp_size=self.world_size)
+
+    def shutdown(self) -> None:
+        self.sink.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
