@@ -37,15 +37,14 @@ def client() -> Client:
 
 
 def load_job_doc(path: Path, sets: list[str] | None) -> dict[str, Any]:
-    """Read a spec file, validate it, and make its relative paths absolute."""
+    """Read a spec file, validate it, and make a relative `data.path` absolute."""
     try:
         doc = load_spec_document(path, sets or [])
         spec = validate_spec(doc)
     except SpecError as exc:
         fail(f"{path}:\n" + "\n".join(f"  {p or '.'}: {m}" for p, m in exc.errors))
     doc = spec.model_dump(mode="json")
-    # Relative paths mean "relative to where I ran kc", not to the server.
-    doc["checkpoint"]["path"] = str(Path(doc["checkpoint"]["path"]).expanduser().absolute())
+    # A relative data path means "relative to where I ran kc", not to the server.
     if doc["data"]["path"]:
         doc["data"]["path"] = str(Path(doc["data"]["path"]).expanduser().absolute())
     return doc

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import re
 import secrets
+from pathlib import Path
 from typing import Any
 
 from kuangchao.platform.errors import InvalidTransition
-from kuangchao.platform.spec import JobSpec
+from kuangchao.platform.settings import kc_home
+from kuangchao.platform.spec import JobSpec, validate_spec
 from kuangchao.platform.state import JobRecord, JobState, transition
 from kuangchao.platform.store import JobStore
 
@@ -17,9 +19,25 @@ def new_job_id(name: str) -> str:
     return f"{slug}-{secrets.token_hex(4)}"
 
 
+def resolve_checkpoint_path(spec: JobSpec) -> JobSpec:
+    """Anchor a relative `checkpoint.path` under `$KC_HOME`.
+
+    Jobs come from the CLI, the API and `ray job submit`, each with its own
+    working directory (the last one a temporary folder); one rule for all keeps
+    checkpoints where `kc` and operators can find them.
+    """
+    path = Path(spec.checkpoint.path).expanduser()
+    if path.is_absolute():
+        return spec
+    doc = spec.model_dump(mode="json")
+    doc["checkpoint"]["path"] = str(kc_home() / path)
+    return validate_spec(doc)
+
+
 def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
            owner: str | None = None) -> JobRecord:
     """Record a validated job as QUEUED and wake the scheduler."""
+    spec = resolve_checkpoint_path(spec)
     job = JobRecord(
         id=new_job_id(spec.task.name), name=spec.task.name, spec=spec.model_dump(mode="json"),
         queue=spec.task.queue, priority=spec.task.priority_value, world_size=spec.world_size,

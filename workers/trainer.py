@@ -140,8 +140,9 @@ def train(ctx: TrainContext) -> dict[str, Any]:
                 global_loss = _global_mean(loss_value, ctx)
                 rate = meter.rate()
                 ctx.report(done, loss=global_loss, tokens_per_s=rate)
-                ctx.log(f"step {done}/{t.steps} loss {global_loss:.4f} tokens/s {rate:.0f}",
-                        step=done, loss=global_loss)
+                if ctx.is_chief:
+                    ctx.log(f"step {done}/{t.steps} loss {global_loss:.4f} tokens/s {rate:.0f}",
+                            step=done, loss=global_loss)
             else:
                 ctx.report(done)
             if done % spec.checkpoint.interval_steps == 0 and done != t.steps:
