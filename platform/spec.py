@@ -283,11 +283,24 @@ def apply_overrides(doc: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise SpecError([(key, f"cannot set a field inside {part!r}, which is not a section")])
             node = child
-        try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            node[parts[-1]] = raw
+        node[parts[-1]] = _parse_scalar(raw)
     return doc
+
+
+_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _parse_scalar(raw: str) -> Any:
+    """A `--set` value as YAML would read it, plus `1e-4` as a float (YAML 1.1 says string)."""
+    if not raw.strip():
+        return ""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, str) and _FLOAT.match(value.strip()):
+        return float(value)
+    return value
 
 
 def load_spec_document(path: str | Path, overrides: list[str] | None = None) -> dict:

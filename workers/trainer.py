@@ -9,6 +9,7 @@ restored.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import time
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from kuangchao.platform.spec import JobSpec
 from kuangchao.workers.context import TrainContext
 from kuangchao.workers.data import BatchSource, Prefetcher, batch_indices, load_corpus
+from kuangchao.workers.errors import TrainingError
 from kuangchao.workers.model import ModelConfig, build_model
 from torch.nn.parallel import DistributedDataParallel
 
@@ -148,8 +150,38 @@ def train(ctx: TrainContext) -> dict[str, Any]:
             if done % spec.checkpoint.interval_steps == 0 and done != t.steps:
                 _save(ctx, done, model, optimizer)
     final_loss = _global_mean(loss_value, ctx)
+    digest = check_replicas_in_sync(model, ctx)
     info = _save(ctx, t.steps, model, optimizer)
-    return {"final_loss": final_loss, "steps": t.steps, "checkpoint": info.to_json()}
+    return {"final_loss": final_loss, "steps": t.steps, "checkpoint": info.to_json(),
+            "params_sha256": digest}
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_replicas_in_sync(model: torch.nn.Module, ctx: TrainContext) -> str:
+    """Compare every data-parallel replica's parameters bit for bit.
+
+    Replicas that drift apart (a non-deterministic kernel, a skipped
+    all-reduce) would otherwise go unnoticed until the checkpoint, which
+    keeps only one copy.
+
+    Raises:
+        TrainingError: When any two ranks hold different parameters.
+    """
+    digest = params_digest(model)
+    ctx.log(f"final parameter sha256 {digest}", params_sha256=digest)
+    if ctx.world_size > 1:
+        digests: list[str] = [""] * ctx.world_size
+        dist.all_gather_object(digests, digest)
+        if len(set(digests)) != 1:
+            raise TrainingError(f"data-parallel replicas diverged: parameter digests {digests}")
+    return digest
 
 
 def _train_step(ddp: torch.nn.Module, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -1,0 +1,50 @@
+# kuangchao: `make run` for the demo, `make test` for the test suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+KC := $(VENV)/bin/kc
+CLUSTER ?= examples/cluster-2x4.yaml
+JOB ?= examples/tiny-gpt.yaml
+
+.PHONY: install run test unit integration lint up down clean
+
+install: $(VENV)/.installed
+
+# torch is installed first and pinned: the CPU build serves here, and an
+# unpinned `torch` could pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+run: install
+	@set -e; trap '$(KC) down' EXIT; \
+	$(KC) up --cluster $(CLUSTER); \
+	$(KC) submit $(JOB) --wait | tee /tmp/kc-demo.out; \
+	echo; echo "== loss summary =="; \
+	grep -E '^(state|step|loss|checkpoint) ' /tmp/kc-demo.out
+
+test: install
+	$(PY) -m pytest -q tests
+
+unit: install
+	$(PY) -m pytest -q tests/unit
+
+integration: install
+	$(PY) -m pytest -q tests/integration
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy platform/spec.py platform/state.py platform/placement.py \
+		platform/policies.py platform/topology.py platform/errors.py
+
+up: install
+	$(KC) up --cluster $(CLUSTER)
+
+down: install
+	$(KC) down
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

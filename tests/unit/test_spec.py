@@ -1,0 +1,117 @@
+"""The job spec: validation messages, inheritance, overrides."""
+
+from pathlib import Path
+
+import pytest
+from kuangchao.platform.errors import SpecError
+from kuangchao.platform.spec import (
+    JobSpec,
+    apply_overrides,
+    deep_merge,
+    load_spec,
+    parse_spec_text,
+    validate_spec,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def errors_of(doc) -> dict[str, str]:
+    with pytest.raises(SpecError) as info:
+        validate_spec(doc)
+    return dict(info.value.errors)
+
+
+def test_spec_reports_tp_not_dividing_heads_when_tp_is_5():
+    errs = errors_of({"model": {"n_heads": 12, "d_model": 96},
+                      "parallel": {"tensor_parallel_size": 5}})
+    assert errs["parallel.tensor_parallel_size"] == "5 does not divide model.n_heads (12)"
+
+
+def test_spec_reports_every_field_error_with_its_path_when_several_are_wrong():
+    errs = errors_of({"optimizer": {"lr": -1, "type": "adam"}, "training": {"steps": 0},
+                      "modle": {}})
+    assert set(errs) == {"optimizer.lr", "optimizer.type", "training.steps", "modle"}
+    assert "got -1" in errs["optimizer.lr"]
+    assert "unknown field" in errs["modle"]
+
+
+def test_spec_rejects_unknown_model_type_when_not_builtin_or_import_ref():
+    errs = errors_of({"model": {"type": "bert"}})
+    assert "gpt" in errs["model.type"] and "package.module:function" in errs["model.type"]
+
+
+def test_spec_accepts_custom_factory_when_given_as_import_ref():
+    assert validate_spec({"model": {"type": "mypkg.models:make"}}).model.type == "mypkg.models:make"
+
+
+def test_spec_rejects_pp_not_dividing_layers_and_bad_entrypoint():
+    errs = errors_of({"model": {"n_layers": 3}, "parallel": {"pipeline_parallel_size": 2},
+                      "entrypoint": "no colon"})
+    assert "does not divide model.n_layers (3)" in errs["parallel.pipeline_parallel_size"]
+    assert "package.module:function" in errs["entrypoint"]
+
+
+def test_spec_world_size_and_gpus_follow_parallel_layout():
+    spec = validate_spec({"parallel": {"data_parallel_size": 2, "tensor_parallel_size": 2,
+                                       "pipeline_parallel_size": 2}})
+    assert spec.world_size == 8 and spec.gpus_required == 8
+
+
+def test_spec_priority_names_map_to_integers():
+    assert validate_spec({"task": {"priority": "high"}}).task.priority_value == 100
+    assert validate_spec({"task": {"priority": 7}}).task.priority_value == 7
+
+
+def test_spec_hash_changes_when_any_field_changes():
+    a, b = JobSpec(), validate_spec({"training": {"seed": 1}})
+    assert a.spec_hash() == JobSpec().spec_hash() != b.spec_hash()
+
+
+def test_deep_merge_lets_child_win_and_keeps_siblings():
+    merged = deep_merge({"a": {"x": 1, "y": 2}, "b": 1}, {"a": {"y": 3}, "c": 4})
+    assert merged == {"a": {"x": 1, "y": 3}, "b": 1, "c": 4}
+
+
+def test_overrides_parse_yaml_scalars_and_create_sections():
+    doc = apply_overrides({}, ["training.steps=5", "optimizer.lr=1e-4", "task.name=abc"])
+    assert doc == {"training": {"steps": 5}, "optimizer": {"lr": 1e-4}, "task": {"name": "abc"}}
+
+
+def test_overrides_reject_item_without_equals():
+    with pytest.raises(SpecError, match="section.field=value"):
+        apply_overrides({}, ["training.steps"])
+
+
+def test_load_spec_follows_extends_when_example_inherits_base():
+    spec = load_spec(EXAMPLES / "tiny-gpt.yaml", ["training.steps=7"])
+    assert spec.task.name == "tiny-gpt"
+    assert spec.optimizer.lr == 0.003  # from base.yaml
+    assert spec.training.steps == 7
+
+
+def test_load_spec_reports_cycle_when_extends_loops(tmp_path):
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(SpecError, match="cycle"):
+        load_spec(tmp_path / "a.yaml")
+
+
+def test_load_spec_reports_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(SpecError, match="does not exist"):
+        load_spec(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("a: [1, 2\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(tmp_path / "bad.yaml")
+
+
+def test_api_body_with_extends_is_refused():
+    with pytest.raises(SpecError, match="extends"):
+        validate_spec(parse_spec_text("extends: base.yaml\n"))
+
+
+def test_every_example_job_validates():
+    for path in EXAMPLES.glob("*.yaml"):
+        if path.name.startswith("cluster"):
+            continue
+        load_spec(path)
