@@ -17,6 +17,7 @@ this one machine, so their wall clocks agree with the benchmark's.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -176,7 +177,7 @@ def connect(cluster: BenchCluster) -> None:
     if ray.is_initialized():
         return
     ray.init(address=cluster.ray_address, namespace=RAY_NAMESPACE, log_to_driver=False,
-             logging_level="ERROR",
+             logging_level=logging.ERROR,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
 
 

@@ -17,6 +17,7 @@ import os
 # Must precede any import of ray.train: selects the Train v2 API.
 os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
 
+import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -64,11 +65,11 @@ def _read_run(submitted: float, out: Path) -> Run:
     return Run(submitted=submitted, start=data["start"], steps=data["steps"])
 
 
-def run_kuangchao(cluster: BenchCluster, out: Path) -> Run:
+def run_kuangchao(cluster: BenchCluster, out: Path, steps: int) -> Run:
     """The real `kc train` path: queue with the scheduler, wait, run the controller here."""
     from kuangchao.platform.driver import run_as_driver
 
-    doc = tiny_spec(STEPS, out=out, name="bench-overhead")
+    doc = tiny_spec(steps, out=out, name="bench-overhead")
     submitted = time.time()
     job = run_as_driver(doc, cluster.settings)
     if job["state"] != "SUCCEEDED":
@@ -76,7 +77,7 @@ def run_kuangchao(cluster: BenchCluster, out: Path) -> Run:
     return _read_run(submitted, out)
 
 
-def run_ray_train(cluster: BenchCluster, out: Path, name: str) -> Run:
+def run_ray_train(cluster: BenchCluster, out: Path, name: str, steps: int) -> Run:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -89,10 +90,11 @@ def run_ray_train(cluster: BenchCluster, out: Path, name: str) -> Run:
     # Ray Train's workers off the head node, where kuangchao never places ranks.
     trainer = TorchTrainer(
         ray_train_loop,
-        train_loop_config={"spec": tiny_spec(STEPS), "out": str(out)},
+        train_loop_config={"spec": tiny_spec(steps), "out": str(out)},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False,
                                      resources_per_worker={"CPU": 1},
-                                     label_selector={"kc.io/leaf": "leaf-0"}),
+                                     # v2-only field; mypy sees the v1 class
+                                     label_selector={"kc.io/leaf": "leaf-0"}),  # type: ignore[call-arg]
         run_config=RunConfig(storage_path=str(cluster.tmp / "ray-train"), name=name),
     )
     submitted = time.time()
@@ -106,29 +108,52 @@ def _describe(who: str, run: Run) -> None:
         f"total {run.steps[-1] - run.submitted:6.2f}s")
 
 
-def measure(cluster: BenchCluster) -> tuple[list[Run], list[Run]]:
+def _settle(timeout_s: float = 30.0) -> None:
+    """Wait until the previous run has released its resources, then a moment more.
+
+    Its actor processes exit asynchronously; starting the next run while they
+    still burn CPU would bill their teardown to whoever goes second.
+    """
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    total = ray.cluster_resources()
+    while time.monotonic() < deadline:
+        free = ray.available_resources()
+        if all(free.get(k, 0) >= total[k] for k in ("CPU", "GPU")):
+            break
+        time.sleep(0.5)
+    time.sleep(2.0)
+
+
+def measure(cluster: BenchCluster, repeats: int, steps: int) -> tuple[list[Run], list[Run]]:
     ours, theirs = [], []
-    for i in range(REPEATS):
+    for i in range(repeats):
         # Alternate who goes first so warm caches and drift favour neither side.
         order = ("kuangchao", "ray-train") if i % 2 == 0 else ("ray-train", "kuangchao")
         for who in order:
+            _settle()
             out = cluster.tmp / f"{who}-{i}.json"
             if who == "kuangchao":
-                run = run_kuangchao(cluster, out)
+                run = run_kuangchao(cluster, out, steps)
                 ours.append(run)
             else:
-                run = run_ray_train(cluster, out, name=f"overhead-{i}")
+                run = run_ray_train(cluster, out, f"overhead-{i}", steps)
                 theirs.append(run)
             _describe(f"{who}#{i}", run)
     return ours, theirs
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    args = parser.parse_args()
     t0 = time.monotonic()
     # Libraries may print; keep stdout for the JSON lines alone.
     with contextlib.redirect_stdout(sys.stderr), local_cluster(nodes=2, gpus=4, cpus=4) as cluster:
         connect(cluster)
-        ours, theirs = measure(cluster)
+        ours, theirs = measure(cluster, args.repeats, args.steps)
     for metric, attr, target in (("step_time_ratio", "step_time", 1.03),
                                  ("time_to_first_step_ratio", "time_to_first_step", 1.2)):
         emit("overhead", metric, "s", median([getattr(r, attr) for r in ours]),

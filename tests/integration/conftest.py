@@ -1,0 +1,122 @@
+"""One real local stack per test session: Redis, a fake multi-node Ray
+cluster started by `kc up`, the control plane and the API.
+
+Each session uses its own KC_HOME, free ports and its own Redis key prefix, so
+runs never see each other's state; `kc down` always runs at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from kuangchao.api.client import Client
+from kuangchao.platform.procs import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+
+def shared_redis_url() -> str | None:
+    """The Redis the session uses: KC_REDIS_URL, the local 6379, else embedded."""
+    url = os.environ.get("KC_REDIS_URL") or "redis://127.0.0.1:6379/0"
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+        return url
+    except redis.RedisError:
+        return None
+
+
+def kc(*args: str, env: dict[str, str], timeout: float = 600, cwd: Path = ROOT):
+    return subprocess.run([str(Path(sys.executable).parent / "kc"), *args], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=cwd)
+
+
+def wait_for(fn, timeout: float, what: str, interval: float = 0.5) -> Any:
+    """Poll `fn` until it returns a truthy value; fail with `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+class Stack:
+    def __init__(self, env: dict[str, str], state: dict[str, Any]) -> None:
+        self.env, self.state = env, state
+        self.client = Client(state["api_url"])
+
+    def job_doc(self, **overrides: Any) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "task": {"name": "itest"},
+            "model": {"type": "gpt", "n_layers": 1, "n_heads": 2, "d_model": 32, "seq_len": 32},
+            "data": {"max_bytes": 200_000},
+            "parallel": {"data_parallel_size": 2, "micro_batch_size": 4},
+            "optimizer": {"lr": 0.003, "warmup_steps": 2},
+            "training": {"steps": 20, "seed": 7, "log_interval": 5},
+            "checkpoint": {"interval_steps": 10, "path": str(Path(self.env["KC_HOME"]) / "ckpt")},
+        }
+        for key, value in overrides.items():
+            section, _, field = key.partition("__")
+            if field:
+                doc.setdefault(section, {})[field] = value
+            else:
+                doc[section] = value
+        return doc
+
+    def wait_state(self, job_id: str, states: set[str], timeout: float = 300) -> dict[str, Any]:
+        return wait_for(lambda: (j := self.client.job(job_id))["state"] in states and j,
+                        timeout, f"job {job_id} to reach {states}")
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Stack:
+    home = tmp_path_factory.mktemp("kchome")
+    env = {**os.environ, "KC_HOME": str(home), "KC_REDIS_PREFIX": f"kctest-{uuid.uuid4().hex[:8]}:"}
+    env.pop("KC_API_URL", None)
+    url = shared_redis_url()
+    if url:
+        env["KC_REDIS_URL"] = url
+    else:
+        env.pop("KC_REDIS_URL", None)
+    out = kc("up", "--cluster", str(HERE / "cluster-2x4.yaml"), "--api-port", str(free_port()),
+             "--dashboard-port", str(free_port()), "--json", env=env)
+    saved = {k: os.environ.get(k) for k in ("KC_HOME", "KC_REDIS_PREFIX", "KC_REDIS_URL")}
+    try:
+        assert out.returncode == 0, f"kc up failed:\n{out.stdout}\n{out.stderr}"
+        state = json.loads(out.stdout)
+        # In-process helpers (Settings.from_env) must see the same stack.
+        os.environ.update({k: env[k] for k in saved if k in env})
+        yield Stack(env, state)
+    finally:
+        down = kc("down", env=env, timeout=120)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        assert down.returncode == 0, down.stderr
+
+
+@pytest.fixture(scope="session")
+def ray_driver(stack: Stack):
+    """A Ray driver connection to the stack, for inspecting actors and groups."""
+    import ray
+
+    ray.init(address=stack.state["ray_address"], namespace="kctest", log_to_driver=False,
+             logging_level="ERROR")
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
