@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+
 from kuangchao.api.routers import health, jobs
 from kuangchao.platform.errors import StoreUnavailable
 from kuangchao.platform.version import __version__

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+
 from kuangchao.api.client import ApiError, Client
 from kuangchao.api.render import print_events, print_job, print_jobs, print_log_lines, progress_line
 from kuangchao.platform.errors import KuangchaoError, SpecError

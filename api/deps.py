@@ -6,6 +6,7 @@ from functools import lru_cache
 from typing import Annotated
 
 from fastapi import Depends, HTTPException
+
 from kuangchao.platform.errors import StoreUnavailable
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.store import JobStore

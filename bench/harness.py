@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
+
 from kuangchao.platform import localcluster
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings
 from kuangchao.platform.spec import JobSpec, load_spec_document, validate_spec
@@ -39,7 +41,6 @@ from kuangchao.workers.context import TrainContext
 from kuangchao.workers.data import BatchSource, batch_indices, load_corpus
 from kuangchao.workers.model import build_model
 from kuangchao.workers.trainer import model_config
-from torch.nn.parallel import DistributedDataParallel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REDIS_URL = os.environ.get("KCBENCH_REDIS_URL", "redis://127.0.0.1:6379/0")

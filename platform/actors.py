@@ -16,13 +16,14 @@ import time
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from kuangchao.platform.controller import JobController
 from kuangchao.platform.policies import make_policy
 from kuangchao.platform.registry import Registry, head_node_id
 from kuangchao.platform.scheduler import Scheduler
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings
 from kuangchao.platform.store import JobStore
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 log = logging.getLogger(__name__)
 

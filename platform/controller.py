@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from kuangchao.platform.errors import KuangchaoError
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec import JobSpec, validate_spec
@@ -23,8 +26,6 @@ from kuangchao.platform.store import JobStore
 from kuangchao.workers.checkpoint import verify
 from kuangchao.workers.errors import CheckpointError, WorkerError
 from kuangchao.workers.worker import TrainWorker
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 PG_READY_TIMEOUT_S = 180.0
 RENDEZVOUS_TIMEOUT_S = 300.0

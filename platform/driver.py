@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import ray
+
 from kuangchao.platform import jobs
 from kuangchao.platform.controller import JobController
 from kuangchao.platform.errors import ClusterError, PlacementError

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from kuangchao.platform.errors import SpecError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kuangchao.platform.errors import SpecError
 
 BUILTIN_MODELS = ("gpt", "llama")
 PRIORITY_NAMES = {"high": 100, "normal": 50, "low": 10}

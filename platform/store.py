@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+
 from kuangchao.platform.errors import JobNotFound, StoreUnavailable
 from kuangchao.platform.state import JobRecord, JobState, transition
 

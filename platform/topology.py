@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from kuangchao.platform.errors import TopologyError
 
 LABEL_NODE = "kc.io/node"

@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from kuangchao.workers.errors import CheckpointError
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from kuangchao.workers.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -101,10 +103,12 @@ class CheckpointManager:
     """Saves, lists and restores one job's checkpoints. Call on every rank."""
 
     def __init__(self, root: str | Path, job_id: str, rank: int, world_size: int,
-                 spec_hash: str, keep_last: int = 3) -> None:
+                 spec_hash: str, keep_last: int = 3,
+                 on_commit: Callable[[CheckpointInfo], None] | None = None) -> None:
         self.dir = Path(root).expanduser() / job_id
         self.rank, self.world_size = rank, world_size
         self.spec_hash, self.keep_last = spec_hash, keep_last
+        self.on_commit = on_commit  # called on rank 0 once a checkpoint is committed
 
     def list(self) -> list[Path]:
         """Committed checkpoint folders, oldest first (not yet verified)."""
@@ -145,7 +149,10 @@ class CheckpointManager:
         if self.rank == 0:
             size = self._commit(tmp, final, step, extra or {})
         _barrier()
-        return CheckpointInfo(step=step, path=str(final), bytes=size)
+        info = CheckpointInfo(step=step, path=str(final), bytes=size)
+        if self.rank == 0 and self.on_commit is not None:
+            self.on_commit(info)
+        return info
 
     def _commit(self, tmp: Path, final: Path, step: int, extra: dict[str, Any]) -> int:
         files = {}

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from kuangchao.platform.spec import JobSpec
 from kuangchao.platform.store import JobStore
 from kuangchao.workers.checkpoint import CheckpointManager

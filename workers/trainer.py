@@ -20,12 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
 from kuangchao.platform.spec import JobSpec
 from kuangchao.workers.context import TrainContext
 from kuangchao.workers.data import BatchSource, Prefetcher, batch_indices, load_corpus
 from kuangchao.workers.errors import TrainingError
 from kuangchao.workers.model import ModelConfig, build_model
-from torch.nn.parallel import DistributedDataParallel
 
 
 def model_config(spec: JobSpec) -> ModelConfig:
@@ -213,6 +214,4 @@ def _save(ctx: TrainContext, step: int, model: torch.nn.Module,
     if ctx.is_chief:
         ctx.log(f"checkpoint step {step} -> {info.path} ({info.bytes} bytes, "
                 f"{time.perf_counter() - t0:.2f}s)", step=step)
-        if ctx.store is not None:
-            ctx.store.add_checkpoint(ctx.job_id, info.to_json())
     return info

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec import JobSpec, validate_spec
 from kuangchao.platform.store import JobStore
@@ -110,8 +111,10 @@ class TrainWorker:
 
     def _context(self, spec: JobSpec) -> TrainContext:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        store = self.store
+        on_commit = (lambda info: store.add_checkpoint(self.job_id, info.to_json())) if store else None
         ckpt = CheckpointManager(spec.checkpoint.path, self.job_id, self.rank, self.world_size,
-                                 spec.spec_hash(), spec.checkpoint.keep_last)
+                                 spec.spec_hash(), spec.checkpoint.keep_last, on_commit=on_commit)
         return TrainContext(job_id=self.job_id, rank=self.rank, world_size=self.world_size,
                             local_rank=0, spec=spec, device=device, checkpoint=ckpt,
                             sink=self.sink, store=self.store, dp_rank=self.rank,

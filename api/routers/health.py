@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
+
 from kuangchao.api.deps import Store
 from kuangchao.platform.version import __version__
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
+
 from kuangchao.api.deps import Store
 from kuangchao.platform import jobs
 from kuangchao.platform.errors import InvalidTransition, JobNotFound, SpecError

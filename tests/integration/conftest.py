@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+
 from kuangchao.api.client import Client
 from kuangchao.platform.procs import free_port
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+
 from kuangchao.api.client import ApiError
 from kuangchao.platform.procs import alive
 from kuangchao.workers.checkpoint import load_model_state

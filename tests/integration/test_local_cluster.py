@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kuangchao.platform import procs
 from kuangchao.platform.procs import free_port
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+
 from kuangchao.workers.checkpoint import CheckpointManager, load_model_state, verify
 from kuangchao.workers.errors import CheckpointError
 from kuangchao.workers.model import ModelConfig, build_model

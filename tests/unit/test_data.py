@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from kuangchao.workers import data
 from kuangchao.workers.data import (
     BatchSource,

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+
 from kuangchao.workers.model import (
     GPT,
     Llama,
@@ -19,7 +21,6 @@ from kuangchao.workers.model import (
     ModelInputError,
     build_model,
 )
-from torch import nn
 
 VOCAB = 64
 SEQ_LEN = 16

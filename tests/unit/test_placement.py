@@ -1,6 +1,7 @@
 """Placement and FIFO admission, table-driven over small topologies."""
 
 import pytest
+
 from kuangchao.platform.placement import Infeasible, JobShape, PlacementPlan, place
 from kuangchao.platform.policies import Admit, FifoPolicy, Snapshot, Wait
 from kuangchao.platform.state import JobRecord, JobState, PlacedRank

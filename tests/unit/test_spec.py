@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+
 from kuangchao.platform.errors import SpecError
 from kuangchao.platform.spec import (
     JobSpec,

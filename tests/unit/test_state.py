@@ -1,6 +1,7 @@
 """The job state machine."""
 
 import pytest
+
 from kuangchao.platform.errors import InvalidTransition
 from kuangchao.platform.state import ALLOWED, JobRecord, JobState, PlacedRank, transition
 

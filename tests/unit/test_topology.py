@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+
 from kuangchao.platform.errors import TopologyError
 from kuangchao.platform.registry import head_node_id, nodes_from_ray
 from kuangchao.platform.topology import decode_islands, encode_islands, load_topology
