@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import yaml
 
 from kuangchao.api.client import ApiError
 from kuangchao.platform.procs import alive
@@ -94,8 +95,9 @@ def test_unknown_job_gets_404(stack):
 
 
 def test_job_larger_than_cluster_stays_queued_with_reason(stack):
-    job = stack.client.submit(stack.job_doc(parallel={"data_parallel_size": 16},
-                                            task={"name": "too-big"}))
+    body = yaml.safe_dump(stack.job_doc(parallel={"data_parallel_size": 16}, task={"name": "too-big"}))
+    job = stack.client.submit_yaml(body)  # YAML bodies are accepted as well as JSON
+    assert job["name"] == "too-big" and job["world_size"] == 16
     try:
         queued = wait_for(lambda: (j := stack.client.job(job["id"]))["waiting_for"] and j, 60,
                           "a waiting reason")
