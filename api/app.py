@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -21,6 +22,12 @@ def create_app() -> FastAPI:
     @app.exception_handler(StoreUnavailable)
     async def _store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:
         return JSONResponse(status_code=503, content={"detail": exc.message})
+
+    @app.exception_handler(redis.RedisError)
+    async def _redis_error(_: Request, exc: redis.RedisError) -> JSONResponse:
+        return JSONResponse(status_code=503, content={
+            "detail": f"Redis is unavailable ({exc}); check that it is running and that "
+                      "KC_REDIS_URL points at it"})
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -56,7 +56,7 @@ class DataSection(_Section):
     corpus: Literal["stdlib"] = "stdlib"
     path: str | None = None
     max_bytes: int = Field(4_000_000, ge=1024)
-    prefetch: int = Field(2, ge=0, le=64)
+    prefetch: int = Field(2, ge=1, le=64)
 
 
 class ParallelSection(_Section):
@@ -160,6 +160,9 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
         ))
     if m.d_model % m.n_heads:
         errs.append(("model.d_model", f"{m.d_model} is not divisible by model.n_heads ({m.n_heads})"))
+    if m.type == "llama" and m.d_model % m.n_heads == 0 and (m.d_model // m.n_heads) % 2:
+        errs.append(("model.d_model", f"llama needs an even head size for rotary embeddings; "
+                     f"{m.d_model} / model.n_heads ({m.n_heads}) is odd"))
     if m.n_heads % p.tensor_parallel_size:
         errs.append((
             "parallel.tensor_parallel_size",

@@ -46,7 +46,7 @@ class TrainContext:
         return self.rank == 0
 
     def log(self, message: str, level: str = "INFO", **fields: Any) -> None:
-        """A structured log line in the job log (and this process's stdout)."""
+        """A structured line in the job log (`kc logs`), tagged with this rank."""
         self.sink.emit(message, level=level, module="train", **fields)
 
     def report(self, step: int, **metrics: Any) -> None:

@@ -116,3 +116,8 @@ def test_every_example_job_validates():
         if path.name.startswith("cluster"):
             continue
         load_spec(path)
+
+
+def test_spec_rejects_odd_llama_head_size():
+    errs = errors_of({"model": {"type": "llama", "d_model": 36, "n_heads": 4}})
+    assert "even head size" in errs["model.d_model"]
