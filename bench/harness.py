@@ -65,6 +65,36 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_for_quiet(max_busy: float = 0.3, window_s: float = 1.0, timeout_s: float = 30.0) -> float:
+    """Block until the machine's CPUs are at most `max_busy` busy over `window_s`.
+
+    Benchmarks call it between runs: processes of the previous run (and Ray's
+    own start-up work) exit or settle asynchronously, and on a small machine
+    their CPU use would be billed to the next run. Gives up after `timeout_s`
+    (another tenant may keep the machine busy) and logs it. Returns the last
+    busy fraction measured.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        b0, t0 = _cpu_times()
+        time.sleep(window_s)
+        b1, t1 = _cpu_times()
+        busy = (b1 - b0) / max(1, t1 - t0)
+        if busy <= max_busy:
+            return busy
+        if time.monotonic() > deadline:
+            log(f"machine still {busy:.0%} busy after {timeout_s:.0f}s; timings may be noisy")
+            return busy
+
+
 # -- the cluster -------------------------------------------------------------
 
 @dataclass(frozen=True)

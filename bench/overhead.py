@@ -35,9 +35,10 @@ from bench.harness import (  # noqa: E402
     log,
     median,
     tiny_spec,
+    wait_for_quiet,
 )
 
-STEPS = 60
+STEPS = 50  # 45 steady-state steps per run; more would push the total past ~6 min
 WARMUP_STEPS = 5
 REPEATS = 3
 
@@ -109,7 +110,7 @@ def _describe(who: str, run: Run) -> None:
 
 
 def _settle(timeout_s: float = 30.0) -> None:
-    """Wait until the previous run has released its resources, then a moment more.
+    """Wait until the previous run has released its resources and the CPUs are quiet.
 
     Its actor processes exit asynchronously; starting the next run while they
     still burn CPU would bill their teardown to whoever goes second.
@@ -123,7 +124,7 @@ def _settle(timeout_s: float = 30.0) -> None:
         if all(free.get(k, 0) >= total[k] for k in ("CPU", "GPU")):
             break
         time.sleep(0.5)
-    time.sleep(2.0)
+    wait_for_quiet()
 
 
 def measure(cluster: BenchCluster, repeats: int, steps: int) -> tuple[list[Run], list[Run]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -156,8 +157,12 @@ def _ray_env(state: dict[str, Any]) -> dict[str, str]:
 
 def _ray_start(args: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen:
     log = open(kc_home() / "logs" / log_name, "ab")
+    # Ray's dashboard agent listens on a fixed default port (52365); a second
+    # cluster on the same machine would lose its agent and with it job
+    # submission, so every raylet gets a port of its own.
     return subprocess.Popen([str(BIN / "ray"), "start", *args, "--disable-usage-stats",
-                             f"--object-store-memory={OBJECT_STORE_BYTES}"],
+                             f"--object-store-memory={OBJECT_STORE_BYTES}",
+                             f"--dashboard-agent-listen-port={procs.free_port()}"],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -242,5 +247,6 @@ def down() -> bool:
         if procs.alive(state["redis_pid"]):
             pids.add(state["redis_pid"])
     procs.stop(pids)
+    shutil.rmtree(state["temp_dir"], ignore_errors=True)
     state_file().unlink(missing_ok=True)
     return True
