@@ -38,7 +38,7 @@ from bench.harness import (  # noqa: E402
     wait_for_quiet,
 )
 
-STEPS = 50  # 45 steady-state steps per run; more would push the total past ~6 min
+STEPS = 60  # 55 steady-state steps per run
 WARMUP_STEPS = 5
 REPEATS = 3
 
