@@ -15,7 +15,14 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from kuangchao.api.client import ApiError, Client
-from kuangchao.api.render import print_events, print_job, print_jobs, print_log_lines, progress_line
+from kuangchao.api.render import (
+    print_events,
+    print_job,
+    print_jobs,
+    print_log_lines,
+    print_plan,
+    progress_line,
+)
 from kuangchao.platform.errors import KuangchaoError, SpecError
 from kuangchao.platform.settings import DEFAULT_API_PORT, DEFAULT_DASHBOARD_PORT, Settings
 from kuangchao.platform.spec import load_spec_document, validate_spec
@@ -144,6 +151,37 @@ def logs(job_id: str,
             if not _api(c.logs, job_id, start)["logs"]:
                 return
         time.sleep(1.0)
+
+
+@app.command()
+def place(spec: Annotated[Path, typer.Argument(help="Job YAML.")],
+          cluster: Annotated[Path, typer.Option(help="Cluster topology YAML.")],
+          set_: Sets = None, as_json: Json = False) -> None:
+    """Show where a job's ranks would go on an empty cluster, and the plan's score."""
+    from kuangchao.platform.placement import Infeasible
+    from kuangchao.platform.placement import place as solve
+    from kuangchao.platform.placement_score import score, traffic_from_spec
+    from kuangchao.platform.policies import shape_of
+    from kuangchao.platform.topology import load_topology
+
+    doc = load_job_doc(spec, set_)
+    try:
+        topo = load_topology(cluster)
+    except KuangchaoError as exc:
+        fail(exc.message)
+    shape = shape_of(doc)
+    plan = solve(topo.nodes, {}, shape)
+    if isinstance(plan, Infeasible):
+        typer.echo(json.dumps({"feasible": False, "reason": plan.reason}) if as_json
+                   else f"infeasible: {plan.reason}")
+        raise typer.Exit(1)
+    sc = score(plan, topo.nodes, shape, traffic_from_spec(doc))
+    if as_json:
+        typer.echo(json.dumps({"feasible": True, "score": sc.to_json(), "plan": [
+            {"rank": s.rank, "node": s.node, "leaf": s.leaf, "gpus": list(s.gpus)}
+            for s in plan.slots]}))
+        return
+    print_plan(plan, sc, shape)
 
 
 @app.command()

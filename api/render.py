@@ -74,3 +74,18 @@ def print_log_lines(lines: list[dict[str, Any]], as_json: bool) -> None:
             rank = rec.get("rank")
             who = f"rank {rank}" if rank is not None else rec.get("module", "")
             typer.echo(f"[{who}] {rec.get('message', '')}")
+
+
+def print_plan(plan, sc, shape) -> None:
+    typer.echo(f"layout dp={shape.dp} tp={shape.tp} pp={shape.pp}: {len(plan.slots)} ranks on "
+               f"{sc.nodes_used} node(s), {sc.leaves_used} leaf switch(es)")
+    typer.echo(f"{'RANK':>5} {'DP':>4} {'STAGE':>5} {'TP':>3}  {'NODE':<14} {'LEAF':<10} GPUS")
+    for s in plan.slots:
+        d, rest = divmod(s.rank, shape.pp * shape.tp)
+        stage, t = divmod(rest, shape.tp)
+        typer.echo(f"{s.rank:>5} {d:>4} {stage:>5} {t:>3}  {s.node:<14} {s.leaf:<10} "
+                   f"{','.join(map(str, s.gpus))}")
+    typer.echo(f"score: tp groups split {sc.tp_groups_split}, pipelines across leaves "
+               f"{sc.pipelines_across_leaves}, cross-leaf ring edges {sc.cross_leaf_ring_edges}, "
+               f"cross-leaf {sc.cross_leaf_bytes / 1e6:.1f} MB/step, "
+               f"cross-island {sc.cross_island_bytes / 1e6:.1f} MB/step")

@@ -1,14 +1,23 @@
 """Placement: map a job's ranks onto free GPUs. Pure, deterministic, no Ray.
 
 Rank order follows the parallel layout, tensor-parallel fastest:
-rank = (dp_index * pp + pp_index) * tp + tp_index. Each tensor-parallel group
-must fit inside one NVLink island (hard rule). Groups are placed best-fit
-(the island left with the fewest free GPUs) while preferring the node and
-leaf the previous group used, so pipelines and DP rings stay close.
+`rank = (dp_index * pp + stage) * tp + tp_index`, so data-parallel replica i
+(one pipeline) holds ranks `[i*pp*tp, (i+1)*pp*tp)`.
+
+Rules, from hard to soft:
+
+1. every tensor-parallel group sits inside one NVLink island (hard);
+2. every pipeline sits inside one leaf switch when capacity allows;
+3. the data-parallel rings cross as few leaves as possible: replicas are
+   packed into the fewest leaves (under one spine when possible) and laid out
+   leaf by leaf, so a ring changes leaf only once per leaf it spans;
+4. best fit: the tightest leaf, node and island that fits is used first, so
+   the free capacity left behind stays in large, usable blocks.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 from kuangchao.platform.topology import NodeInfo
@@ -24,6 +33,11 @@ class JobShape:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def group_gpus(self) -> int:
+        """GPUs one tensor-parallel group needs inside one island."""
+        return self.tp * self.gpus_per_rank
 
 
 @dataclass(frozen=True)
@@ -45,10 +59,66 @@ class Infeasible:
     reason: str
 
 
+@dataclass(frozen=True)
+class _GroupSlot:
+    """Room for one tensor-parallel group: GPU ids inside one island of one node."""
+
+    node: NodeInfo
+    gpus: tuple[int, ...]
+
+
 def free_gpus(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]]) -> dict[str, list[int]]:
     """Free GPU ids per live node name, given the ids in use."""
     return {n.name: [g for g in range(n.gpus) if g not in used.get(n.name, set())]
             for n in nodes if n.alive}
+
+
+def _node_group_slots(node: NodeInfo, free: set[int], k: int) -> list[_GroupSlot]:
+    # Tightest islands first: a group that exactly fills an island leaves no scrap.
+    islands = sorted(((sorted(g for g in isl if g in free), isl[0]) for isl in node.islands),
+                     key=lambda x: (len(x[0]), x[1]))
+    out = []
+    for avail, _ in islands:
+        out += [_GroupSlot(node, tuple(avail[j * k:(j + 1) * k])) for j in range(len(avail) // k)]
+    return out
+
+
+def _leaf_slots(nodes: tuple[NodeInfo, ...], free: dict[str, list[int]],
+                k: int) -> dict[str, list[_GroupSlot]]:
+    by_leaf: dict[str, list[_GroupSlot]] = defaultdict(list)
+    # Best fit across nodes: the node with the fewest free GPUs is filled first.
+    for node in sorted((n for n in nodes if n.alive), key=lambda n: (len(free[n.name]), n.name)):
+        by_leaf[node.leaf] += _node_group_slots(node, set(free[node.name]), k)
+    return by_leaf
+
+
+def _cover(leaves: list[str], cap: dict[str, int], need: int) -> list[str] | None:
+    """Fewest leaves whose capacities add up to `need`; the last one best-fit."""
+    order = sorted((lf for lf in leaves if cap[lf] > 0), key=lambda lf: (-cap[lf], lf))
+    chosen: list[str] = []
+    got = 0
+    for leaf in order:
+        rest = need - got
+        fitting = [lf for lf in order if lf not in chosen and cap[lf] >= rest]
+        if fitting:
+            return chosen + [min(fitting, key=lambda lf: (cap[lf], lf))]
+        chosen.append(leaf)
+        got += cap[leaf]
+    return None
+
+
+def _choose_leaves(cap: dict[str, int], need: int, spine: dict[str, str | None]) -> list[str] | None:
+    by_spine: dict[str | None, list[str]] = defaultdict(list)
+    for leaf in cap:
+        by_spine[spine.get(leaf)].append(leaf)
+    options = []
+    for sp, leaves in by_spine.items():
+        sel = _cover(leaves, cap, need)
+        if sel is not None:
+            options.append((len(sel), sum(cap[lf] for lf in sel) - need, str(sp), sel))
+    if options:
+        return min(options)[3]
+    return _cover(list(cap), cap, need)
 
 
 def place(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]],
@@ -64,61 +134,59 @@ def place(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]],
         A plan with one slot per rank in rank order, or `Infeasible` with a
         reason that names the capacity that is missing.
     """
-    free = free_gpus(nodes, used)
-    total_free = sum(len(v) for v in free.values())
-    need = shape.world_size * shape.gpus_per_rank
     if shape.gpus_per_rank == 0:
         return _place_cpu_only(nodes, shape)
-    total = sum(n.gpus for n in nodes if n.alive)
+    live = tuple(n for n in nodes if n.alive)
+    free = free_gpus(live, used)
+    total = sum(n.gpus for n in live)
+    total_free = sum(len(v) for v in free.values())
+    need = shape.world_size * shape.gpus_per_rank
     if need > total:
         return Infeasible(f"needs {need} GPUs, the cluster has {total}")
     if need > total_free:
         return Infeasible(f"needs {need} GPUs, {total_free} of {total} are free")
-    group_gpus = shape.tp * shape.gpus_per_rank
-    by_name = {n.name: n for n in nodes}
-    free_sets = {name: set(ids) for name, ids in free.items()}
-    slots: list[RankSlot] = []
-    prev: NodeInfo | None = None
-    for g in range(shape.dp * shape.pp):
-        choice = _pick_island(nodes, free_sets, group_gpus, prev)
-        if choice is None:
-            return Infeasible(
-                f"no NVLink island has {group_gpus} free GPUs for tensor-parallel group {g}"
-                f" (tp={shape.tp}); {total_free} GPUs are free but fragmented"
-            )
-        node_name, ids = choice
-        free_sets[node_name] -= set(ids)
-        node = by_name[node_name]
+    k = shape.group_gpus
+    largest = max((len(isl) for n in live for isl in n.islands), default=0)
+    if k > largest:
+        return Infeasible(f"a tensor-parallel group needs {k} GPUs in one NVLink island; "
+                          f"the largest island has {largest}")
+    slots = _leaf_slots(live, free, k)
+    groups = shape.dp * shape.pp
+    n_slots = sum(len(s) for s in slots.values())
+    if n_slots < groups:
+        return Infeasible(f"needs {groups} groups of {k} GPUs inside one NVLink island; only "
+                          f"{n_slots} are free ({total_free} GPUs free but fragmented)")
+    spine = {n.leaf: n.spine for n in live}
+    cap = {leaf: len(s) // shape.pp for leaf, s in slots.items()}
+    leaves = _choose_leaves(cap, shape.dp, spine)
+    if leaves is not None:
+        chosen = _pipelines_within_leaves(slots, sorted(leaves), shape)
+    else:  # pipelines must straddle leaves: take slots leaf by leaf, fullest first
+        order = sorted(slots, key=lambda lf: (-len(slots[lf]), lf))
+        chosen = [s for lf in order for s in slots[lf]][:groups]
+    return PlacementPlan(slots=tuple(_ranks(chosen, shape)))
+
+
+def _pipelines_within_leaves(slots: dict[str, list[_GroupSlot]], leaves: list[str],
+                             shape: JobShape) -> list[_GroupSlot]:
+    out: list[_GroupSlot] = []
+    remaining = shape.dp
+    for leaf in leaves:
+        take = min(remaining, len(slots[leaf]) // shape.pp)
+        out += slots[leaf][:take * shape.pp]
+        remaining -= take
+    return out
+
+
+def _ranks(groups: list[_GroupSlot], shape: JobShape) -> list[RankSlot]:
+    out = []
+    g = shape.gpus_per_rank
+    for gi, slot in enumerate(groups):
         for t in range(shape.tp):
-            rank_ids = tuple(ids[t * shape.gpus_per_rank:(t + 1) * shape.gpus_per_rank])
-            slots.append(RankSlot(rank=g * shape.tp + t, node=node.name, node_id=node.node_id,
-                                  leaf=node.leaf, gpus=rank_ids))
-        prev = node
-    return PlacementPlan(slots=tuple(slots))
-
-
-def _pick_island(nodes: tuple[NodeInfo, ...], free: dict[str, set[int]], k: int,
-                 prev: NodeInfo | None) -> tuple[str, list[int]] | None:
-    best: tuple[tuple, str, list[int]] | None = None
-    for n in nodes:
-        if not n.alive:
-            continue
-        for isl in n.islands:
-            avail = sorted(g for g in isl if g in free.get(n.name, ()))
-            if len(avail) < k:
-                continue
-            # Prefer the previous node, then its leaf; then best fit; then name.
-            key = (
-                0 if prev is not None and n.name == prev.name else 1,
-                0 if prev is not None and n.leaf == prev.leaf else 1,
-                len(avail) - k,
-                len(free.get(n.name, ())),
-                n.name,
-                isl[0],
-            )
-            if best is None or key < best[0]:
-                best = (key, n.name, avail[:k])
-    return None if best is None else (best[1], best[2])
+            out.append(RankSlot(rank=gi * shape.tp + t, node=slot.node.name,
+                                node_id=slot.node.node_id, leaf=slot.node.leaf,
+                                gpus=slot.gpus[t * g:(t + 1) * g]))
+    return out
 
 
 def _place_cpu_only(nodes: tuple[NodeInfo, ...], shape: JobShape) -> PlacementPlan | Infeasible:

@@ -51,7 +51,12 @@ class AdmissionPolicy(Protocol):
 
 
 def job_shape(job: JobRecord) -> JobShape:
-    par = job.spec.get("parallel", {})
+    return shape_of(job.spec)
+
+
+def shape_of(spec_doc: dict) -> JobShape:
+    """The parallel layout of a spec document."""
+    par = spec_doc.get("parallel", {})
     return JobShape(
         dp=int(par.get("data_parallel_size", 1)),
         tp=int(par.get("tensor_parallel_size", 1)),

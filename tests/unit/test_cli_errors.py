@@ -1,5 +1,6 @@
 """Bad input to `kc` ends with exit code 2 and a message, never a traceback."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,20 @@ def test_up_exits_2_when_cluster_file_is_missing(tmp_path):
 def test_down_says_nothing_to_stop_when_nothing_runs(tmp_path):
     out = kc("down", tmp_home=tmp_path)
     assert out.returncode == 0 and "nothing to stop" in out.stdout
+
+
+def test_place_prints_plan_and_score_without_running_anything(tmp_path):
+    out = kc("place", str(ROOT / "examples/tiny-gpt.yaml"), "--cluster",
+             str(ROOT / "examples/cluster-4x8.yaml"), "--set", "parallel.tensor_parallel_size=4",
+             "--set", "parallel.data_parallel_size=4", "--json", tmp_home=tmp_path)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["feasible"] and result["score"]["tp_groups_split"] == 0
+    assert [r["rank"] for r in result["plan"]] == list(range(16))
+
+
+def test_place_exits_1_with_reason_when_the_job_cannot_fit(tmp_path):
+    out = kc("place", str(ROOT / "examples/tiny-gpt.yaml"), "--cluster",
+             str(ROOT / "examples/cluster-2x4.yaml"), "--set", "parallel.data_parallel_size=9",
+             tmp_home=tmp_path)
+    assert out.returncode == 1 and "needs 9 GPUs, the cluster has 8" in out.stdout

@@ -85,3 +85,83 @@ def test_fifo_counts_gpus_admitted_earlier_in_the_same_cycle():
                                                       job("b", dp=4, created=1)))
     a, b = FifoPolicy().decide(snap)
     assert isinstance(a, Admit) and isinstance(b, Wait)
+
+
+# -- topology rules on larger clusters ------------------------------------
+from kuangchao.platform.placement_score import Traffic, score  # noqa: E402
+
+
+def cluster(leaves: int, nodes_per_leaf: int, gpus: int = 8, island: int = 4,
+            spines: int = 1) -> tuple[NodeInfo, ...]:
+    isl = tuple(tuple(range(i, i + island)) for i in range(0, gpus, island))
+    return tuple(
+        NodeInfo(name=f"n{lf:02d}-{i:02d}", gpus=gpus, islands=isl, leaf=f"leaf-{lf:02d}",
+                 spine=f"spine-{lf % spines}", node_id=f"id{lf}-{i}")
+        for lf in range(leaves) for i in range(nodes_per_leaf))
+
+
+def test_pipelines_stay_inside_one_leaf_when_capacity_allows():
+    nodes = cluster(leaves=4, nodes_per_leaf=2)
+    shape = JobShape(dp=4, tp=4, pp=4)  # each pipeline needs 16 GPUs = one leaf
+    plan = place(nodes, {}, shape)
+    s = score(plan, nodes, shape)
+    assert s.tp_groups_split == 0 and s.pipelines_across_leaves == 0 and s.leaves_used == 4
+
+
+def test_dp_replicas_use_the_fewest_leaves_best_fit():
+    nodes = cluster(leaves=3, nodes_per_leaf=2)
+    used = {"n00-00": set(range(8)), "n00-01": {0}}  # leaf-00 nearly full; 01 and 02 empty
+    shape = JobShape(dp=4, tp=4)
+    plan = place(nodes, used, shape)
+    assert {s.leaf for s in plan.slots} == {"leaf-01"}
+    assert score(plan, nodes, shape).cross_leaf_ring_edges == 0
+
+
+def test_ring_crosses_each_leaf_boundary_once_when_replicas_span_leaves():
+    nodes = cluster(leaves=4, nodes_per_leaf=1)
+    shape = JobShape(dp=4, tp=4)  # 16 GPUs over two 8-GPU leaves
+    plan = place(nodes, {}, shape)
+    s = score(plan, nodes, shape)
+    assert s.leaves_used == 2
+    assert s.cross_leaf_ring_edges == 2 * shape.tp  # out and back, on each of the tp rings
+
+
+def test_leaves_under_one_spine_are_preferred():
+    # leaf-00 and leaf-02 hang off spine-0, leaf-01 and leaf-03 off spine-1.
+    nodes = cluster(leaves=4, nodes_per_leaf=1, island=8, spines=2)
+    used = {"n00-00": {0, 1, 2, 3}}  # spine-0 has room for one 8-way group only
+    plan = place(nodes, used, JobShape(dp=2, tp=8))
+    assert {s.leaf for s in plan.slots} == {"leaf-01", "leaf-03"}
+
+
+def test_pipelines_straddle_leaves_only_when_no_leaf_can_hold_one():
+    nodes = cluster(leaves=2, nodes_per_leaf=1)
+    shape = JobShape(dp=1, tp=4, pp=4)  # 16 GPUs, each leaf has 8
+    plan = place(nodes, {}, shape)
+    assert isinstance(plan, PlacementPlan)
+    assert score(plan, nodes, shape).pipelines_across_leaves == 1
+
+
+def test_tp_group_larger_than_any_island_is_infeasible_with_reason():
+    out = place(cluster(1, 2), {}, JobShape(dp=1, tp=8))
+    assert isinstance(out, Infeasible) and "largest island has 4" in out.reason
+
+
+def test_best_fit_keeps_a_whole_node_free_for_later_jobs():
+    nodes = cluster(leaves=1, nodes_per_leaf=2)
+    used = {"n00-00": {0, 1, 2, 3}}
+    plan = place(nodes, used, JobShape(dp=1, tp=4))
+    assert plan.slots[0].node == "n00-00"  # fills the half-used node, not the empty one
+    later = place(nodes, used | {"n00-00": set(range(8))}, JobShape(dp=1, tp=8, gpus_per_rank=1))
+    assert isinstance(later, Infeasible)  # 4-GPU islands: an 8-way TP never fits
+    assert isinstance(place(nodes, used | {"n00-00": set(range(8))}, JobShape(dp=2, tp=4)),
+                      PlacementPlan)
+
+
+def test_score_counts_cross_leaf_bytes_from_traffic():
+    nodes = cluster(leaves=2, nodes_per_leaf=1)
+    shape = JobShape(dp=4, tp=4)
+    plan = place(nodes, {}, shape)
+    s = score(plan, nodes, shape, Traffic(grad_bytes=1000.0))
+    per_edge = 2 * 3 / 4 * 1000.0 / 4
+    assert s.cross_leaf_bytes == s.cross_leaf_ring_edges * per_edge > 0
