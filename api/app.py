@@ -7,7 +7,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from kuangchao.api.routers import health, jobs
+from kuangchao.api.routers import health, jobs, queues
 from kuangchao.platform.errors import StoreUnavailable
 from kuangchao.platform.version import __version__
 
@@ -18,6 +18,7 @@ def create_app() -> FastAPI:
     app = FastAPI(title="kuangchao", version=__version__, docs_url=None, redoc_url=None)
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(queues.router)
 
     @app.exception_handler(StoreUnavailable)
     async def _store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:

@@ -21,6 +21,7 @@ from kuangchao.api.render import (
     print_jobs,
     print_log_lines,
     print_plan,
+    print_queues,
     progress_line,
 )
 from kuangchao.platform.errors import KuangchaoError, SpecError
@@ -154,6 +155,13 @@ def logs(job_id: str,
 
 
 @app.command()
+def queues(as_json: Json = False) -> None:
+    """Show the queues, their quotas, and the GPUs each holds and waits for."""
+    data = _api(client().queues)
+    typer.echo(json.dumps(data)) if as_json else print_queues(data)
+
+
+@app.command()
 def place(spec: Annotated[Path, typer.Argument(help="Job YAML.")],
           cluster: Annotated[Path, typer.Option(help="Cluster topology YAML.")],
           set_: Sets = None, as_json: Json = False) -> None:
@@ -190,13 +198,16 @@ def up(cluster: Annotated[Path, typer.Option(help="Cluster topology YAML.")] = P
        api_port: Annotated[int, typer.Option(help="Port for the REST API.")] = DEFAULT_API_PORT,
        dashboard_port: Annotated[int, typer.Option(help="Port for Ray's dashboard.")] =
        DEFAULT_DASHBOARD_PORT,
+       queues: Annotated[Path | None, typer.Option(help="Queues and quotas YAML.")] = None,
        as_json: Json = False) -> None:
     """Start Redis, a local Ray cluster, the control plane and the API."""
     from kuangchao.platform import localcluster
 
     try:
         state = localcluster.up(localcluster.UpOptions(cluster=cluster, api_port=api_port,
-                                                       dashboard_port=dashboard_port))
+                                                       dashboard_port=dashboard_port, queues=queues))
+    except SpecError as exc:
+        fail("\n".join(f"{p}: {m}" if p else m for p, m in exc.errors))
     except KuangchaoError as exc:
         fail(exc.message)
     public = {k: v for k, v in state.items() if k != "redis_url"}

@@ -77,5 +77,8 @@ class Client:
     def logs(self, job_id: str, start: int = 0) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}/logs", params={"start": start})
 
+    def queues(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/queues")
+
     def health(self) -> dict[str, Any]:
         return self._call("GET", "/healthz")

@@ -89,3 +89,11 @@ def print_plan(plan, sc, shape) -> None:
                f"{sc.pipelines_across_leaves}, cross-leaf ring edges {sc.cross_leaf_ring_edges}, "
                f"cross-leaf {sc.cross_leaf_bytes / 1e6:.1f} MB/step, "
                f"cross-island {sc.cross_island_bytes / 1e6:.1f} MB/step")
+
+
+def print_queues(data: dict[str, Any]) -> None:
+    typer.echo(f"{'QUEUE':<16} {'GUARANTEED':>10} {'LIMIT':>6} {'IN USE':>7} {'RUNNING':>8} {'QUEUED':>7}")
+    for q in data["queues"]:
+        limit = "-" if q["limit_gpus"] is None else q["limit_gpus"]
+        typer.echo(f"{q['name']:<16} {q['guaranteed_gpus']:>10} {limit:>6} {q['gpus_in_use']:>7} "
+                   f"{q['running']:>8} {q['queued']:>7}")

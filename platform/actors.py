@@ -11,6 +11,7 @@ node when one is labelled `kc.io/role=head`:
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from typing import Any
@@ -19,7 +20,6 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kuangchao.platform.controller import JobController
-from kuangchao.platform.policies import make_policy
 from kuangchao.platform.registry import Registry, head_node_id
 from kuangchao.platform.scheduler import Scheduler
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings
@@ -62,8 +62,11 @@ class JobControllerActor:
 
 def launch_controller(job_id: str, settings: Settings) -> None:
     """Start a detached controller actor for a job and set it running."""
+    # A job may be placed more than once (preemption, recovery); each run gets
+    # its own controller, so the name carries a run suffix.
+    name = f"kc-job-{job_id}-{secrets.token_hex(3)}"
     actor = ray.remote(JobControllerActor).options(
-        **{**_control_options(f"kc-job-{job_id}"), "max_concurrency": 2}
+        **{**_control_options(name), "max_concurrency": 2}
     ).remote(job_id, settings)
     actor.run.remote()
 
@@ -71,7 +74,7 @@ def launch_controller(job_id: str, settings: Settings) -> None:
 class SchedulerService:
     """Runs scheduling cycles in a background thread until stopped."""
 
-    def __init__(self, settings: Settings, policy: str = "fifo", idle_s: float = 0.5) -> None:
+    def __init__(self, settings: Settings, idle_s: float = 0.5) -> None:
         self.settings, self.idle_s = settings, idle_s
         self.store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
         self.registry = ray.get_actor(REGISTRY_NAME, namespace=RAY_NAMESPACE)
@@ -79,7 +82,6 @@ class SchedulerService:
             self.store,
             nodes=lambda: ray.get(self.registry.snapshot.remote()),
             launch=lambda job_id: launch_controller(job_id, settings),
-            policy=make_policy(policy),
         )
         self.cycles = 0
         self._stop = threading.Event()
@@ -107,13 +109,13 @@ class SchedulerService:
         self._stop.set()
 
 
-def start_control_plane(settings: Settings, policy: str = "fifo") -> None:
+def start_control_plane(settings: Settings) -> None:
     """Create the registry and scheduler actors (idempotent) and wait until ready."""
     registry = ray.remote(RegistryActor).options(
         **_control_options(REGISTRY_NAME), get_if_exists=True).remote(settings)
     ray.get(registry.snapshot.remote(), timeout=120)
     scheduler = ray.remote(SchedulerService).options(
-        **_control_options(SCHEDULER_NAME), get_if_exists=True).remote(settings, policy)
+        **_control_options(SCHEDULER_NAME), get_if_exists=True).remote(settings)
     ray.get(scheduler.info.remote(), timeout=120)
 
 

@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from kuangchao.platform.errors import KuangchaoError
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec import JobSpec, validate_spec
-from kuangchao.platform.state import JobRecord, JobState
+from kuangchao.platform.state import JobRecord, JobState, transition
 from kuangchao.platform.store import JobStore
 from kuangchao.workers.checkpoint import verify
 from kuangchao.workers.errors import CheckpointError, WorkerError
@@ -29,10 +29,15 @@ from kuangchao.workers.worker import TrainWorker
 
 PG_READY_TIMEOUT_S = 180.0
 RENDEZVOUS_TIMEOUT_S = 300.0
+PREEMPT_GRACE_S = 120.0
 
 
 class Cancelled(KuangchaoError):
     """The job was cancelled while the controller was working on it."""
+
+
+class Preempted(KuangchaoError):
+    """The scheduler took the job's GPUs back; it goes back to the queue."""
 
 
 def _bundles(spec: JobSpec) -> list[dict[str, float]]:
@@ -83,6 +88,9 @@ class JobController:
         except Cancelled:
             self._teardown()
             self._set(JobState.CANCELLED, "cancelled on request")
+        except Preempted as exc:
+            self._teardown()
+            self._requeue(exc.message)
         except Exception as exc:
             self._teardown()
             self._set(JobState.FAILED, _cause(exc))
@@ -136,13 +144,22 @@ class JobController:
         refs = [w.run.remote(spec.model_dump(mode="json")) for w in self.workers]
         results: dict[int, Any] = {}
         pending = list(refs)
+        preempt_deadline: float | None = None
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
             for ref in ready:
                 results[refs.index(ref)] = ray.get(ref)  # raises the worker's error
             if self.store.cancel_requested(self.job_id):
                 raise Cancelled("cancelled")
-        return [results[i] for i in range(len(refs))]
+            if preempt_deadline is None and self.store.preempt_requested(self.job_id):
+                preempt_deadline = time.monotonic() + PREEMPT_GRACE_S
+            if preempt_deadline is not None and pending and time.monotonic() > preempt_deadline:
+                raise Preempted(f"preempted; workers did not checkpoint within {PREEMPT_GRACE_S:.0f}s "
+                                "and were stopped")
+        out = [results[i] for i in range(len(refs))]
+        if out and isinstance(out[0], dict) and out[0].get("preempted"):
+            raise Preempted(f"preempted at step {out[0].get('steps')}; checkpointed and requeued")
+        return out
 
     def _finish(self, spec: JobSpec, results: list[dict[str, Any]]) -> None:
         ckpt = (results[0] or {}).get("checkpoint") if results else None
@@ -163,6 +180,18 @@ class JobController:
         self._set(JobState.SUCCEEDED,
                   f"finished at step {manifest['step']}; final checkpoint {path}"
                   + (f"; final loss {final_loss:.4f}" if isinstance(final_loss, float) else ""))
+
+    def _requeue(self, reason: str) -> None:
+        """Give the GPUs back and return the job to the queue; it resumes from its checkpoint."""
+        def back(j: JobRecord):
+            if j.state.is_terminal:
+                return None
+            new, event = transition(j, JobState.QUEUED, reason, placement=(), preempting_for=None,
+                                    preemptions=j.preemptions + 1)
+            return new, event
+        self.store.update(self.job_id, back)
+        self.store.clear_preempt(self.job_id)
+        self.store.wake_scheduler(self.job_id)
 
     # -- helpers -----------------------------------------------------------
     def _wait_ready(self, refs: Any, timeout_s: float, what: str) -> Any:

@@ -7,7 +7,9 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from kuangchao.platform.errors import InvalidTransition
+from kuangchao.platform.errors import InvalidTransition, SpecError
+from kuangchao.platform.policies import order_key
+from kuangchao.platform.queues import QueueTable
 from kuangchao.platform.settings import kc_home
 from kuangchao.platform.spec import JobSpec, validate_spec
 from kuangchao.platform.state import JobRecord, JobState, transition
@@ -34,9 +36,22 @@ def resolve_checkpoint_path(spec: JobSpec) -> JobSpec:
     return validate_spec(doc)
 
 
+def check_queue(store: JobStore, spec: JobSpec) -> None:
+    """Refuse a job for a queue the cluster does not have."""
+    table = QueueTable.from_json(store.info("queues"))
+    if table.get(spec.task.queue) is None:
+        raise SpecError([("task.queue", f"{spec.task.queue!r} is not a queue; known queues: "
+                                        f"{', '.join(table.names)}")])
+
+
 def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
            owner: str | None = None) -> JobRecord:
-    """Record a validated job as QUEUED and wake the scheduler."""
+    """Record a validated job as QUEUED and wake the scheduler.
+
+    Raises:
+        SpecError: When the job names a queue that does not exist.
+    """
+    check_queue(store, spec)
     spec = resolve_checkpoint_path(spec)
     job = JobRecord(
         id=new_job_id(spec.task.name), name=spec.task.name, spec=spec.model_dump(mode="json"),
@@ -62,7 +77,7 @@ def cancel(store: JobStore, job_id: str) -> JobRecord:
     return store.get(job_id)
 
 
-def job_view(store: JobStore, job: JobRecord) -> dict[str, Any]:
+def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None = None) -> dict[str, Any]:
     """The public JSON of a job: the record plus progress and checkpoints."""
     d = job.to_json()
     d.pop("version", None)
@@ -76,4 +91,31 @@ def job_view(store: JobStore, job: JobRecord) -> dict[str, Any]:
         "tokens_per_s": prog.get("tokens_per_s"),
     }
     d["checkpoints"] = store.checkpoints(job.id)
+    d["queue_position"] = (queue_position(store, job, all_jobs) if job.state is JobState.QUEUED
+                           else None)
     return d
+
+
+def queue_position(store: JobStore, job: JobRecord, jobs: list[JobRecord] | None = None) -> int:
+    """1-based place of a queued job in the scheduler's order (priority, then arrival)."""
+    queued = [j for j in (jobs if jobs is not None else store.list()) if j.state is JobState.QUEUED]
+    ahead = sum(1 for j in queued if order_key(j) < order_key(job))
+    return ahead + 1
+
+
+def queue_view(store: JobStore) -> dict[str, Any]:
+    """The queue table with each queue's GPUs in use, running and queued jobs."""
+    table = QueueTable.from_json(store.info("queues"))
+    jobs = [j for j in store.list() if not j.state.is_terminal]
+    out = []
+    for q in table.queues:
+        mine = [j for j in jobs if j.queue == q.name]
+        out.append({
+            "name": q.name, "guaranteed_gpus": q.guaranteed_gpus,
+            "borrow_limit_gpus": q.borrow_limit_gpus,
+            "limit_gpus": None if q.borrow_limit_gpus is None else int(q.limit),
+            "gpus_in_use": sum(j.gpus for j in mine if j.state.holds_resources),
+            "running": sum(1 for j in mine if j.state.holds_resources),
+            "queued": sum(1 for j in mine if j.state is JobState.QUEUED),
+        })
+    return {"queues": out, "preemption": table.preemption, "policy": table.policy}

@@ -22,6 +22,7 @@ from typing import Any
 
 from kuangchao.platform import procs
 from kuangchao.platform.errors import ClusterError
+from kuangchao.platform.queues import QueueTable, load_queues
 from kuangchao.platform.settings import (
     DEFAULT_API_PORT,
     DEFAULT_DASHBOARD_PORT,
@@ -31,7 +32,7 @@ from kuangchao.platform.settings import (
     read_cluster_state,
     state_file,
 )
-from kuangchao.platform.store import connect, redact
+from kuangchao.platform.store import JobStore, connect, redact
 from kuangchao.platform.topology import LABEL_ROLE, ClusterTopology, load_topology
 
 OBJECT_STORE_BYTES = 128 * 1024 * 1024
@@ -46,6 +47,7 @@ class UpOptions:
     ray_port: int | None = None
     redis_prefix: str | None = None
     head_cpus: int = 2
+    queues: Path | None = None
 
 
 def _log(msg: str) -> None:
@@ -69,6 +71,7 @@ def up(opts: UpOptions) -> dict[str, Any]:
     if read_cluster_state():
         down()  # a stale record from a crashed run: clear it before starting anew
     topo = load_topology(opts.cluster)
+    queues = load_queues(opts.queues) if opts.queues else QueueTable()
     for port, what, flag in ((opts.api_port, "API", "--api-port"),
                              (opts.dashboard_port, "Ray dashboard", "--dashboard-port")):
         if procs.port_open(port):
@@ -79,6 +82,8 @@ def up(opts: UpOptions) -> dict[str, Any]:
                              "home": str(home), "temp_dir": f"/tmp/kc-{secrets.token_hex(4)}"}
     try:
         _start_redis(state, opts)
+        JobStore.from_url(state["redis_url"], state["redis_prefix"]).set_info(
+            "queues", queues.to_json())
         _start_ray(state, topo, opts)
         _write_state(state)
         settings = _settings(state)

@@ -1,18 +1,21 @@
 """Scheduling policies: pure functions from a snapshot to decisions.
 
-The scheduler actor takes a snapshot (queued jobs, active placements, nodes),
-asks the policy for decisions, and applies them. Policies never touch Redis or
-Ray, so tests build a snapshot by hand and check the decisions.
+The scheduler actor takes a snapshot (queued jobs, active jobs, nodes, queue
+table), asks the policy for decisions, and applies them. Policies never touch
+Redis or Ray, so tests build a snapshot by hand and check the decisions.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kuangchao.platform.placement import Infeasible, JobShape, PlacementPlan, place
+from kuangchao.platform.queues import QueueTable
 from kuangchao.platform.state import JobRecord
 from kuangchao.platform.topology import NodeInfo
+
+MAX_VICTIM_CANDIDATES = 64
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class Snapshot:
     nodes: tuple[NodeInfo, ...]
     queued: tuple[JobRecord, ...]
     active: tuple[JobRecord, ...]
+    queues: QueueTable = field(default_factory=QueueTable)
 
     def used_gpus(self) -> dict[str, set[int]]:
         used: dict[str, set[int]] = {}
@@ -29,6 +33,12 @@ class Snapshot:
             for p in job.placement:
                 used.setdefault(p.node, set()).update(p.gpus)
         return used
+
+    def queue_usage(self) -> dict[str, int]:
+        usage = {q: 0 for q in self.queues.names}
+        for job in self.active:
+            usage[job.queue] = usage.get(job.queue, 0) + job.gpus
+        return usage
 
 
 @dataclass(frozen=True)
@@ -43,10 +53,21 @@ class Wait:
     reason: str
 
 
-Decision = Admit | Wait
+@dataclass(frozen=True)
+class Preempt:
+    """Checkpoint and requeue `job_id` so that `for_job` can run."""
+
+    job_id: str
+    for_job: str
+    reason: str
+
+
+Decision = Admit | Wait | Preempt
 
 
 class AdmissionPolicy(Protocol):
+    name: str
+
     def decide(self, snap: Snapshot) -> list[Decision]: ...
 
 
@@ -65,12 +86,46 @@ def shape_of(spec_doc: dict) -> JobShape:
     )
 
 
-class FifoPolicy:
-    """Strict first-in-first-out gang admission.
+def order_key(job: JobRecord) -> tuple:
+    """Queue order: higher priority first, then first come, first served."""
+    return (-job.priority, job.created_at, job.id)
 
-    Jobs go in arrival order; a job that does not fit blocks the ones behind it
-    so a large job is never starved by a stream of small ones. Every job left
-    waiting gets a reason.
+
+def _union(*maps: dict[str, set[int]]) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for m in maps:
+        for node, ids in m.items():
+            out.setdefault(node, set()).update(ids)
+    return out
+
+
+def _plan_gpus(plan: PlacementPlan) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for s in plan.slots:
+        out.setdefault(s.node, set()).update(s.gpus)
+    return out
+
+
+def _job_gpus(job: JobRecord) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for p in job.placement:
+        out.setdefault(p.node, set()).update(p.gpus)
+    return out
+
+
+def _without(used: dict[str, set[int]], drop: dict[str, set[int]]) -> dict[str, set[int]]:
+    return {n: ids - drop.get(n, set()) for n, ids in used.items()}
+
+
+def _free_count(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]]) -> int:
+    return sum(n.gpus - len(used.get(n.name, ())) for n in nodes if n.alive)
+
+
+class FifoPolicy:
+    """Strict first-in-first-out gang admission, one queue, no preemption.
+
+    A job that does not fit blocks the ones behind it, so a large job is never
+    starved by a stream of small ones.
     """
 
     name = "fifo"
@@ -88,13 +143,149 @@ class FifoPolicy:
                 out.append(Wait(job.id, result.reason))
                 blocked_by = job.id
                 continue
-            for slot in result.slots:
-                used.setdefault(slot.node, set()).update(slot.gpus)
+            used = _union(used, _plan_gpus(result))
             out.append(Admit(job.id, result))
         return out
 
 
-POLICIES: dict[str, type] = {"fifo": FifoPolicy}
+class GangPolicy:
+    """Queues with quotas, priorities, gang admission, backfill and preemption.
+
+    Jobs are taken by priority, then arrival. Each is admitted whole or not at
+    all, within its queue's quota (guarantee plus borrowing). The first job
+    blocked for lack of GPUs is the head: the free GPUs it would take now are
+    held for it, and later jobs may backfill only around them, so they never
+    delay it. A blocked job may preempt active jobs of lower priority, or jobs
+    of queues borrowing beyond their guarantee while its own queue is below
+    its guarantee; victims are checkpointed and requeued, never killed
+    without a checkpoint attempt.
+    """
+
+    name = "gang"
+
+    def decide(self, snap: Snapshot) -> list[Decision]:
+        state = _CycleState(snap)
+        for job in sorted(snap.queued, key=order_key):
+            state.out.extend(self._one(job, state))
+        return state.out
+
+    def _one(self, job: JobRecord, st: _CycleState) -> list[Decision]:
+        snap = st.snap
+        queue = snap.queues.get(job.queue)
+        if queue is None:
+            return [Wait(job.id, f"queue {job.queue!r} does not exist; known queues: "
+                                 f"{', '.join(snap.queues.names)}")]
+        in_use = st.usage.get(queue.name, 0)
+        if in_use + job.gpus > queue.limit:
+            return [Wait(job.id, f"quota {queue.name}: {in_use}/{queue.limit:g} GPUs in use")]
+        if job.id in st.awaiting:  # victims are checkpointing for this job
+            st.hold(st.awaiting[job.id])
+            return [Wait(job.id, "waiting for preempted job(s) "
+                                 f"{', '.join(sorted(st.awaiting_ids[job.id]))} to checkpoint")]
+        shape = job_shape(job)
+        blocked = _union(st.used, st.reserved)
+        plan: PlacementPlan | Infeasible
+        if _free_count(snap.nodes, blocked) < job.gpus:
+            plan = Infeasible(f"needs {job.gpus} GPUs, {_free_count(snap.nodes, blocked)} are free")
+        else:
+            plan = place(snap.nodes, blocked, shape)
+        if isinstance(plan, PlacementPlan):
+            st.used = _union(st.used, _plan_gpus(plan))
+            st.usage[queue.name] = in_use + job.gpus
+            return [Admit(job.id, plan)]
+        victims = self._victims(job, shape, st) if snap.queues.preemption else []
+        if victims:
+            for v in victims:
+                st.preempted.add(v.id)
+                st.hold(_job_gpus(v))
+            names = ", ".join(v.id for v in victims)
+            return [Preempt(v.id, job.id, f"preempted for higher-priority job {job.id}")
+                    for v in victims] + [Wait(job.id, f"preempting {names}")]
+        reason = plan.reason
+        if st.head is None:
+            st.head = job.id
+            st.hold(self._head_reservation(shape, st))
+        elif isinstance(place(snap.nodes, st.used, shape), PlacementPlan):
+            reason = f"GPUs are held for job {st.head}, ahead in the queue"
+        return [Wait(job.id, reason)]
+
+    def _head_reservation(self, shape: JobShape, st: _CycleState) -> dict[str, set[int]]:
+        """The free GPUs the blocked head would take now: its largest partial fit."""
+        lo, hi, best = 1, shape.dp - 1, None
+        blocked = _union(st.used, st.reserved)
+        while lo <= hi:  # binary search the most replicas that fit
+            mid = (lo + hi) // 2
+            plan = place(st.snap.nodes, blocked, replace(shape, dp=mid))
+            if isinstance(plan, PlacementPlan):
+                best, lo = plan, mid + 1
+            else:
+                hi = mid - 1
+        return _plan_gpus(best) if best else {}
+
+    def _victims(self, job: JobRecord, shape: JobShape, st: _CycleState) -> list[JobRecord]:
+        snap = st.snap
+        queue = snap.queues.get(job.queue)
+        assert queue is not None
+        under_guarantee = st.usage.get(job.queue, 0) + job.gpus <= queue.guaranteed_gpus
+
+        def eligible(a: JobRecord) -> bool:
+            if a.id in st.preempted or a.preempting_for or not a.placement:
+                return False
+            if a.priority < job.priority:
+                return True
+            qa = snap.queues.get(a.queue)
+            borrowing = qa is not None and st.usage.get(a.queue, 0) > qa.guaranteed_gpus
+            return a.queue != job.queue and under_guarantee and borrowing
+
+        cands = sorted((a for a in snap.active if eligible(a)),
+                       key=lambda a: (a.priority, -(a.started_at or a.created_at), a.id))
+        chosen: list[JobRecord] = []
+        freed: dict[str, set[int]] = {}
+        for a in cands[:MAX_VICTIM_CANDIDATES]:
+            chosen.append(a)
+            freed = _union(freed, _job_gpus(a))
+            blocked = _union(_without(st.used, freed), st.reserved)
+            if isinstance(place(snap.nodes, blocked, shape), PlacementPlan):
+                return self._minimal(chosen, shape, st)
+        return []
+
+    def _minimal(self, chosen: list[JobRecord], shape: JobShape,
+                 st: _CycleState) -> list[JobRecord]:
+        """Drop victims that turn out not to be needed, newest choices first."""
+        keep = list(chosen)
+        for a in reversed(chosen):
+            trial = [v for v in keep if v.id != a.id]
+            freed = _union(*(_job_gpus(v) for v in trial)) if trial else {}
+            blocked = _union(_without(st.used, freed), st.reserved)
+            if trial and isinstance(place(st.snap.nodes, blocked, shape), PlacementPlan):
+                keep = trial
+        return keep
+
+
+class _CycleState:
+    """What one `GangPolicy.decide` call has decided so far."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self.snap = snap
+        self.used = snap.used_gpus()
+        self.usage = snap.queue_usage()
+        self.reserved: dict[str, set[int]] = {}
+        self.head: str | None = None
+        self.preempted: set[str] = set()
+        self.out: list[Decision] = []
+        self.awaiting: dict[str, dict[str, set[int]]] = {}
+        self.awaiting_ids: dict[str, set[str]] = {}
+        for a in snap.active:
+            if a.preempting_for:
+                self.awaiting[a.preempting_for] = _union(self.awaiting.get(a.preempting_for, {}),
+                                                         _job_gpus(a))
+                self.awaiting_ids.setdefault(a.preempting_for, set()).add(a.id)
+
+    def hold(self, gpus: dict[str, set[int]]) -> None:
+        self.reserved = _union(self.reserved, gpus)
+
+
+POLICIES: dict[str, type] = {"fifo": FifoPolicy, "gang": GangPolicy}
 
 
 def make_policy(name: str) -> AdmissionPolicy:

@@ -10,7 +10,8 @@ import logging
 from collections.abc import Callable
 
 from kuangchao.platform.errors import InvalidTransition, JobNotFound
-from kuangchao.platform.policies import AdmissionPolicy, Admit, Snapshot, Wait
+from kuangchao.platform.policies import AdmissionPolicy, Admit, Preempt, Snapshot, Wait, make_policy
+from kuangchao.platform.queues import QueueTable
 from kuangchao.platform.state import JobRecord, JobState, PlacedRank, transition
 from kuangchao.platform.store import JobStore
 from kuangchao.platform.topology import NodeInfo
@@ -25,20 +26,22 @@ class Scheduler:
         store: Where jobs live.
         nodes: Returns the current node view (the Registry's snapshot).
         launch: Starts a controller for an admitted job run by the scheduler.
-        policy: The admission policy.
+        policy: The admission policy; by default the one the queue table names
+            (`policy:` in the queues file, `gang` unless set), chosen each cycle.
     """
 
     def __init__(self, store: JobStore, nodes: Callable[[], tuple[NodeInfo, ...]],
-                 launch: Callable[[str], None], policy: AdmissionPolicy) -> None:
+                 launch: Callable[[str], None], policy: AdmissionPolicy | None = None) -> None:
         self.store, self.nodes, self.launch, self.policy = store, nodes, launch, policy
 
     def snapshot(self) -> Snapshot:
         jobs = [j for j in self.store.list() if not j.state.is_terminal]
         return Snapshot(nodes=self.nodes(),
                         queued=tuple(j for j in jobs if j.state is JobState.QUEUED),
-                        active=tuple(j for j in jobs if j.state.holds_resources))
+                        active=tuple(j for j in jobs if j.state.holds_resources),
+                        queues=QueueTable.from_json(self.store.info("queues")))
 
-    def step(self) -> list[Admit | Wait]:
+    def step(self) -> list[Admit | Wait | Preempt]:
         """Run one cycle: cancel queued jobs on request, then admit in policy order."""
         snap = self.snapshot()
         queued = []
@@ -48,13 +51,25 @@ class Scheduler:
             else:
                 queued.append(job)
         snap = dataclasses.replace(snap, queued=tuple(queued))
-        decisions = self.policy.decide(snap)
+        policy = self.policy or make_policy(snap.queues.policy)
+        decisions = policy.decide(snap)
         for d in decisions:
             if isinstance(d, Admit):
                 self._admit(d)
+            elif isinstance(d, Preempt):
+                self._preempt(d)
             else:
                 self._wait(d)
         return decisions
+
+    def _preempt(self, d: Preempt) -> None:
+        def mark(j: JobRecord):
+            if not j.state.holds_resources or j.preempting_for:
+                return None
+            return dataclasses.replace(j, preempting_for=d.for_job), {
+                "type": "preempt", "message": d.reason}
+        if self.store.update(d.job_id, mark) is not None:
+            self.store.request_preempt(d.job_id, d.for_job)
 
     def _cancel_queued(self, job_id: str) -> None:
         try:

@@ -105,6 +105,8 @@ class JobRecord:
     started_at: float | None = None
     finished_at: float | None = None
     restarts: int = 0
+    preemptions: int = 0
+    preempting_for: str | None = None
     placement: tuple[PlacedRank, ...] = ()
     waiting_for: str | None = None
     message: str | None = None

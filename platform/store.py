@@ -9,6 +9,7 @@ Keys (all under the configured prefix, default `kc:`):
     {p}job:{id}:progress      hash: step, total_steps, loss, initial_loss, tokens_per_s
     {p}job:{id}:checkpoints   list of JSON {step, path, bytes}
     {p}job:{id}:cancel        set when a cancel was requested
+    {p}job:{id}:preempt       set (to the job it yields to) when preemption was requested
     {p}sched:wake             list the scheduler blocks on; a push wakes it
 
 Writers that race (API, scheduler, job controller) update a record with
@@ -210,6 +211,15 @@ class JobStore:
 
     def cancel_requested(self, job_id: str) -> bool:
         return bool(self.r.exists(self.key("job", job_id, "cancel")))
+
+    def request_preempt(self, job_id: str, for_job: str) -> None:
+        self.r.set(self.key("job", job_id, "preempt"), for_job)
+
+    def preempt_requested(self, job_id: str) -> bool:
+        return bool(self.r.exists(self.key("job", job_id, "preempt")))
+
+    def clear_preempt(self, job_id: str) -> None:
+        self.r.delete(self.key("job", job_id, "preempt"))
 
     def wake_scheduler(self, reason: str = "") -> None:
         self.r.rpush(self.key("sched", "wake"), reason or "tick")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kuangchao.platform.spec import JobSpec
 from kuangchao.platform.store import JobStore
@@ -72,3 +73,17 @@ class TrainContext:
     def should_stop(self) -> bool:
         """True once a cancel was requested; cooperative train loops poll it."""
         return self.store is not None and self.store.cancel_requested(self.job_id)
+
+    def preemption_requested(self) -> bool:
+        """Whether the scheduler asked this job to checkpoint and yield its GPUs.
+
+        A collective: every rank must call it at the same step, and all get the
+        same answer, so they stop (and checkpoint) together.
+        """
+        local = float(self.is_chief and self.store is not None
+                      and self.store.preempt_requested(self.job_id))
+        if self.world_size == 1 or not dist.is_initialized():
+            return bool(local)
+        flag = torch.tensor([local])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

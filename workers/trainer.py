@@ -150,6 +150,10 @@ def train(ctx: TrainContext) -> dict[str, Any]:
                 ctx.report(done)
             if done % spec.checkpoint.interval_steps == 0 and done != t.steps:
                 _save(ctx, done, model, optimizer)
+            if done != t.steps and ctx.preemption_requested():
+                info = _save(ctx, done, model, optimizer)
+                ctx.log(f"preempted at step {done}; checkpoint saved, yielding the GPUs")
+                return {"preempted": True, "steps": done, "checkpoint": info.to_json()}
     final_loss = _global_mean(loss_value, ctx)
     digest = check_replicas_in_sync(model, ctx)
     info = _save(ctx, t.steps, model, optimizer)

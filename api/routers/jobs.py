@@ -32,15 +32,16 @@ async def submit_job(request: Request, store: Store) -> dict[str, Any]:
     body = (await request.body()).decode("utf-8", errors="replace")
     try:
         spec = validate_spec(parse_spec_text(body))
+        job = jobs.submit(store, spec)
     except SpecError as exc:
         raise _spec_422(exc) from None
-    job = jobs.submit(store, spec)
     return jobs.job_view(store, job)
 
 
 @router.get("", summary="List jobs, newest last")
 def list_jobs(store: Store, limit: int = Query(200, ge=1, le=10000)) -> dict[str, Any]:
-    return {"jobs": [jobs.job_view(store, j) for j in store.list(limit)]}
+    listed = store.list(limit)
+    return {"jobs": [jobs.job_view(store, j, listed) for j in listed]}
 
 
 @router.get("/{job_id}", summary="One job")

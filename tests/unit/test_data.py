@@ -1,4 +1,4 @@
-"""Unit tests for kuangchao.workers.data."""
+"""Unit tests for kuangchao.workers.data (with its corpus and prefetch modules)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kuangchao.workers import data
+from kuangchao.workers import corpus as corpus_module
+from kuangchao.workers import data, prefetch
 from kuangchao.workers.data import (
     BatchSource,
     DataError,
@@ -77,7 +78,7 @@ def test_stdlib_corpus_reuses_cache_when_called_again(
     def fail(max_bytes: int) -> np.ndarray:
         raise AssertionError("the stdlib was walked again despite a cache")
 
-    monkeypatch.setattr(data, "_build_stdlib_corpus", fail)
+    monkeypatch.setattr(corpus_module, "_build_stdlib_corpus", fail)
     np.testing.assert_array_equal(stdlib_corpus(SMALL), first)
 
 
@@ -86,7 +87,7 @@ def test_stdlib_corpus_skips_test_and_site_packages_dirs_when_walking(tmp_path: 
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(rel)
 
-    names = [Path(p).relative_to(tmp_path).as_posix() for p in data._stdlib_sources(str(tmp_path))]
+    names = [Path(p).relative_to(tmp_path).as_posix() for p in corpus_module._stdlib_sources(str(tmp_path))]
 
     assert names == ["a.py", "b.py", "pkg/z.py"]
 
@@ -382,3 +383,13 @@ def test_prefetcher_stays_ahead_when_consumer_is_slow() -> None:
 def test_prefetcher_raises_when_depth_is_not_positive() -> None:
     with pytest.raises(DataError, match="prefetch depth"):
         Prefetcher([], depth=0)
+
+
+# --- module layout -------------------------------------------------------------------
+
+
+def test_data_reexports_corpus_and_prefetch_names_when_imported() -> None:
+    for name in ("DataError", "load_corpus", "stdlib_corpus", "STDLIB_SKIP_DIRS"):
+        assert getattr(data, name) is getattr(corpus_module, name), name
+    assert data.Prefetcher is prefetch.Prefetcher
+    assert set(data.__all__) <= set(dir(data))

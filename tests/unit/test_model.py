@@ -1,4 +1,4 @@
-"""Unit tests for kuangchao.workers.model."""
+"""Unit tests for kuangchao.workers.model (with its gpt, llama and model_config modules)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from kuangchao.workers import gpt, llama, model, model_config
 from kuangchao.workers.model import (
     GPT,
     Llama,
@@ -313,3 +314,12 @@ def test_build_model_rejects_unknown_type_when_config_bypasses_validation() -> N
 def test_config_replace_revalidates_when_fields_change() -> None:
     with pytest.raises(ModelConfigError, match=r"model\.seq_len"):
         replace(tiny_config("gpt"), seq_len=-4)
+
+
+def test_model_reexports_names_of_the_modules_that_define_them_when_imported() -> None:
+    for name in model.__all__:
+        value = getattr(model, name)
+        homes = [m for m in (model_config, gpt, llama) if getattr(m, name, None) is value]
+        assert homes or name == "build_model", name
+    assert model.ModelConfig is model_config.ModelConfig
+    assert model.GPT is gpt.GPT and model.Llama is llama.Llama
