@@ -19,10 +19,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kuangchao.platform.errors import KuangchaoError
+from kuangchao.platform.registry import nodes_from_ray
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec import JobSpec, validate_spec
-from kuangchao.platform.state import JobRecord, JobState, transition
+from kuangchao.platform.state import JobRecord, JobState, PlacedRank, transition
 from kuangchao.platform.store import JobStore
+from kuangchao.platform.topology import gpu_resource
 from kuangchao.workers.checkpoint import verify
 from kuangchao.workers.errors import CheckpointError, WorkerError
 from kuangchao.workers.worker import TrainWorker
@@ -40,12 +42,20 @@ class Preempted(KuangchaoError):
     """The scheduler took the job's GPUs back; it goes back to the queue."""
 
 
-def _bundles(spec: JobSpec) -> list[dict[str, float]]:
+def _pinned_nodes() -> set[str]:
+    """Ray node ids whose GPUs carry one `kc_gpu_N` resource each."""
+    return {n["NodeID"] for n in nodes_from_ray(ray.nodes()) if n.pinned_gpus}
+
+
+def _rank_resources(spec: JobSpec, slot: PlacedRank, pinned: set[str]) -> dict[str, float]:
+    """The bundle of one rank: CPUs, GPUs and, on pinned nodes, the exact GPU ids."""
     par = spec.parallel
     bundle: dict[str, float] = {"CPU": par.cpus_per_rank}
     if par.gpus_per_rank:
         bundle["GPU"] = par.gpus_per_rank
-    return [dict(bundle) for _ in range(spec.world_size)]
+        if slot.node_id in pinned:
+            bundle.update({gpu_resource(g): 1 for g in slot.gpus})
+    return bundle
 
 
 def _cause(exc: BaseException) -> str:
@@ -100,19 +110,22 @@ class JobController:
 
     # -- phases ------------------------------------------------------------
     def _start(self, job: JobRecord, spec: JobSpec) -> None:
+        pinned = _pinned_nodes()
+        bundles = [_rank_resources(spec, p, pinned) for p in job.placement]
         selectors = [{"ray.io/node-id": p.node_id} for p in job.placement]
-        self.pg = placement_group(_bundles(spec), strategy="PACK", name=f"kc-{self.job_id}",
+        self.pg = placement_group(bundles, strategy="PACK", name=f"kc-{self.job_id}",
                                   bundle_label_selector=selectors)
         self._wait_ready(self.pg.ready(), PG_READY_TIMEOUT_S, "placement group")
-        par = spec.parallel
         cls = ray.remote(TrainWorker)
-        self.workers = [
-            cls.options(num_cpus=par.cpus_per_rank, num_gpus=par.gpus_per_rank, max_restarts=0,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            self.pg, placement_group_bundle_index=r),
-                        ).remote(self.job_id, r, spec.world_size, self.settings)
-            for r in range(spec.world_size)
-        ]
+        self.workers = []
+        for r, (slot, bundle) in enumerate(zip(job.placement, bundles, strict=True)):
+            custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+            planned = slot.gpus if slot.node_id in pinned else None
+            self.workers.append(cls.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom,
+                max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=r),
+            ).remote(self.job_id, r, spec.world_size, self.settings, planned))
         infos = self._wait_ready([w.describe.remote() for w in self.workers], 300.0, "workers")
         self._record_workers(job, infos)
         host = infos[0]["ip"]
@@ -133,8 +146,9 @@ class JobController:
         def update(j: JobRecord) -> tuple[JobRecord, dict[str, Any]]:
             placement = tuple(dataclasses.replace(p, pid=i["pid"])
                               for p, i in zip(j.placement, infos, strict=True))
-            message = "; ".join(f"rank {p.rank} on {p.node} gpu {p.gpu} pid {p.pid}"
-                                for p in placement)
+            message = "; ".join(
+                f"rank {p.rank} on {p.node} gpus {','.join(map(str, i['gpu_ids']))} pid {p.pid}"
+                for p, i in zip(placement, infos, strict=True))
             return dataclasses.replace(j, placement=placement), {"type": "placement",
                                                                  "message": message}
 

@@ -33,7 +33,7 @@ from kuangchao.platform.settings import (
     state_file,
 )
 from kuangchao.platform.store import JobStore, connect, redact
-from kuangchao.platform.topology import LABEL_ROLE, ClusterTopology, load_topology
+from kuangchao.platform.topology import LABEL_ROLE, ClusterTopology, gpu_resource, load_topology
 
 OBJECT_STORE_BYTES = 128 * 1024 * 1024
 BIN = Path(sys.executable).parent
@@ -187,9 +187,10 @@ def _start_ray(state: dict[str, Any], topo: ClusterTopology, opts: UpOptions) ->
     # for the same local ports and sockets and time out.
     for node in topo.nodes:
         labels = ",".join(f"{k}={v}" for k, v in node.labels().items())
+        pinned = json.dumps({gpu_resource(g): 1 for g in range(node.gpus)})
         proc = _ray_start([f"--address=127.0.0.1:{port}", f"--num-cpus={int(node.cpus)}",
-                           f"--num-gpus={node.gpus}", f"--labels={labels}"], env,
-                          f"ray-{node.name}.log")
+                           f"--num-gpus={node.gpus}", f"--labels={labels}",
+                           f"--resources={pinned}"], env, f"ray-{node.name}.log")
         if proc.wait(timeout=300) != 0:
             raise ClusterError(f"`ray start` for {node.name} failed; see "
                                f"{kc_home()}/logs/ray-{node.name}.log")

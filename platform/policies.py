@@ -178,6 +178,9 @@ class GangPolicy:
         in_use = st.usage.get(queue.name, 0)
         if in_use + job.gpus > queue.limit:
             return [Wait(job.id, f"quota {queue.name}: {in_use}/{queue.limit:g} GPUs in use")]
+        total = sum(n.gpus for n in snap.nodes if n.alive)
+        if job.gpus > total:  # can never fit: it must not hold GPUs back from others
+            return [Wait(job.id, f"needs {job.gpus} GPUs, the cluster has {total}")]
         if job.id in st.awaiting:  # victims are checkpointing for this job
             st.hold(st.awaiting[job.id])
             return [Wait(job.id, "waiting for preempted job(s) "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kuangchao.platform.topology import LABEL_ROLE, NodeInfo, node_from_labels
+from kuangchao.platform.topology import LABEL_ROLE, NodeInfo, gpu_resource, node_from_labels
 
 
 def nodes_from_ray(ray_nodes: list[dict[str, Any]]) -> tuple[NodeInfo, ...]:
@@ -25,9 +25,11 @@ def nodes_from_ray(ray_nodes: list[dict[str, Any]]) -> tuple[NodeInfo, ...]:
         if labels.get(LABEL_ROLE) == "head":
             continue
         res = n.get("Resources") or {}
+        gpus = int(res.get("GPU", 0))
         out.append(node_from_labels(
-            node_id=n["NodeID"], labels=labels, gpus=int(res.get("GPU", 0)),
-            cpus=float(res.get("CPU", 0)), alive=bool(n.get("Alive", False))))
+            node_id=n["NodeID"], labels=labels, gpus=gpus,
+            cpus=float(res.get("CPU", 0)), alive=bool(n.get("Alive", False)),
+            pinned_gpus=gpus > 0 and all(gpu_resource(g) in res for g in range(gpus))))
     # A name may repeat when a node died and rejoined; keep the live entry.
     by_name: dict[str, NodeInfo] = {}
     for node in sorted(out, key=lambda x: (x.name, x.alive)):

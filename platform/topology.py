@@ -26,6 +26,14 @@ LABEL_LEAF = "kc.io/leaf"
 LABEL_SPINE = "kc.io/spine"
 LABEL_NVLINK = "kc.io/nvlink"
 LABEL_ROLE = "kc.io/role"
+# One Ray custom resource per physical GPU (`kc_gpu_3`), so a placement group
+# bundle can ask for exactly the GPU ids the plan chose; Ray's own GPU resource
+# only counts GPUs and hands out whichever ids are free.
+GPU_RESOURCE_PREFIX = "kc_gpu_"
+
+
+def gpu_resource(gpu: int) -> str:
+    return f"{GPU_RESOURCE_PREFIX}{gpu}"
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,7 @@ class NodeInfo:
     cpus: float = 0.0
     node_id: str = ""
     alive: bool = True
+    pinned_gpus: bool = False
 
     def labels(self) -> dict[str, str]:
         out = {LABEL_NODE: self.name, LABEL_LEAF: self.leaf,
@@ -62,7 +71,8 @@ class NodeInfo:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "node_id": self.node_id, "gpus": self.gpus,
                 "nvlink": [list(i) for i in self.islands], "leaf": self.leaf,
-                "spine": self.spine, "cpus": self.cpus, "alive": self.alive}
+                "spine": self.spine, "cpus": self.cpus, "alive": self.alive,
+                "pinned_gpus": self.pinned_gpus}
 
 
 @dataclass(frozen=True)
@@ -159,7 +169,7 @@ def load_topology(path: str | Path) -> ClusterTopology:
 
 
 def node_from_labels(node_id: str, labels: dict[str, str], gpus: int, cpus: float,
-                     alive: bool) -> NodeInfo:
+                     alive: bool, pinned_gpus: bool = False) -> NodeInfo:
     """Build a `NodeInfo` from a Ray node's labels and resources."""
     return NodeInfo(
         name=labels.get(LABEL_NODE) or node_id[:12],
@@ -170,4 +180,5 @@ def node_from_labels(node_id: str, labels: dict[str, str], gpus: int, cpus: floa
         cpus=cpus,
         node_id=node_id,
         alive=alive,
+        pinned_gpus=pinned_gpus,
     )

@@ -24,3 +24,7 @@ class EntrypointError(WorkerError):
 
 class CheckpointError(WorkerError):
     """A checkpoint is missing, partial, or fails verification."""
+
+
+class PlacementMismatch(WorkerError):
+    """Ray started a rank on other GPUs than the placement plan chose."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import socket
 import traceback
 from collections.abc import Callable
@@ -21,10 +22,13 @@ import torch.distributed as dist
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec import JobSpec, validate_spec
 from kuangchao.platform.store import JobStore
+from kuangchao.platform.topology import GPU_RESOURCE_PREFIX
 from kuangchao.workers.checkpoint import CheckpointManager
 from kuangchao.workers.context import TrainContext
-from kuangchao.workers.errors import EntrypointError, TrainingError
+from kuangchao.workers.errors import EntrypointError, PlacementMismatch, TrainingError
 from kuangchao.workers.joblog import JobLogSink, capture_output
+
+_GPU_RESOURCE = re.compile(rf"^{GPU_RESOURCE_PREFIX}(\d+)(_group_.*)?$")
 
 
 def resolve_entrypoint(ref: str | None) -> Callable[[TrainContext], Any]:
@@ -47,13 +51,25 @@ def resolve_entrypoint(ref: str | None) -> Callable[[TrainContext], Any]:
     return fn
 
 
+def granted_gpu_ids(assigned: dict[str, float]) -> list[int]:
+    """GPU ids from Ray's assigned resources (`kc_gpu_3`, or `kc_gpu_3_group_0_<pg>`)."""
+    ids = set()
+    for name in assigned:
+        m = _GPU_RESOURCE.match(name)
+        if m:
+            ids.add(int(m.group(1)))
+    return sorted(ids)
+
+
 class TrainWorker:
     """Hosts one rank. Methods are called by the job controller in order:
     `describe`, `open_rendezvous` (rank 0), `join`, `run`."""
 
-    def __init__(self, job_id: str, rank: int, world_size: int, settings: Settings) -> None:
+    def __init__(self, job_id: str, rank: int, world_size: int, settings: Settings,
+                 planned_gpus: tuple[int, ...] | None = None) -> None:
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
         self.settings = settings
+        self.planned_gpus = planned_gpus
         self.store: JobStore | None = None
         if settings.redis_url:
             self.store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
@@ -61,13 +77,34 @@ class TrainWorker:
         self._rendezvous: dist.TCPStore | None = None
 
     def describe(self) -> dict[str, Any]:
-        """Where this rank landed: host, IP, pid, and the GPU ids Ray assigned."""
+        """Where this rank landed: host, IP, pid, and the GPU ids it was given.
+
+        On nodes with per-GPU resources the plan's GPU ids are checked against
+        the `kc_gpu_N` resources Ray granted, and the process is limited to
+        exactly those GPUs; a mismatch fails the job before any work starts.
+
+        Raises:
+            PlacementMismatch: When Ray granted other GPUs than planned.
+        """
         import ray
 
         ctx = ray.get_runtime_context()
+        ray_ids = [int(g) for g in ray.get_gpu_ids()]
+        gpu_ids = ray_ids
+        if self.planned_gpus is not None:
+            granted = granted_gpu_ids(ctx.get_assigned_resources())
+            if sorted(granted) != sorted(self.planned_gpus):
+                raise PlacementMismatch(
+                    f"rank {self.rank}: planned GPUs {list(self.planned_gpus)} but Ray granted "
+                    f"{granted} on {socket.gethostname()}")
+            gpu_ids = list(self.planned_gpus)
+            # Before CUDA initialises: this process sees exactly the planned GPUs.
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
+        self.sink.emit(f"rank {self.rank} on {socket.gethostname()} pid {os.getpid()} "
+                       f"gpus {gpu_ids}", module="worker", gpu_ids=gpu_ids, ray_gpu_ids=ray_ids)
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
                 "ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
-                "gpu_ids": [int(g) for g in ray.get_gpu_ids()]}
+                "gpu_ids": gpu_ids, "ray_gpu_ids": ray_ids}
 
     def open_rendezvous(self, host: str) -> int:
         """Rank 0 only: start the TCP store the group meets at; return its port."""

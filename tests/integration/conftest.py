@@ -91,8 +91,8 @@ def stack(tmp_path_factory) -> Stack:
         env["KC_REDIS_URL"] = url
     else:
         env.pop("KC_REDIS_URL", None)
-    out = kc("up", "--cluster", str(HERE / "cluster-2x4.yaml"), "--api-port", str(free_port()),
-             "--dashboard-port", str(free_port()), "--json", env=env)
+    out = kc("up", "--cluster", str(HERE / "cluster-4x8.yaml"), "--queues", str(HERE / "queues.yaml"),
+             "--api-port", str(free_port()), "--dashboard-port", str(free_port()), "--json", env=env)
     saved = {k: os.environ.get(k) for k in ("KC_HOME", "KC_REDIS_PREFIX", "KC_REDIS_URL")}
     try:
         assert out.returncode == 0, f"kc up failed:\n{out.stdout}\n{out.stderr}"

@@ -95,14 +95,15 @@ def test_unknown_job_gets_404(stack):
 
 
 def test_job_larger_than_cluster_stays_queued_with_reason(stack):
-    body = yaml.safe_dump(stack.job_doc(parallel={"data_parallel_size": 16}, task={"name": "too-big"}))
+    body = yaml.safe_dump(stack.job_doc(parallel={"data_parallel_size": 64}, task={"name": "too-big"}))
     job = stack.client.submit_yaml(body)  # YAML bodies are accepted as well as JSON
-    assert job["name"] == "too-big" and job["world_size"] == 16
+    assert job["name"] == "too-big" and job["world_size"] == 64
     try:
         queued = wait_for(lambda: (j := stack.client.job(job["id"]))["waiting_for"] and j, 60,
                           "a waiting reason")
         assert queued["state"] == "QUEUED"
-        assert queued["waiting_for"] == "needs 16 GPUs, the cluster has 8"
+        assert queued["waiting_for"] == "needs 64 GPUs, the cluster has 32"
+        assert queued["queue_position"] == 1
     finally:
         stack.client.cancel(job["id"])
     assert stack.wait_state(job["id"], {"CANCELLED"}, timeout=60)["state"] == "CANCELLED"

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_kc_up_again_reuses_the_running_stack(stack):
-    out = kc("up", "--cluster", str(HERE / "cluster-2x4.yaml"), "--json", env=stack.env)
+    out = kc("up", "--cluster", str(HERE / "cluster-4x8.yaml"), "--json", env=stack.env)
     assert out.returncode == 0, out.stderr
     assert "already up" in out.stderr
     assert json.loads(out.stdout)["ray_address"] == stack.state["ray_address"]

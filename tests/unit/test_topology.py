@@ -63,3 +63,18 @@ def test_registry_reads_labels_and_leaves_out_the_head():
                                                           ("node-1", "leaf-1", False)]
     assert nodes[0].islands == ((0, 1), (2, 3)) and nodes[1].islands == ((0,), (1,), (2,), (3,))
     assert head_node_id(ray_nodes) == "h" * 56
+
+
+def test_granted_gpu_ids_reads_plain_and_placement_group_resource_names():
+    from kuangchao.workers.worker import granted_gpu_ids
+
+    assigned = {"CPU": 1.0, "GPU": 2.0, "kc_gpu_3": 1.0, "kc_gpu_2_group_0_abcdef": 1.0,
+                "kc_gpu_2_group_abcdef": 1.0, "other_7": 1.0}
+    assert granted_gpu_ids(assigned) == [2, 3]
+
+
+def test_registry_marks_nodes_with_per_gpu_resources_as_pinned():
+    base = {"NodeID": "a" * 56, "Alive": True, "Labels": {"kc.io/node": "n"}}
+    pinned = nodes_from_ray([{**base, "Resources": {"GPU": 2, "kc_gpu_0": 1, "kc_gpu_1": 1}}])
+    plain = nodes_from_ray([{**base, "Resources": {"GPU": 2}}])
+    assert pinned[0].pinned_gpus and not plain[0].pinned_gpus
