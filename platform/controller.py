@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ class Preempted(KuangchaoError):
 
 def _pinned_nodes() -> set[str]:
     """Ray node ids whose GPUs carry one `kc_gpu_N` resource each."""
-    return {n["NodeID"] for n in nodes_from_ray(ray.nodes()) if n.pinned_gpus}
+    return {n.node_id for n in nodes_from_ray(ray.nodes()) if n.pinned_gpus}
 
 
 def _rank_resources(spec: JobSpec, slot: PlacedRank, pinned: set[str]) -> dict[str, float]:
@@ -102,6 +103,11 @@ class JobController:
             self._teardown()
             self._requeue(exc.message)
         except Exception as exc:
+            if not isinstance(exc, KuangchaoError | ray.exceptions.RayError):
+                # A bug of ours, not the job's: keep the traceback for the report.
+                self.store.add_logs(self.job_id, [{
+                    "ts": time.time(), "level": "ERROR", "job_id": self.job_id, "rank": None,
+                    "module": "controller", "message": traceback.format_exc()}])
             self._teardown()
             self._set(JobState.FAILED, _cause(exc))
         finally:
