@@ -6,7 +6,8 @@ Rank order follows the parallel layout, tensor-parallel fastest:
 
 Rules, from hard to soft:
 
-1. every tensor-parallel group sits inside one NVLink island (hard);
+1. every tensor-parallel group sits inside one NVLink island (hard); a single
+   rank (tp=1) with more GPUs than an island needs one node;
 2. every pipeline sits inside one leaf switch when capacity allows;
 3. the data-parallel rings cross as few leaves as possible: replicas are
    packed into the fewest leaves (under one spine when possible) and laid out
@@ -73,10 +74,15 @@ def free_gpus(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]]) -> dict[st
             for n in nodes if n.alive}
 
 
-def _node_group_slots(node: NodeInfo, free: set[int], k: int) -> list[_GroupSlot]:
+def _node_group_slots(node: NodeInfo, free: set[int], k: int, tp: int) -> list[_GroupSlot]:
     # Tightest islands first: a group that exactly fills an island leaves no scrap.
     islands = sorted(((sorted(g for g in isl if g in free), isl[0]) for isl in node.islands),
                      key=lambda x: (len(x[0]), x[1]))
+    if tp == 1 and all(len(isl) < k for isl in node.islands):
+        # One rank with more GPUs than an island: it needs one node, not one island.
+        avail = [g for ids, _ in islands for g in ids]
+        return [_GroupSlot(node, tuple(sorted(avail[j * k:(j + 1) * k])))
+                for j in range(len(avail) // k)]
     out = []
     for avail, _ in islands:
         out += [_GroupSlot(node, tuple(avail[j * k:(j + 1) * k])) for j in range(len(avail) // k)]
@@ -84,11 +90,11 @@ def _node_group_slots(node: NodeInfo, free: set[int], k: int) -> list[_GroupSlot
 
 
 def _leaf_slots(nodes: tuple[NodeInfo, ...], free: dict[str, list[int]],
-                k: int) -> dict[str, list[_GroupSlot]]:
+                k: int, tp: int) -> dict[str, list[_GroupSlot]]:
     by_leaf: dict[str, list[_GroupSlot]] = defaultdict(list)
     # Best fit across nodes: the node with the fewest free GPUs is filled first.
     for node in sorted((n for n in nodes if n.alive), key=lambda n: (len(free[n.name]), n.name)):
-        by_leaf[node.leaf] += _node_group_slots(node, set(free[node.name]), k)
+        by_leaf[node.leaf] += _node_group_slots(node, set(free[node.name]), k, tp)
     return by_leaf
 
 
@@ -146,11 +152,15 @@ def place(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]],
     if need > total_free:
         return Infeasible(f"needs {need} GPUs, {total_free} of {total} are free")
     k = shape.group_gpus
-    largest = max((len(isl) for n in live for isl in n.islands), default=0)
-    if k > largest:
-        return Infeasible(f"a tensor-parallel group needs {k} GPUs in one NVLink island; "
-                          f"the largest island has {largest}")
-    slots = _leaf_slots(live, free, k)
+    if shape.tp > 1:
+        largest = max((len(isl) for n in live for isl in n.islands), default=0)
+        if k > largest:
+            return Infeasible(f"a tensor-parallel group needs {k} GPUs in one NVLink island; "
+                              f"the largest island has {largest}")
+    elif k > max(n.gpus for n in live):
+        return Infeasible(f"a rank needs {k} GPUs on one node; the largest node has "
+                          f"{max(n.gpus for n in live)}")
+    slots = _leaf_slots(live, free, k, shape.tp)
     groups = shape.dp * shape.pp
     n_slots = sum(len(s) for s in slots.values())
     if n_slots < groups:

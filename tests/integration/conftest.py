@@ -102,6 +102,10 @@ def stack(tmp_path_factory) -> Stack:
         yield Stack(env, state)
     finally:
         down = kc("down", env=env, timeout=120)
+        if url:  # the shared Redis keeps what runs leave; take this run's keys away
+            client = redis.Redis.from_url(url)
+            for key in client.scan_iter(match=env["KC_REDIS_PREFIX"] + "*", count=1000):
+                client.delete(key)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kuangchao.platform.placement import Infeasible, JobShape, PlacementPlan, place
+from kuangchao.platform.placement import Infeasible, JobShape, PlacementPlan, RankSlot, place
 from kuangchao.platform.policies import Admit, FifoPolicy, Snapshot, Wait
 from kuangchao.platform.state import JobRecord, JobState, PlacedRank
 from kuangchao.platform.topology import NodeInfo
@@ -165,3 +165,12 @@ def test_score_counts_cross_leaf_bytes_from_traffic():
     s = score(plan, nodes, shape, Traffic(grad_bytes=1000.0))
     per_edge = 2 * 3 / 4 * 1000.0 / 4
     assert s.cross_leaf_bytes == s.cross_leaf_ring_edges * per_edge > 0
+
+
+def test_a_single_rank_with_more_gpus_than_an_island_takes_a_whole_node():
+    nodes = cluster(leaves=1, nodes_per_leaf=2)  # 8 GPUs per node in islands of 4
+    plan = place(nodes, {"n00-00": {0}}, JobShape(dp=1, tp=1, gpus_per_rank=8))
+    assert isinstance(plan, PlacementPlan) and plan.slots[0] == RankSlot(
+        rank=0, node="n00-01", node_id="id0-1", leaf="leaf-00", gpus=tuple(range(8)))
+    out = place(nodes, {}, JobShape(dp=1, gpus_per_rank=9))
+    assert isinstance(out, Infeasible) and "largest node has 8" in out.reason
