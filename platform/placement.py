@@ -89,12 +89,16 @@ def _node_group_slots(node: NodeInfo, free: set[int], k: int, tp: int) -> list[_
     return out
 
 
-def _leaf_slots(nodes: tuple[NodeInfo, ...], free: dict[str, list[int]],
+def _leaf_slots(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]], free_n: dict[str, int],
                 k: int, tp: int) -> dict[str, list[_GroupSlot]]:
     by_leaf: dict[str, list[_GroupSlot]] = defaultdict(list)
     # Best fit across nodes: the node with the fewest free GPUs is filled first.
-    for node in sorted((n for n in nodes if n.alive), key=lambda n: (len(free[n.name]), n.name)):
-        by_leaf[node.leaf] += _node_group_slots(node, set(free[node.name]), k, tp)
+    # Nodes with fewer than k free GPUs can hold no group; skip them early,
+    # which keeps a solve on a large, busy cluster cheap.
+    for node in sorted((n for n in nodes if free_n[n.name] >= k),
+                       key=lambda n: (free_n[n.name], n.name)):
+        free = set(range(node.gpus)) - used.get(node.name, set())
+        by_leaf[node.leaf] += _node_group_slots(node, free, k, tp)
     return by_leaf
 
 
@@ -143,9 +147,9 @@ def place(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]],
     if shape.gpus_per_rank == 0:
         return _place_cpu_only(nodes, shape)
     live = tuple(n for n in nodes if n.alive)
-    free = free_gpus(live, used)
+    free_n = {n.name: n.gpus - len(used.get(n.name, ())) for n in live}
     total = sum(n.gpus for n in live)
-    total_free = sum(len(v) for v in free.values())
+    total_free = sum(free_n.values())
     need = shape.world_size * shape.gpus_per_rank
     if need > total:
         return Infeasible(f"needs {need} GPUs, the cluster has {total}")
@@ -160,7 +164,7 @@ def place(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]],
     elif k > max(n.gpus for n in live):
         return Infeasible(f"a rank needs {k} GPUs on one node; the largest node has "
                           f"{max(n.gpus for n in live)}")
-    slots = _leaf_slots(live, free, k, shape.tp)
+    slots = _leaf_slots(live, used, free_n, k, shape.tp)
     groups = shape.dp * shape.pp
     n_slots = sum(len(s) for s in slots.values())
     if n_slots < groups:

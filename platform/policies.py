@@ -178,26 +178,23 @@ class GangPolicy:
         in_use = st.usage.get(queue.name, 0)
         if in_use + job.gpus > queue.limit:
             return [Wait(job.id, f"quota {queue.name}: {in_use}/{queue.limit:g} GPUs in use")]
-        total = sum(n.gpus for n in snap.nodes if n.alive)
-        if job.gpus > total:  # can never fit: it must not hold GPUs back from others
-            return [Wait(job.id, f"needs {job.gpus} GPUs, the cluster has {total}")]
+        if job.gpus > st.total:  # can never fit: it must not hold GPUs back from others
+            return [Wait(job.id, f"needs {job.gpus} GPUs, the cluster has {st.total}")]
         if job.id in st.awaiting:  # victims are checkpointing for this job
             st.hold(st.awaiting[job.id])
             return [Wait(job.id, "waiting for preempted job(s) "
                                  f"{', '.join(sorted(st.awaiting_ids[job.id]))} to checkpoint")]
         shape = job_shape(job)
-        blocked = _union(st.used, st.reserved)
-        plan: PlacementPlan | Infeasible
-        if _free_count(snap.nodes, blocked) < job.gpus:
-            plan = Infeasible(f"needs {job.gpus} GPUs, {_free_count(snap.nodes, blocked)} are free")
-        else:
-            plan = place(snap.nodes, blocked, shape)
+        plan = st.try_place(shape, job.gpus)
         if isinstance(plan, PlacementPlan):
-            st.used = _union(st.used, _plan_gpus(plan))
+            st.take(_plan_gpus(plan))
             st.usage[queue.name] = in_use + job.gpus
             return [Admit(job.id, plan)]
-        victims = self._victims(job, shape, st) if snap.queues.preemption else []
+        victims: list[JobRecord] = []
+        if snap.queues.preemption and not st.preempting:
+            victims = self._victims(job, shape, st)
         if victims:
+            st.preempting = True  # one preemption per cycle: the next cycle sees its effect
             for v in victims:
                 st.preempted.add(v.id)
                 st.hold(_job_gpus(v))
@@ -208,14 +205,14 @@ class GangPolicy:
         if st.head is None:
             st.head = job.id
             st.hold(self._head_reservation(shape, st))
-        elif isinstance(place(snap.nodes, st.used, shape), PlacementPlan):
+        elif st.free_unreserved >= job.gpus:
             reason = f"GPUs are held for job {st.head}, ahead in the queue"
         return [Wait(job.id, reason)]
 
     def _head_reservation(self, shape: JobShape, st: _CycleState) -> dict[str, set[int]]:
         """The free GPUs the blocked head would take now: its largest partial fit."""
         lo, hi, best = 1, shape.dp - 1, None
-        blocked = _union(st.used, st.reserved)
+        blocked = st.blocked()
         while lo <= hi:  # binary search the most replicas that fit
             mid = (lo + hi) // 2
             plan = place(st.snap.nodes, blocked, replace(shape, dp=mid))
@@ -242,6 +239,10 @@ class GangPolicy:
 
         cands = sorted((a for a in snap.active if eligible(a)),
                        key=lambda a: (a.priority, -(a.started_at or a.created_at), a.id))
+        # Cheap bound first: even all candidates together may not free enough GPUs.
+        reclaimable = sum(a.gpus for a in cands[:MAX_VICTIM_CANDIDATES])
+        if st.free + reclaimable < job.gpus:
+            return []
         chosen: list[JobRecord] = []
         freed: dict[str, set[int]] = {}
         for a in cands[:MAX_VICTIM_CANDIDATES]:
@@ -266,16 +267,26 @@ class GangPolicy:
 
 
 class _CycleState:
-    """What one `GangPolicy.decide` call has decided so far."""
+    """What one `GangPolicy.decide` call has decided so far.
+
+    GPUs only ever become taken (admitted) or held (reserved) within a cycle,
+    never free again, so a shape that failed to place keeps failing: such
+    failures are remembered and larger jobs of that shape fail fast.
+    """
 
     def __init__(self, snap: Snapshot) -> None:
         self.snap = snap
         self.used = snap.used_gpus()
         self.usage = snap.queue_usage()
         self.reserved: dict[str, set[int]] = {}
+        self.total = sum(n.gpus for n in snap.nodes if n.alive)
+        self.free_unreserved = _free_count(snap.nodes, self.used)
+        self.free = self.free_unreserved
         self.head: str | None = None
         self.preempted: set[str] = set()
+        self.preempting = False
         self.out: list[Decision] = []
+        self._failed: dict[tuple[int, int, int], tuple[int, str]] = {}
         self.awaiting: dict[str, dict[str, set[int]]] = {}
         self.awaiting_ids: dict[str, set[str]] = {}
         for a in snap.active:
@@ -284,8 +295,34 @@ class _CycleState:
                                                          _job_gpus(a))
                 self.awaiting_ids.setdefault(a.preempting_for, set()).add(a.id)
 
+    def blocked(self) -> dict[str, set[int]]:
+        return _union(self.used, self.reserved)
+
+    def try_place(self, shape: JobShape, gpus: int) -> PlacementPlan | Infeasible:
+        if self.free < gpus:
+            return Infeasible(f"needs {gpus} GPUs, {self.free} of {self.total} are free")
+        key = (shape.tp, shape.pp, shape.gpus_per_rank)
+        failed = self._failed.get(key)
+        if failed is not None and shape.dp >= failed[0]:
+            return Infeasible(failed[1])
+        plan = place(self.snap.nodes, self.blocked(), shape)
+        if isinstance(plan, Infeasible):
+            self._failed[key] = (min(shape.dp, failed[0]) if failed else shape.dp, plan.reason)
+        return plan
+
+    def take(self, gpus: dict[str, set[int]]) -> None:
+        """Admit: these free GPUs become used."""
+        for node, ids in gpus.items():
+            self.used.setdefault(node, set()).update(ids)
+            self.free -= len(ids)
+            self.free_unreserved -= len(ids)
+
     def hold(self, gpus: dict[str, set[int]]) -> None:
-        self.reserved = _union(self.reserved, gpus)
+        """Reserve: nobody else may take these GPUs this cycle."""
+        for node, ids in gpus.items():
+            new = ids - self.reserved.get(node, set()) - self.used.get(node, set())
+            self.free -= len(new)
+            self.reserved.setdefault(node, set()).update(ids)
 
 
 POLICIES: dict[str, type] = {"fifo": FifoPolicy, "gang": GangPolicy}
