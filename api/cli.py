@@ -166,9 +166,9 @@ def place(spec: Annotated[Path, typer.Argument(help="Job YAML.")],
           cluster: Annotated[Path, typer.Option(help="Cluster topology YAML.")],
           set_: Sets = None, as_json: Json = False) -> None:
     """Show where a job's ranks would go on an empty cluster, and the plan's score."""
-    from kuangchao.platform.placement import Infeasible
+    from kuangchao.platform.placement import Infeasible, traffic_from_spec
     from kuangchao.platform.placement import place as solve
-    from kuangchao.platform.placement_score import score, traffic_from_spec
+    from kuangchao.platform.placement_score import score
     from kuangchao.platform.policies import shape_of
     from kuangchao.platform.topology import load_topology
 
@@ -178,7 +178,7 @@ def place(spec: Annotated[Path, typer.Argument(help="Job YAML.")],
     except KuangchaoError as exc:
         fail(exc.message)
     shape = shape_of(doc)
-    plan = solve(topo.nodes, {}, shape)
+    plan = solve(topo.nodes, {}, shape, traffic_from_spec(doc))
     if isinstance(plan, Infeasible):
         typer.echo(json.dumps({"feasible": False, "reason": plan.reason}) if as_json
                    else f"infeasible: {plan.reason}")

@@ -18,7 +18,7 @@ import ray
 from kuangchao.platform import jobs
 from kuangchao.platform.controller import JobController
 from kuangchao.platform.errors import ClusterError, PlacementError
-from kuangchao.platform.placement import Infeasible, place
+from kuangchao.platform.placement import Infeasible, place, traffic_from_spec
 from kuangchao.platform.policies import job_shape
 from kuangchao.platform.registry import nodes_from_ray
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings
@@ -46,7 +46,7 @@ def _place_here(store: JobStore, job_id: str) -> None:
     for j in active:
         for p in j.placement:
             used.setdefault(p.node, set()).update(p.gpus)
-    plan = place(nodes, used, job_shape(job))
+    plan = place(nodes, used, job_shape(job), traffic_from_spec(job.spec))
     if isinstance(plan, Infeasible):
         store.transition(job_id, JobState.FAILED, f"cannot place: {plan.reason}")
         raise PlacementError(f"cannot place job {job_id}: {plan.reason}")

@@ -8,7 +8,9 @@ Rules, from hard to soft:
 
 1. every tensor-parallel group sits inside one NVLink island (hard); a single
    rank (tp=1) with more GPUs than an island needs one node;
-2. every pipeline sits inside one leaf switch when capacity allows;
+2. every pipeline sits inside one leaf switch when capacity allows, unless the
+   job's traffic says that packing its replicas into fewer leaves (letting a
+   pipeline straddle a leaf boundary) moves fewer bytes across leaves;
 3. the data-parallel rings cross as few leaves as possible: replicas are
    packed into the fewest leaves (under one spine when possible) and laid out
    leaf by leaf, so a ring changes leaf only once per leaf it spans;
@@ -42,6 +44,32 @@ class JobShape:
 
 
 @dataclass(frozen=True)
+class Traffic:
+    """Bytes one optimizer step moves, used to weigh layouts against each other.
+
+    Attributes:
+        grad_bytes: The model's gradient size; a data-parallel ring all-reduce
+            moves about `2 * (dp - 1) / dp * grad_bytes / (tp * pp)` over each
+            ring edge.
+        activation_bytes: Activations forward plus gradients backward over one
+            pipeline stage boundary, for all micro-batches of a step.
+    """
+
+    grad_bytes: float = 0.0
+    activation_bytes: float = 0.0
+
+
+def traffic_from_spec(spec_doc: dict) -> Traffic:
+    """Estimate per-step traffic from a job spec document (fp32 gradients)."""
+    m, p = spec_doc.get("model", {}), spec_doc.get("parallel", {})
+    d, layers, vocab = m.get("d_model", 128), m.get("n_layers", 2), m.get("vocab_size", 256)
+    params = 12 * layers * d * d + vocab * d
+    micro = p.get("micro_batch_size", 8) * p.get("gradient_accumulation_steps", 1)
+    return Traffic(grad_bytes=4.0 * params,
+                   activation_bytes=2.0 * micro * m.get("seq_len", 128) * d * 4)
+
+
+@dataclass(frozen=True)
 class RankSlot:
     rank: int
     node: str
@@ -66,12 +94,6 @@ class _GroupSlot:
 
     node: NodeInfo
     gpus: tuple[int, ...]
-
-
-def free_gpus(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]]) -> dict[str, list[int]]:
-    """Free GPU ids per live node name, given the ids in use."""
-    return {n.name: [g for g in range(n.gpus) if g not in used.get(n.name, set())]
-            for n in nodes if n.alive}
 
 
 def _node_group_slots(node: NodeInfo, free: set[int], k: int, tp: int) -> list[_GroupSlot]:
@@ -131,14 +153,18 @@ def _choose_leaves(cap: dict[str, int], need: int, spine: dict[str, str | None])
     return _cover(list(cap), cap, need)
 
 
-def place(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]],
-          shape: JobShape) -> PlacementPlan | Infeasible:
+def place(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]], shape: JobShape,
+          traffic: Traffic | None = None) -> PlacementPlan | Infeasible:
     """Place every rank of `shape`, or explain why not.
 
     Args:
         nodes: The cluster's nodes.
         used: GPU ids already taken, by node name.
         shape: The job's parallel layout.
+        traffic: The job's per-step traffic. When given, keeping pipelines
+            whole is weighed against packing into fewer leaves, and the layout
+            that moves fewer bytes across leaves wins; without it, pipelines
+            stay whole whenever some leaves can hold them.
 
     Returns:
         A plan with one slot per rank in rank order, or `Infeasible` with a
@@ -173,12 +199,31 @@ def place(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]],
     spine = {n.leaf: n.spine for n in live}
     cap = {leaf: len(s) // shape.pp for leaf, s in slots.items()}
     leaves = _choose_leaves(cap, shape.dp, spine)
-    if leaves is not None:
-        chosen = _pipelines_within_leaves(slots, sorted(leaves), shape)
-    else:  # pipelines must straddle leaves: take slots leaf by leaf, fullest first
-        order = sorted(slots, key=lambda lf: (-len(slots[lf]), lf))
-        chosen = [s for lf in order for s in slots[lf]][:groups]
-    return PlacementPlan(slots=tuple(_ranks(chosen, shape)))
+    whole = _pipelines_within_leaves(slots, sorted(leaves), shape) if leaves is not None else None
+    packed = None
+    if whole is None or (traffic is not None and shape.pp > 1):
+        # Groups packed leaf by leaf into the fewest leaves; a pipeline may then
+        # straddle a leaf boundary, but the rings cross fewer leaves.
+        fewest = _choose_leaves({lf: len(s) for lf, s in slots.items()}, groups, spine)
+        if fewest is not None:
+            packed = [g for lf in sorted(fewest) for g in slots[lf]][:groups]
+    if whole is None or (packed is not None and traffic is not None
+                         and _cross_leaf_bytes(packed, shape, traffic)
+                         < _cross_leaf_bytes(whole, shape, traffic)):
+        assert packed is not None
+        whole = packed
+    return PlacementPlan(slots=tuple(_ranks(whole, shape)))
+
+
+def _cross_leaf_bytes(groups: list[_GroupSlot], shape: JobShape, traffic: Traffic) -> float:
+    """Bytes per step crossing leaves, for groups in plan order (one per dp x stage)."""
+    dp, pp, tp = shape.dp, shape.pp, shape.tp
+    leaf = [g.node.leaf for g in groups]
+    ring = sum(leaf[d * pp + s] != leaf[((d + 1) % dp) * pp + s]
+               for s in range(pp) for d in range(dp)) if dp > 1 else 0
+    stages = sum(leaf[d * pp + s] != leaf[d * pp + s + 1] for d in range(dp) for s in range(pp - 1))
+    ring_bytes = 2 * (dp - 1) / dp * traffic.grad_bytes / (tp * pp) if dp > 1 else 0.0
+    return tp * (ring * ring_bytes + stages * traffic.activation_bytes)
 
 
 def _pipelines_within_leaves(slots: dict[str, list[_GroupSlot]], leaves: list[str],

@@ -19,16 +19,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kuangchao.platform.placement import JobShape, PlacementPlan
+from kuangchao.platform.placement import JobShape, PlacementPlan, Traffic
 from kuangchao.platform.topology import NodeInfo
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """Bytes one step moves; see `traffic_from_spec`."""
-
-    grad_bytes: float = 0.0
-    activation_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -43,16 +35,6 @@ class PlacementScore:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def traffic_from_spec(spec_doc: dict[str, Any]) -> Traffic:
-    """Estimate per-step traffic from a job spec document (fp32 gradients)."""
-    m, p = spec_doc.get("model", {}), spec_doc.get("parallel", {})
-    d, layers, vocab = m.get("d_model", 128), m.get("n_layers", 2), m.get("vocab_size", 256)
-    params = 12 * layers * d * d + vocab * d
-    micro = p.get("micro_batch_size", 8) * p.get("gradient_accumulation_steps", 1)
-    return Traffic(grad_bytes=4.0 * params,
-                   activation_bytes=2.0 * micro * m.get("seq_len", 128) * d * 4)
 
 
 def _island_of(node: NodeInfo, gpu: int) -> int:

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from kuangchao.platform.placement import Infeasible, JobShape, PlacementPlan, place
+from kuangchao.platform.placement import (
+    Infeasible,
+    JobShape,
+    PlacementPlan,
+    Traffic,
+    place,
+    traffic_from_spec,
+)
 from kuangchao.platform.queues import QueueTable
 from kuangchao.platform.state import JobRecord
 from kuangchao.platform.topology import NodeInfo
@@ -185,7 +192,7 @@ class GangPolicy:
             return [Wait(job.id, "waiting for preempted job(s) "
                                  f"{', '.join(sorted(st.awaiting_ids[job.id]))} to checkpoint")]
         shape = job_shape(job)
-        plan = st.try_place(shape, job.gpus)
+        plan = st.try_place(shape, job.gpus, traffic_from_spec(job.spec))
         if isinstance(plan, PlacementPlan):
             st.take(_plan_gpus(plan))
             st.usage[queue.name] = in_use + job.gpus
@@ -298,14 +305,15 @@ class _CycleState:
     def blocked(self) -> dict[str, set[int]]:
         return _union(self.used, self.reserved)
 
-    def try_place(self, shape: JobShape, gpus: int) -> PlacementPlan | Infeasible:
+    def try_place(self, shape: JobShape, gpus: int,
+                  traffic: Traffic | None = None) -> PlacementPlan | Infeasible:
         if self.free < gpus:
             return Infeasible(f"needs {gpus} GPUs, {self.free} of {self.total} are free")
         key = (shape.tp, shape.pp, shape.gpus_per_rank)
         failed = self._failed.get(key)
         if failed is not None and shape.dp >= failed[0]:
             return Infeasible(failed[1])
-        plan = place(self.snap.nodes, self.blocked(), shape)
+        plan = place(self.snap.nodes, self.blocked(), shape, traffic)
         if isinstance(plan, Infeasible):
             self._failed[key] = (min(shape.dp, failed[0]) if failed else shape.dp, plan.reason)
         return plan

@@ -174,3 +174,18 @@ def test_a_single_rank_with_more_gpus_than_an_island_takes_a_whole_node():
         rank=0, node="n00-01", node_id="id0-1", leaf="leaf-00", gpus=tuple(range(8)))
     out = place(nodes, {}, JobShape(dp=1, gpus_per_rank=9))
     assert isinstance(out, Infeasible) and "largest node has 8" in out.reason
+
+
+def test_traffic_decides_between_whole_pipelines_and_fewer_leaves():
+    # Two leaves of two 4-GPU nodes; GPU 0 is busy on n00-00 and on n01-00.
+    nodes = cluster(leaves=2, nodes_per_leaf=2, gpus=4, island=4)
+    used = {"n00-00": {0}, "n01-00": {0}}
+    shape = JobShape(dp=4, pp=2)
+    whole = place(nodes, used, shape)  # no traffic: pipelines stay whole
+    assert score(whole, nodes, shape).pipelines_across_leaves == 0
+    heavy = Traffic(grad_bytes=1e9, activation_bytes=1.0)
+    packed = place(nodes, used, shape, heavy)
+    assert score(packed, nodes, shape, heavy).cross_leaf_bytes < score(whole, nodes, shape,
+                                                                       heavy).cross_leaf_bytes
+    light = Traffic(grad_bytes=1.0, activation_bytes=1e9)
+    assert score(place(nodes, used, shape, light), nodes, shape).pipelines_across_leaves == 0
