@@ -7,7 +7,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from kuangchao.api.routers import health, jobs, queues
+from kuangchao.api.routers import health, jobs, nodes, queues
 from kuangchao.platform.errors import StoreUnavailable
 from kuangchao.platform.version import __version__
 
@@ -19,6 +19,7 @@ def create_app() -> FastAPI:
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(queues.router)
+    app.include_router(nodes.router)
 
     @app.exception_handler(StoreUnavailable)
     async def _store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:

@@ -20,6 +20,7 @@ from kuangchao.api.render import (
     print_job,
     print_jobs,
     print_log_lines,
+    print_nodes,
     print_plan,
     print_queues,
     progress_line,
@@ -152,6 +153,42 @@ def logs(job_id: str,
             if not _api(c.logs, job_id, start)["logs"]:
                 return
         time.sleep(1.0)
+
+
+node_app = typer.Typer(help="Manage this machine as a node of a cluster.", no_args_is_help=True)
+app.add_typer(node_app, name="node")
+
+
+@app.command()
+def nodes(as_json: Json = False) -> None:
+    """Show the nodes: topology, liveness, and the GPUs jobs hold on each."""
+    data = _api(client().nodes)
+    typer.echo(json.dumps(data)) if as_json else print_nodes(data)
+
+
+@node_app.command("join")
+def node_join(address: Annotated[str, typer.Option(help="Ray head address, host:port.")],
+              leaf: Annotated[str, typer.Option(help="Leaf switch this node hangs off.")],
+              name: Annotated[str | None, typer.Option(help="Node name (default: hostname).")] = None,
+              spine: Annotated[str | None, typer.Option(help="Spine switch.")] = None,
+              gpus: Annotated[int | None, typer.Option(help="GPUs, when nvidia-smi is absent.")] = None,
+              nvlink: Annotated[str | None, typer.Option(
+                  help="NVLink islands when nvidia-smi is absent: '0.1.2.3_4.5.6.7' or 'full'.")] = None,
+              cpus: Annotated[int | None, typer.Option(help="CPUs to offer.")] = None,
+              as_json: Json = False) -> None:
+    """Join this machine to a cluster as a raylet with kuangchao's topology labels."""
+    import socket
+
+    from kuangchao.platform.nodejoin import JoinOptions, join
+
+    try:
+        node = join(JoinOptions(address=address, name=name or socket.gethostname(), leaf=leaf,
+                                spine=spine, gpus=gpus, nvlink=nvlink, cpus=cpus))
+    except KuangchaoError as exc:
+        fail(exc.message)
+    typer.echo(json.dumps(node.to_json()) if as_json else
+               f"{node.name} joined {address}: {node.gpus} GPU(s), islands "
+               f"{[list(i) for i in node.islands]}, leaf {node.leaf}")
 
 
 @app.command()

@@ -77,6 +77,9 @@ class Client:
     def logs(self, job_id: str, start: int = 0) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}/logs", params={"start": start})
 
+    def nodes(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/nodes")
+
     def queues(self) -> dict[str, Any]:
         return self._call("GET", "/v1/queues")
 

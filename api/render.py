@@ -97,3 +97,13 @@ def print_queues(data: dict[str, Any]) -> None:
         limit = "-" if q["limit_gpus"] is None else q["limit_gpus"]
         typer.echo(f"{q['name']:<16} {q['guaranteed_gpus']:>10} {limit:>6} {q['gpus_in_use']:>7} "
                    f"{q['running']:>8} {q['queued']:>7}")
+
+
+def print_nodes(data: dict[str, Any]) -> None:
+    typer.echo(f"{'NODE':<14} {'LEAF':<10} {'SPINE':<10} {'ALIVE':<6} {'GPUS':>4} {'FREE':>4}  "
+               f"{'NVLINK':<20} JOBS")
+    for n in data["nodes"]:
+        islands = "_".join(".".join(map(str, i)) for i in n["nvlink"]) or "-"
+        typer.echo(f"{n['name']:<14} {n['leaf']:<10} {n['spine'] or '-':<10} "
+                   f"{'yes' if n['alive'] else 'no':<6} {n['gpus']:>4} {n['free_gpus']:>4}  "
+                   f"{islands:<20} {', '.join(n['jobs']) or '-'}")

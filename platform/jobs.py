@@ -119,3 +119,20 @@ def queue_view(store: JobStore) -> dict[str, Any]:
             "queued": sum(1 for j in mine if j.state is JobState.QUEUED),
         })
     return {"queues": out, "preemption": table.preemption, "policy": table.policy}
+
+
+def node_view(store: JobStore) -> dict[str, Any]:
+    """The registry's last node view, with the GPUs active jobs hold on each node."""
+    info = store.info("nodes") or {"nodes": []}
+    holders: dict[str, dict[int, str]] = {}
+    for job in store.list():
+        if job.state.holds_resources:
+            for p in job.placement:
+                for g in p.gpus:
+                    holders.setdefault(p.node, {})[g] = job.id
+    nodes = []
+    for n in info["nodes"]:
+        held = holders.get(n["name"], {})
+        nodes.append({**n, "used_gpus": sorted(held), "free_gpus": n["gpus"] - len(held),
+                      "jobs": sorted(set(held.values()))})
+    return {"nodes": nodes, "updated_at": info.get("updated_at")}

@@ -8,6 +8,7 @@ publishes the node list to Redis for the API.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kuangchao.platform.topology import LABEL_ROLE, NodeInfo, gpu_resource, node_from_labels
@@ -55,5 +56,6 @@ class Registry:
 
         nodes = nodes_from_ray(ray.nodes())
         if self.store is not None:
-            self.store.set_info("nodes", {"nodes": [n.to_json() for n in nodes]})
+            self.store.set_info("nodes", {"nodes": [n.to_json() for n in nodes],
+                                          "updated_at": time.time()})
         return nodes

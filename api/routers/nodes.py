@@ -1,0 +1,17 @@
+"""`/v1/nodes`: the registry's node view with the GPUs each job holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from kuangchao.api.deps import Store
+from kuangchao.platform.jobs import node_view
+
+router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
+
+
+@router.get("", summary="Nodes, their topology, and free and used GPUs")
+def list_nodes(store: Store) -> dict[str, Any]:
+    return node_view(store)

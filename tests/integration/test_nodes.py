@@ -1,0 +1,45 @@
+"""The registry: node view from Ray labels, nodes joining and leaving."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kuangchao.platform import procs
+
+from .conftest import kc, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def test_nodes_show_topology_from_labels(stack):
+    nodes = wait_for(lambda: len(stack.client.nodes()["nodes"]) >= 4 and stack.client.nodes(),
+                     60, "the registry's node view")["nodes"]
+    by_name = {n["name"]: n for n in nodes}
+    assert {"node-0", "node-1", "node-2", "node-3"} <= set(by_name)
+    n0 = by_name["node-0"]
+    assert n0["leaf"] == "leaf-0" and n0["spine"] == "spine-0" and n0["alive"]
+    assert n0["nvlink"] == [[0, 1, 2, 3], [4, 5, 6, 7]] and n0["pinned_gpus"]
+    assert by_name["node-3"]["leaf"] == "leaf-1"
+    out = kc("nodes", "--json", env=stack.env)
+    assert out.returncode == 0 and {n["name"] for n in json.loads(out.stdout)["nodes"]} >= set(by_name)
+
+
+def test_a_node_that_joins_and_leaves_is_discovered_both_times(stack):
+    out = kc("node", "join", "--address", stack.state["ray_address"], "--name", "joiner",
+             "--leaf", "leaf-9", "--gpus", "2", "--nvlink", "full", "--cpus", "1", "--json",
+             env=stack.env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["nvlink"] == [[0, 1]]
+
+    def joiner(alive: bool):
+        nodes = {n["name"]: n for n in stack.client.nodes()["nodes"]}
+        return "joiner" in nodes and nodes["joiner"]["alive"] is alive and nodes["joiner"]
+    seen = wait_for(lambda: joiner(True), 60, "the joined node in /v1/nodes")
+    assert seen["leaf"] == "leaf-9" and seen["gpus"] == 2 and seen["pinned_gpus"]
+
+    raylet = procs.matching(['"kc.io/node": "joiner"'])
+    assert raylet, "no raylet carries the joiner's labels"
+    procs.stop(raylet)
+    wait_for(lambda: joiner(False), 120, "the registry to see the node leave")
