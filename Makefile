@@ -38,7 +38,8 @@ integration: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy platform/spec.py platform/state.py platform/placement.py \
-		platform/policies.py platform/topology.py platform/errors.py
+		platform/policies.py platform/topology.py platform/errors.py platform/queues.py \
+		platform/placement_score.py platform/scheduler.py
 
 up: install
 	$(KC) up --cluster $(CLUSTER)

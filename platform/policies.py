@@ -206,8 +206,9 @@ class GangPolicy:
                 st.preempted.add(v.id)
                 st.hold(_job_gpus(v))
             names = ", ".join(v.id for v in victims)
-            return [Preempt(v.id, job.id, f"preempted for higher-priority job {job.id}")
-                    for v in victims] + [Wait(job.id, f"preempting {names}")]
+            out: list[Decision] = [Preempt(v.id, job.id, f"preempted for higher-priority job {job.id}")
+                                   for v in victims]
+            return out + [Wait(job.id, f"preempting {names}")]
         reason = plan.reason
         if st.head is None:
             st.head = job.id

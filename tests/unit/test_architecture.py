@@ -7,6 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PURE = ["platform/spec.py", "platform/state.py", "platform/placement.py", "platform/policies.py",
+        "platform/queues.py", "platform/placement_score.py",
         "platform/topology.py", "platform/scheduler.py", "platform/errors.py"]
 
 
