@@ -159,6 +159,40 @@ node_app = typer.Typer(help="Manage this machine as a node of a cluster.", no_ar
 app.add_typer(node_app, name="node")
 
 
+topology_app = typer.Typer(help="Measure the cluster's network.", no_args_is_help=True)
+app.add_typer(topology_app, name="topology")
+
+
+@topology_app.command("probe")
+def topology_probe(size_mb: Annotated[float, typer.Option(help="Payload per transfer, MiB.")] = 16.0,
+                   rounds: Annotated[int, typer.Option(help="Transfers per pair.")] = 5,
+                   as_json: Json = False) -> None:
+    """Measure latency and bandwidth between every pair of nodes; store them in Redis."""
+    import ray
+
+    from kuangchao.platform.probe import measure
+    from kuangchao.platform.registry import nodes_from_ray
+    from kuangchao.platform.settings import RAY_NAMESPACE
+    from kuangchao.platform.store import JobStore
+
+    settings = Settings.from_env()
+    try:
+        store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
+        ray.init(address=settings.ray_address or "auto", namespace=RAY_NAMESPACE,
+                 log_to_driver=False, logging_level="ERROR")
+    except KuangchaoError as exc:
+        fail(exc.message)
+    except ConnectionError as exc:
+        fail(f"cannot connect to Ray ({exc}); run `kc up`, or set RAY_ADDRESS")
+    result = measure(nodes_from_ray(ray.nodes()), size_mb, rounds)
+    store.set_info("probe", result)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    for p in result["pairs"]:
+        typer.echo(f"{p['a']:<14} {p['b']:<14} {p['latency_us']:>9.1f} us {p['bandwidth_gbps']:>8.2f} Gbit/s")
+
+
 @app.command()
 def nodes(as_json: Json = False) -> None:
     """Show the nodes: topology, liveness, and the GPUs jobs hold on each."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kuangchao.platform.probe import apply_probe
 from kuangchao.platform.topology import LABEL_ROLE, NodeInfo, gpu_resource, node_from_labels
 
 
@@ -56,6 +57,7 @@ class Registry:
 
         nodes = nodes_from_ray(ray.nodes())
         if self.store is not None:
+            nodes = apply_probe(nodes, self.store.info("probe"))
             self.store.set_info("nodes", {"nodes": [n.to_json() for n in nodes],
                                           "updated_at": time.time()})
         return nodes

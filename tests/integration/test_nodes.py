@@ -43,3 +43,13 @@ def test_a_node_that_joins_and_leaves_is_discovered_both_times(stack):
     assert raylet, "no raylet carries the joiner's labels"
     procs.stop(raylet)
     wait_for(lambda: joiner(False), 120, "the registry to see the node leave")
+
+
+def test_topology_probe_measures_every_pair_of_live_nodes(stack):
+    out = kc("topology", "probe", "--size-mb", "4", "--rounds", "2", "--json", env=stack.env,
+             timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    live = [n for n in stack.client.nodes()["nodes"] if n["alive"]]
+    assert len(result["pairs"]) == len(live) * (len(live) - 1) // 2
+    assert all(p["latency_us"] > 0 and p["bandwidth_gbps"] > 0 for p in result["pairs"])
