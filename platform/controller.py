@@ -43,6 +43,10 @@ class Preempted(KuangchaoError):
     """The scheduler took the job's GPUs back; it goes back to the queue."""
 
 
+class WorkerLost(KuangchaoError):
+    """A rank's process or node died: an infrastructure fault the job recovers from."""
+
+
 def _pinned_nodes() -> set[str]:
     """Ray node ids whose GPUs carry one `kc_gpu_N` resource each."""
     return {n.node_id for n in nodes_from_ray(ray.nodes()) if n.pinned_gpus}
@@ -91,11 +95,16 @@ class JobController:
         job = self.store.get(self.job_id)
         if job.state.is_terminal:
             return job.state.value
+        spec = None
         try:
             spec = validate_spec(job.spec)
             self._start(job, spec)
             result = self._watch(spec)
             self._finish(spec, result)
+        except WorkerLost as exc:
+            self._teardown()
+            assert spec is not None
+            self._recover(exc.message, spec.fault_tolerance.max_restarts)
         except Cancelled:
             self._teardown()
             self._set(JobState.CANCELLED, "cancelled on request")
@@ -168,7 +177,18 @@ class JobController:
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
             for ref in ready:
-                results[refs.index(ref)] = ray.get(ref)  # raises the worker's error
+                rank = refs.index(ref)
+                try:
+                    results[rank] = ray.get(ref)  # raises the worker's error
+                except ray.exceptions.RayActorError as exc:
+                    raise WorkerLost(self._lost_message(rank, exc)) from None
+                except Exception:
+                    # Survivors of a dead peer fail in their collectives first;
+                    # blame the dead rank, which is what recovery must replace.
+                    dead = self._dead_ranks()
+                    if dead:
+                        raise WorkerLost(self._lost_message(*dead[0])) from None
+                    raise
             if self.store.cancel_requested(self.job_id):
                 raise Cancelled("cancelled")
             if preempt_deadline is None and self.store.preempt_requested(self.job_id):
@@ -201,6 +221,55 @@ class JobController:
                   f"finished at step {manifest['step']}; final checkpoint {path}"
                   + (f"; final loss {final_loss:.4f}" if isinstance(final_loss, float) else ""))
 
+    def _dead_ranks(self, timeout_s: float = 15.0) -> list[tuple[int, BaseException]]:
+        """Ranks whose actor is gone. A live rank busy in `run` does not answer and
+        counts as alive; a dead one's readiness check fails within seconds."""
+        probes = [w.__ray_ready__.remote() for w in self.workers]
+        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=timeout_s)
+        dead = []
+        for rank, ref in enumerate(probes):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    dead.append((rank, exc))
+        return dead
+
+    def _lost_message(self, rank: int, exc: BaseException) -> str:
+        job = self.store.get(self.job_id)
+        where = next((p for p in job.placement if p.rank == rank), None)
+        place = f" on {where.node} (pid {where.pid})" if where else ""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"rank {rank}{place} died: {first}"
+
+    def _recover(self, cause: str, max_restarts: int) -> None:
+        """Record the failure and put the job back in the queue to be re-placed.
+
+        The scheduler places it again (other nodes allowed) and the trainer
+        resumes from the newest checkpoint that verifies. After `max_restarts`
+        the job fails with the last cause.
+        """
+        job = self.store.get(self.job_id)
+        if job.state.is_terminal:
+            return
+        if job.restarts >= max_restarts:
+            self._set(JobState.FAILED, f"{cause}; gave up after {job.restarts} restart(s) "
+                                       "(fault_tolerance.max_restarts)")
+            return
+        record = {"cause": cause, "failed_at": time.time(), "restart": job.restarts + 1}
+
+        def fail(j: JobRecord):
+            if j.state.is_terminal:
+                return None
+            return transition(j, JobState.RECOVERING, cause, restarts=j.restarts + 1,
+                              restart_log=(*j.restart_log, record))
+        self.store.update(self.job_id, fail)
+        self.store.add_event(self.job_id, {"type": "failure", "message": cause, **record})
+        self.store.update(self.job_id, lambda j: None if j.state.is_terminal else transition(
+            j, JobState.QUEUED, "re-placing; resumes from the newest verified checkpoint",
+            placement=(), preempting_for=None))
+        self.store.wake_scheduler(self.job_id)
+
     def _requeue(self, reason: str) -> None:
         """Give the GPUs back and return the job to the queue; it resumes from its checkpoint."""
         def back(j: JobRecord):
@@ -227,7 +296,11 @@ class JobController:
             if time.monotonic() > deadline:
                 raise KuangchaoError(f"{what} not ready after {timeout_s:.0f}s; check `ray status` "
                                      "for missing nodes or resources")
-        values = ray.get(pending)
+        try:
+            values = ray.get(pending)
+        except ray.exceptions.RayActorError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else "actor died"
+            raise WorkerLost(f"a worker died while the {what} was starting: {first}") from None
         return values[0] if single else values
 
     def _set(self, state: JobState, reason: str) -> None:

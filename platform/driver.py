@@ -81,12 +81,15 @@ def run_as_driver(doc: dict[str, Any], settings: Settings | None = None) -> dict
     job = jobs.submit(store, spec, driver="external")
     print(f"job {job.id} submitted", file=sys.stderr, flush=True)
     try:
-        if managed:
-            _wait_admitted(store, job.id)
-        else:
-            _place_here(store, job.id)
-        if store.get(job.id).state is JobState.PLACING:
-            JobController(job.id, settings, store).run()
+        while True:  # a recovered or preempted job comes back to the queue: place it again
+            if managed:
+                _wait_admitted(store, job.id)
+            else:
+                _place_here(store, job.id)
+            if store.get(job.id).state is JobState.PLACING:
+                JobController(job.id, settings, store).run()
+            if store.get(job.id).state is not JobState.QUEUED:
+                break
     except KeyboardInterrupt:
         store.request_cancel(job.id)
         cur = store.get(job.id)

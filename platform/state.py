@@ -105,6 +105,7 @@ class JobRecord:
     started_at: float | None = None
     finished_at: float | None = None
     restarts: int = 0
+    restart_log: tuple[dict[str, Any], ...] = ()
     preemptions: int = 0
     preempting_for: str | None = None
     placement: tuple[PlacedRank, ...] = ()
@@ -124,6 +125,7 @@ class JobRecord:
     def from_json(cls, d: dict[str, Any]) -> JobRecord:
         d = dict(d)
         d["state"] = JobState(d["state"])
+        d["restart_log"] = tuple(d.get("restart_log") or ())
         d["placement"] = tuple(
             PlacedRank(**{**p, "gpus": tuple(p.get("gpus") or ())}) for p in d.get("placement") or ()
         )
