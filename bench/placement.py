@@ -93,6 +93,18 @@ def must_plan(result: PlacementPlan | Infeasible, what: str) -> PlacementPlan:
 
 # -- 1-3: the 1,024-GPU job ---------------------------------------------------------
 
+def compare(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]], shape: JobShape,
+            ours: PlacementPlan, pack: PlacementPlan) -> tuple[PlacementScore, PlacementScore]:
+    """Score ours and PACK on one snapshot; log both, and SPREAD for information."""
+    so, sp = score(ours, nodes, shape), score(pack, nodes, shape)
+    log(f"ours:   {fmt(so)}")
+    log(f"PACK:   {fmt(sp)}")
+    spread = ray_spread(nodes, used, shape)
+    if isinstance(spread, PlacementPlan):
+        log(f"SPREAD: {fmt(score(spread, nodes, shape))} (informative)")
+    return so, sp
+
+
 def big_job(repeats: int) -> None:
     nodes = make_cluster(NVSWITCH)
     jobs = occupy(nodes, 0.5, random.Random(SEED))
@@ -109,27 +121,17 @@ def big_job(repeats: int) -> None:
         f"PACK simulation: median {median(pack_ms):.2f} ms ({repeats} runs each)")
     report("solve_ms_p50", "ms", median(ours_ms), median(pack_ms), 100)
 
-    so, sp = score(ours, nodes, BIG_JOB), score(pack, nodes, BIG_JOB)
-    spread = ray_spread(nodes, used, BIG_JOB)
-    log(f"ours:   {fmt(so)}")
-    log(f"PACK:   {fmt(sp)}")
-    if isinstance(spread, PlacementPlan):
-        log(f"SPREAD: {fmt(score(spread, nodes, BIG_JOB))} (informative)")
+    so, sp = compare(nodes, used, BIG_JOB, ours, pack)
     report("tp_groups_split", "groups", so.tp_groups_split, sp.tp_groups_split, 0)
 
     nodes4 = make_cluster(TWO_ISLANDS)
     jobs4 = occupy(nodes4, 0.5, random.Random(SEED))
     used4 = used_of(jobs4)
     log(f"two-island cluster: {describe(nodes4, used4, jobs4)}")
-    so4 = score(must_plan(place(nodes4, used4, BIG_JOB_4GPU_ISLANDS, BIG_TRAFFIC), "the tp=4 job"), nodes4,
-                BIG_JOB_4GPU_ISLANDS)
-    sp4 = score(must_plan(ray_pack(nodes4, used4, BIG_JOB_4GPU_ISLANDS), "PACK, tp=4"), nodes4,
-                BIG_JOB_4GPU_ISLANDS)
-    spread4 = ray_spread(nodes4, used4, BIG_JOB_4GPU_ISLANDS)
-    log(f"ours:   {fmt(so4)}")
-    log(f"PACK:   {fmt(sp4)}")
-    if isinstance(spread4, PlacementPlan):
-        log(f"SPREAD: {fmt(score(spread4, nodes4, BIG_JOB_4GPU_ISLANDS))} (informative)")
+    so4, sp4 = compare(
+        nodes4, used4, BIG_JOB_4GPU_ISLANDS,
+        must_plan(place(nodes4, used4, BIG_JOB_4GPU_ISLANDS, BIG_TRAFFIC), "the tp=4 job"),
+        must_plan(ray_pack(nodes4, used4, BIG_JOB_4GPU_ISLANDS), "PACK, tp=4"))
     report("tp_groups_split_4gpu_islands", "groups", so4.tp_groups_split, sp4.tp_groups_split, 0)
 
     log(f"context: the 1,024-GPU job's {BIG_JOB.dp * BIG_JOB.pp} node-sized groups fit in no fewer than "

@@ -19,7 +19,7 @@ from kuangchao.platform import jobs
 from kuangchao.platform.controller import JobController
 from kuangchao.platform.errors import ClusterError, PlacementError
 from kuangchao.platform.placement import Infeasible, place, traffic_from_spec
-from kuangchao.platform.policies import job_shape
+from kuangchao.platform.policies import Snapshot, job_shape
 from kuangchao.platform.registry import nodes_from_ray
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings
 from kuangchao.platform.spec import validate_spec
@@ -41,11 +41,8 @@ def _connect_ray(settings: Settings) -> None:
 def _place_here(store: JobStore, job_id: str) -> None:
     job = store.get(job_id)
     nodes = nodes_from_ray(ray.nodes())
-    active = [j for j in store.list() if j.state.holds_resources]
-    used: dict[str, set[int]] = {}
-    for j in active:
-        for p in j.placement:
-            used.setdefault(p.node, set()).update(p.gpus)
+    active = tuple(j for j in store.list_active() if j.state.holds_resources)
+    used = Snapshot(nodes=nodes, queued=(), active=active).used_gpus()
     plan = place(nodes, used, job_shape(job), traffic_from_spec(job.spec))
     if isinstance(plan, Infeasible):
         store.transition(job_id, JobState.FAILED, f"cannot place: {plan.reason}")

@@ -98,7 +98,8 @@ def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None =
 
 def queue_position(store: JobStore, job: JobRecord, jobs: list[JobRecord] | None = None) -> int:
     """1-based place of a queued job in the scheduler's order (priority, then arrival)."""
-    queued = [j for j in (jobs if jobs is not None else store.list()) if j.state is JobState.QUEUED]
+    queued = [j for j in (jobs if jobs is not None else store.list_active())
+              if j.state is JobState.QUEUED]
     ahead = sum(1 for j in queued if order_key(j) < order_key(job))
     return ahead + 1
 
@@ -106,7 +107,7 @@ def queue_position(store: JobStore, job: JobRecord, jobs: list[JobRecord] | None
 def queue_view(store: JobStore) -> dict[str, Any]:
     """The queue table with each queue's GPUs in use, running and queued jobs."""
     table = QueueTable.from_json(store.info("queues"))
-    jobs = [j for j in store.list() if not j.state.is_terminal]
+    jobs = store.list_active()
     out = []
     for q in table.queues:
         mine = [j for j in jobs if j.queue == q.name]
@@ -125,7 +126,7 @@ def node_view(store: JobStore) -> dict[str, Any]:
     """The registry's last node view, with the GPUs active jobs hold on each node."""
     info = store.info("nodes") or {"nodes": []}
     holders: dict[str, dict[int, str]] = {}
-    for job in store.list():
+    for job in store.list_active():
         if job.state.holds_resources:
             for p in job.placement:
                 for g in p.gpus:

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kuangchao.platform.errors import SpecError
+from kuangchao.platform.spec import pydantic_errors, read_yaml_mapping
 
 DEFAULT_QUEUE = "default"
 
@@ -93,18 +93,10 @@ def parse_queues(doc: Any, source: str = "queues") -> QueueTable:
     try:
         model = QueueFileModel.model_validate(doc)
     except ValidationError as exc:
-        raise SpecError([(f"{source}: " + ".".join(map(str, e["loc"])), e["msg"])
-                         for e in exc.errors()]) from None
+        raise SpecError(pydantic_errors(exc, prefix=f"{source}: ")) from None
     return QueueTable(queues=tuple(Queue(**q.model_dump()) for q in model.queues),
                       preemption=model.preemption, policy=model.policy)
 
 
 def load_queues(path: str | Path) -> QueueTable:
-    path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise SpecError([("", f"queue file {path} does not exist")]) from None
-    except yaml.YAMLError as exc:
-        raise SpecError([("", f"{path} is not valid YAML: {exc}")]) from None
-    return parse_queues(doc, str(path))
+    return parse_queues(read_yaml_mapping(Path(path), "queue file"), str(path))

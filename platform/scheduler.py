@@ -35,7 +35,7 @@ class Scheduler:
         self.store, self.nodes, self.launch, self.policy = store, nodes, launch, policy
 
     def snapshot(self) -> Snapshot:
-        jobs = [j for j in self.store.list() if not j.state.is_terminal]
+        jobs = self.store.list_active()
         return Snapshot(nodes=self.nodes(),
                         queued=tuple(j for j in jobs if j.state is JobState.QUEUED),
                         active=tuple(j for j in jobs if j.state.holds_resources),

@@ -189,10 +189,11 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
     return errs
 
 
-def _pydantic_errors(exc: ValidationError) -> list[tuple[str, str]]:
+def pydantic_errors(exc: ValidationError, prefix: str = "") -> list[tuple[str, str]]:
+    """One `(field path, message)` per pydantic error, paths optionally prefixed."""
     out = []
     for err in exc.errors():
-        path = ".".join(str(part) for part in err["loc"])
+        path = prefix + ".".join(str(part) for part in err["loc"])
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown field; check the spelling against docs/user-guide.md"
@@ -225,7 +226,7 @@ def validate_spec(data: Any) -> JobSpec:
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(_pydantic_errors(exc)) from None
+        raise SpecError(pydantic_errors(exc)) from None
     errs = _cross_field_errors(spec)
     if errs:
         raise SpecError(errs)
@@ -243,11 +244,12 @@ def deep_merge(base: dict, child: dict) -> dict:
     return out
 
 
-def _read_yaml(path: Path) -> dict:
+def read_yaml_mapping(path: Path, what: str = "spec file") -> dict:
+    """A YAML file that must hold a mapping; `SpecError` saying what is wrong otherwise."""
     try:
         doc = yaml.safe_load(path.read_text())
     except FileNotFoundError:
-        raise SpecError([("", f"spec file {path} does not exist")]) from None
+        raise SpecError([("", f"{what} {path} does not exist")]) from None
     except yaml.YAMLError as exc:
         raise SpecError([("", f"{path} is not valid YAML: {exc}")]) from None
     if doc is None:
@@ -263,7 +265,7 @@ def resolve_extends(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
     if path in _seen:
         chain = " -> ".join(str(p) for p in (*_seen, path))
         raise SpecError([("extends", f"cycle in extends chain: {chain}")])
-    doc = _read_yaml(path)
+    doc = read_yaml_mapping(path)
     parent = doc.pop("extends", None)
     if parent is None:
         return doc

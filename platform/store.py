@@ -4,6 +4,7 @@ Keys (all under the configured prefix, default `kc:`):
 
     {p}job:{id}               JSON job record, with a `version`
     {p}jobs                   sorted set of job ids by creation time
+    {p}jobs:active            set of ids of jobs not yet finished (what the scheduler reads)
     {p}job:{id}:events        list of JSON events
     {p}job:{id}:logs          list of JSON log lines (capped)
     {p}job:{id}:progress      hash: step, total_steps, loss, initial_loss, tokens_per_s
@@ -99,6 +100,7 @@ class JobStore:
         with self.r.pipeline() as pipe:
             pipe.set(self.key("job", job.id), json.dumps(job.to_json()), nx=True)
             pipe.zadd(self.key("jobs"), {job.id: job.created_at})
+            pipe.sadd(self.key("jobs", "active"), job.id)
             pipe.rpush(self.key("job", job.id, "events"), json.dumps(
                 {"ts": job.created_at, "type": "state", "from": None, "to": job.state.value,
                  "message": event_message}))
@@ -113,7 +115,15 @@ class JobStore:
         return JobRecord.from_json(json.loads(raw))
 
     def list(self, limit: int = 1000) -> list[JobRecord]:
-        ids = self.r.zrange(self.key("jobs"), -limit, -1)
+        """The newest `limit` jobs, oldest first."""
+        return self._records(self.r.zrange(self.key("jobs"), -limit, -1))
+
+    def list_active(self) -> list[JobRecord]:
+        """Every job that has not finished, however old, oldest first."""
+        jobs = self._records(list(self.r.smembers(self.key("jobs", "active"))))
+        return sorted(jobs, key=lambda j: (j.created_at, j.id))
+
+    def _records(self, ids: list[str]) -> list[JobRecord]:
         if not ids:
             return []
         raws = self.r.mget([self.key("job", i) for i in ids])
@@ -145,6 +155,8 @@ class JobStore:
             ok = self._cas(keys=[self.key("job", job_id)],
                            args=[str(cur.version), json.dumps(new.to_json())])
             if ok == 1:
+                if new.state.is_terminal:
+                    self.r.srem(self.key("jobs", "active"), job_id)
                 if event:
                     self.add_event(job_id, event)
                 return new

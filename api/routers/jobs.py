@@ -40,8 +40,8 @@ async def submit_job(request: Request, store: Store) -> dict[str, Any]:
 
 @router.get("", summary="List jobs, newest last")
 def list_jobs(store: Store, limit: int = Query(200, ge=1, le=10000)) -> dict[str, Any]:
-    listed = store.list(limit)
-    return {"jobs": [jobs.job_view(store, j, listed) for j in listed]}
+    active = store.list_active()  # queue positions count every waiting job, however old
+    return {"jobs": [jobs.job_view(store, j, active) for j in store.list(limit)]}
 
 
 @router.get("/{job_id}", summary="One job")

