@@ -80,6 +80,9 @@ class Client:
     def nodes(self) -> dict[str, Any]:
         return self._call("GET", "/v1/nodes")
 
+    def release_node(self, name: str) -> dict[str, Any]:
+        return self._call("POST", f"/v1/nodes/{name}/release")
+
     def queues(self) -> dict[str, Any]:
         return self._call("GET", "/v1/queues")
 

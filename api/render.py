@@ -100,10 +100,19 @@ def print_queues(data: dict[str, Any]) -> None:
 
 
 def print_nodes(data: dict[str, Any]) -> None:
-    typer.echo(f"{'NODE':<14} {'LEAF':<10} {'SPINE':<10} {'ALIVE':<6} {'GPUS':>4} {'FREE':>4}  "
+    typer.echo(f"{'NODE':<14} {'LEAF':<10} {'SPINE':<10} {'STATUS':<12} {'GPUS':>4} {'FREE':>4}  "
                f"{'NVLINK':<20} JOBS")
+    quarantined = []
     for n in data["nodes"]:
         islands = "_".join(".".join(map(str, i)) for i in n["nvlink"]) or "-"
+        status = "lost" if not n["alive"] else "quarantined" if n.get("quarantine") else "ready"
+        if n.get("quarantine"):
+            quarantined.append(n)
         typer.echo(f"{n['name']:<14} {n['leaf']:<10} {n['spine'] or '-':<10} "
-                   f"{'yes' if n['alive'] else 'no':<6} {n['gpus']:>4} {n['free_gpus']:>4}  "
+                   f"{status:<12} {n['gpus']:>4} {n['free_gpus']:>4}  "
                    f"{islands:<20} {', '.join(n['jobs']) or '-'}")
+    for n in quarantined:
+        q = n["quarantine"]
+        until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(q["until"]))
+        typer.echo(f"\n{n['name']} is quarantined until {until}: {q['reason']}\n"
+                   f"  release it early with `kc node release {n['name']}`")

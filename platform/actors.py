@@ -20,6 +20,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kuangchao.platform.controller import JobController
+from kuangchao.platform.orphans import LAUNCHING, RECONCILE_S, OrphanCheck
 from kuangchao.platform.registry import Registry, head_node_id
 from kuangchao.platform.scheduler import Scheduler
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings
@@ -29,6 +30,9 @@ log = logging.getLogger(__name__)
 
 REGISTRY_NAME = "kc-registry"
 SCHEDULER_NAME = "kc-scheduler"
+# How often Ray brings a dead control-plane actor back. They keep their state
+# in Redis, so a restart loses nothing; -1 would hide a crash loop forever.
+CONTROL_RESTARTS = 10
 
 
 def _control_options(name: str) -> dict[str, Any]:
@@ -51,7 +55,8 @@ class RegistryActor:
 
 class JobControllerActor:
     def __init__(self, job_id: str, settings: Settings) -> None:
-        self.controller = JobController(job_id, settings)
+        name = ray.get_runtime_context().get_actor_name() or f"kc-job-{job_id}"
+        self.controller = JobController(job_id, settings, name=name)
 
     def run(self) -> str:
         try:
@@ -65,8 +70,13 @@ def launch_controller(job_id: str, settings: Settings) -> None:
     # A job may be placed more than once (preemption, recovery); each run gets
     # its own controller, so the name carries a run suffix.
     name = f"kc-job-{job_id}-{secrets.token_hex(3)}"
+    # If the controller's process dies, Ray starts it again and re-runs `run`,
+    # which finds the job mid-flight and recovers it (see JobController._took_over).
+    store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
+    store.claim_controller(job_id, f"{name}/{LAUNCHING}")
     actor = ray.remote(JobControllerActor).options(
-        **{**_control_options(name), "max_concurrency": 2}
+        **{**_control_options(name), "max_concurrency": 2, "max_restarts": CONTROL_RESTARTS,
+           "max_task_retries": CONTROL_RESTARTS}
     ).remote(job_id, settings)
     actor.run.remote()
 
@@ -84,15 +94,20 @@ class SchedulerService:
             launch=lambda job_id: launch_controller(job_id, settings),
         )
         self.cycles = 0
+        self.orphans = OrphanCheck(self.store, self.settings, controller_exists)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="kc-scheduler")
         self._thread.start()
 
     def _loop(self) -> None:
+        next_reconcile = 0.0
         while not self._stop.is_set():
             try:
                 self.scheduler.step()
                 self.cycles += 1
+                if time.monotonic() >= next_reconcile:
+                    self.orphans.check()
+                    next_reconcile = time.monotonic() + RECONCILE_S
             except Exception:
                 log.exception("scheduling cycle failed; retrying")
                 time.sleep(self.idle_s)
@@ -109,13 +124,22 @@ class SchedulerService:
         self._stop.set()
 
 
+def controller_exists(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=RAY_NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
 def start_control_plane(settings: Settings) -> None:
     """Create the registry and scheduler actors (idempotent) and wait until ready."""
+    restart = {"max_restarts": CONTROL_RESTARTS, "max_task_retries": CONTROL_RESTARTS}
     registry = ray.remote(RegistryActor).options(
-        **_control_options(REGISTRY_NAME), get_if_exists=True).remote(settings)
+        **_control_options(REGISTRY_NAME), **restart, get_if_exists=True).remote(settings)
     ray.get(registry.snapshot.remote(), timeout=120)
     scheduler = ray.remote(SchedulerService).options(
-        **_control_options(SCHEDULER_NAME), get_if_exists=True).remote(settings)
+        **_control_options(SCHEDULER_NAME), **restart, get_if_exists=True).remote(settings)
     ray.get(scheduler.info.remote(), timeout=120)
 
 

@@ -10,22 +10,27 @@ in-process for `kc train`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import ray
+import redis
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kuangchao.platform.errors import KuangchaoError
+from kuangchao.platform.orphans import LAUNCHING
+from kuangchao.platform.recovery import Failure, record_failure, requeue_for_recovery
 from kuangchao.platform.registry import nodes_from_ray
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec import JobSpec, validate_spec
 from kuangchao.platform.state import JobRecord, JobState, PlacedRank, transition
 from kuangchao.platform.store import JobStore
 from kuangchao.platform.topology import gpu_resource
+from kuangchao.platform.watch import RankHost, RankWatch
 from kuangchao.workers.checkpoint import verify
 from kuangchao.workers.errors import CheckpointError, WorkerError
 from kuangchao.workers.worker import TrainWorker
@@ -44,7 +49,11 @@ class Preempted(KuangchaoError):
 
 
 class WorkerLost(KuangchaoError):
-    """A rank's process or node died: an infrastructure fault the job recovers from."""
+    """A rank died, hung or lost its node: an infrastructure fault the job recovers from."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
 
 
 def _pinned_nodes() -> set[str]:
@@ -80,15 +89,20 @@ class JobController:
         job_id: A job in PLACING with a placement plan.
         settings: Redis and Ray settings.
         store: The job store (opened from settings when omitted).
-        poll_s: How often the watch loop checks workers and cancel requests.
+        poll_s: How often the watch loop checks heartbeats and requests.
+        name: This controller's name (its Ray actor's), to tell a restart of
+            the same controller from a new one.
     """
 
     def __init__(self, job_id: str, settings: Settings, store: JobStore | None = None,
-                 poll_s: float = 0.5) -> None:
+                 poll_s: float = 0.5, name: str = "driver") -> None:
         self.job_id, self.settings, self.poll_s = job_id, settings, poll_s
         self.store = store or JobStore.from_url(settings.redis_url, settings.redis_prefix)
+        self.name = name
         self.pg = None
         self.workers: list[Any] = []
+        self.infos: list[dict[str, Any]] = []
+        self.watch: RankWatch | None = None
 
     def run(self) -> str:
         """Drive the job to its end; returns the final state's name."""
@@ -98,13 +112,16 @@ class JobController:
         spec = None
         try:
             spec = validate_spec(job.spec)
+            if self._took_over(job):
+                self._handle_lost(Failure("controller", "the job controller restarted; its "
+                                          "workers died with it"), spec)
+                return self.store.get(self.job_id).state.value
             self._start(job, spec)
             result = self._watch(spec)
             self._finish(spec, result)
         except WorkerLost as exc:
-            self._teardown()
             assert spec is not None
-            self._recover(exc.message, spec.fault_tolerance.max_restarts)
+            self._handle_lost(exc.failure, spec)
         except Cancelled:
             self._teardown()
             self._set(JobState.CANCELLED, "cancelled on request")
@@ -123,6 +140,34 @@ class JobController:
             self._teardown()
         return self.store.get(self.job_id).state.value
 
+    def _took_over(self, job: JobRecord) -> bool:
+        """Claim the job; True when an earlier run of this same controller died mid-job.
+
+        Ray restarts a dead controller actor under the same name and runs
+        `run` again. Its workers and placement group died with it (they are
+        owned by it), so the job can only be recovered, not re-attached.
+        """
+        ident = f"{self.name}/{os.getpid()}"
+        previous = self.store.claim_controller(self.job_id, ident)
+        if previous is None or previous == ident or previous.endswith("/" + LAUNCHING):
+            return False
+        prev_name = previous.rsplit("/", 1)[0]
+        return prev_name == self.name and job.state in (JobState.RUNNING, JobState.RECOVERING,
+                                                         JobState.RESIZING, JobState.PLACING)
+
+    def _handle_lost(self, failure: Failure, spec: JobSpec) -> None:
+        """Tear down, record the failure and send the job back to be placed again."""
+        t0 = time.monotonic()
+        self._teardown()
+        teardown_s = time.monotonic() - t0
+        job = self.store.get(self.job_id)
+        if job.state is JobState.RECOVERING:  # a restarted controller finishing a recovery
+            requeue_for_recovery(self.store, self.job_id, teardown_s)
+            return
+        if record_failure(self.store, self.job_id, failure, spec.fault_tolerance.max_restarts,
+                          self.settings.quarantine):
+            requeue_for_recovery(self.store, self.job_id, teardown_s)
+
     # -- phases ------------------------------------------------------------
     def _start(self, job: JobRecord, spec: JobSpec) -> None:
         pinned = _pinned_nodes()
@@ -131,6 +176,7 @@ class JobController:
         self.pg = placement_group(bundles, strategy="PACK", name=f"kc-{self.job_id}",
                                   bundle_label_selector=selectors)
         self._wait_ready(self.pg.ready(), PG_READY_TIMEOUT_S, "placement group")
+        ft = spec.fault_tolerance
         cls = ray.remote(TrainWorker)
         self.workers = []
         for r, (slot, bundle) in enumerate(zip(job.placement, bundles, strict=True)):
@@ -140,9 +186,15 @@ class JobController:
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom,
                 max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=r),
-            ).remote(self.job_id, r, spec.world_size, self.settings, planned))
+            ).remote(self.job_id, r, spec.world_size, self.settings, planned, slot.node,
+                     (ft.heartbeat_interval_s, ft.heartbeat_timeout_s)))
         infos = self._wait_ready([w.describe.remote() for w in self.workers], 300.0, "workers")
         self._record_workers(job, infos)
+        self.infos = infos
+        self.watch = RankWatch(
+            self.store, self.job_id, list(range(len(self.workers))), ft.heartbeat_timeout_s,
+            ft.hang_timeout_s, ft.heartbeat_interval_s,
+            hosts={i["rank"]: RankHost(i["pid"], i["ip"], i["host"]) for i in infos})
         host = infos[0]["ip"]
         port = self._wait_ready(self.workers[0].open_rendezvous.remote(host), 60.0, "rendezvous")
         backends = self._wait_ready(
@@ -150,6 +202,15 @@ class JobController:
             RENDEZVOUS_TIMEOUT_S + 30, "process group")
         self._set(JobState.RUNNING,
                   f"{spec.world_size} rank(s) joined the {backends[0]} process group")
+        self._note_placed()
+
+    def _note_placed(self) -> None:
+        """After a recovery, record how long re-placement took (requeue to RUNNING)."""
+        job = self.store.get(self.job_id)
+        last = job.restart_log[-1] if job.restart_log else None
+        if last and "requeued_at" in last and "placement_s" not in last:
+            self.store.annotate_restart(
+                self.job_id, {"placement_s": round(time.time() - last["requeued_at"], 3)})
 
     def _record_workers(self, job: JobRecord, infos: list[dict[str, Any]]) -> None:
         for slot, info in zip(job.placement, infos, strict=True):
@@ -175,31 +236,62 @@ class JobController:
         pending = list(refs)
         preempt_deadline: float | None = None
         while pending:
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            # One ready result is enough to act on: a dead rank is seen at once.
+            ready, pending = ray.wait(pending, num_returns=1, timeout=self.poll_s)
             for ref in ready:
                 rank = refs.index(ref)
                 try:
                     results[rank] = ray.get(ref)  # raises the worker's error
                 except ray.exceptions.RayActorError as exc:
-                    raise WorkerLost(self._lost_message(rank, exc)) from None
+                    raise WorkerLost(self._died(rank, exc)) from None
                 except Exception:
                     # Survivors of a dead peer fail in their collectives first;
                     # blame the dead rank, which is what recovery must replace.
                     dead = self._dead_ranks()
                     if dead:
-                        raise WorkerLost(self._lost_message(*dead[0])) from None
+                        raise WorkerLost(self._died(*dead[0])) from None
                     raise
-            if self.store.cancel_requested(self.job_id):
-                raise Cancelled("cancelled")
-            if preempt_deadline is None and self.store.preempt_requested(self.job_id):
-                preempt_deadline = time.monotonic() + PREEMPT_GRACE_S
-            if preempt_deadline is not None and pending and time.monotonic() > preempt_deadline:
+            if not pending:
+                break
+            self._check_heartbeats()
+            try:
+                if self.store.cancel_requested(self.job_id):
+                    raise Cancelled("cancelled")
+                if preempt_deadline is None and self.store.preempt_requested(self.job_id):
+                    preempt_deadline = time.monotonic() + PREEMPT_GRACE_S
+            except redis.RedisError:
+                pass  # Redis away: the heartbeat watch holds its verdicts; training goes on
+            if preempt_deadline is not None and time.monotonic() > preempt_deadline:
                 raise Preempted(f"preempted; workers did not checkpoint within {PREEMPT_GRACE_S:.0f}s "
                                 "and were stopped")
         out = [results[i] for i in range(len(refs))]
         if out and isinstance(out[0], dict) and out[0].get("preempted"):
             raise Preempted(f"preempted at step {out[0].get('steps')}; checkpointed and requeued")
         return out
+
+    def _check_heartbeats(self) -> None:
+        """Turn heartbeat verdicts into a failure, with stacks for the record."""
+        if self.watch is None:
+            return
+        verdicts = self.watch.poll()
+        if not verdicts:
+            return
+        first = min(verdicts, key=lambda v: (v.kind != "expired", v.rank))
+        ft_timeout = self.watch.classifier.heartbeat_timeout_s
+        stacks = self.watch.collect_stacks([v.rank for v in verdicts])
+        for rank, text in sorted(stacks.items()):
+            self.store.add_event(self.job_id, {"type": "stacks", "rank": rank,
+                                               "message": f"stacks of rank {rank}", "text": text})
+        message = first.describe(ft_timeout)
+        outside = stacks.get(first.rank, "")
+        if "stopped" in outside:
+            message += "; its process is stopped"
+        slot = self._slot(first.rank)
+        beat = first.last
+        raise WorkerLost(Failure(
+            first.kind, message, rank=first.rank, node=slot.node if slot else None,
+            pid=slot.pid if slot else None, detected_after_s=round(first.detected_after_s, 3),
+            last_heartbeat_at=beat.ts if beat else None))
 
     def _finish(self, spec: JobSpec, results: list[dict[str, Any]]) -> None:
         ckpt = (results[0] or {}).get("checkpoint") if results else None
@@ -235,40 +327,25 @@ class JobController:
                     dead.append((rank, exc))
         return dead
 
-    def _lost_message(self, rank: int, exc: BaseException) -> str:
-        job = self.store.get(self.job_id)
-        where = next((p for p in job.placement if p.rank == rank), None)
-        place = f" on {where.node} (pid {where.pid})" if where else ""
+    def _slot(self, rank: int) -> PlacedRank | None:
+        try:
+            job = self.store.get(self.job_id)
+        except redis.RedisError:
+            return None
+        return next((p for p in job.placement if p.rank == rank), None)
+
+    def _died(self, rank: int, exc: BaseException) -> Failure:
+        """The failure of a rank whose actor died: its process, or its whole node."""
+        slot = self._slot(rank)
+        place = f" on {slot.node} (pid {slot.pid})" if slot else ""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"rank {rank}{place} died: {first}"
-
-    def _recover(self, cause: str, max_restarts: int) -> None:
-        """Record the failure and put the job back in the queue to be re-placed.
-
-        The scheduler places it again (other nodes allowed) and the trainer
-        resumes from the newest checkpoint that verifies. After `max_restarts`
-        the job fails with the last cause.
-        """
-        job = self.store.get(self.job_id)
-        if job.state.is_terminal:
-            return
-        if job.restarts >= max_restarts:
-            self._set(JobState.FAILED, f"{cause}; gave up after {job.restarts} restart(s) "
-                                       "(fault_tolerance.max_restarts)")
-            return
-        record = {"cause": cause, "failed_at": time.time(), "restart": job.restarts + 1}
-
-        def fail(j: JobRecord):
-            if j.state.is_terminal:
-                return None
-            return transition(j, JobState.RECOVERING, cause, restarts=j.restarts + 1,
-                              restart_log=(*j.restart_log, record))
-        self.store.update(self.job_id, fail)
-        self.store.add_event(self.job_id, {"type": "failure", "message": cause, **record})
-        self.store.update(self.job_id, lambda j: None if j.state.is_terminal else transition(
-            j, JobState.QUEUED, "re-placing; resumes from the newest verified checkpoint",
-            placement=(), preempting_for=None))
-        self.store.wake_scheduler(self.job_id)
+        kind = "node_lost" if slot and not _node_alive(slot.node_id) else "died"
+        beat = self.watch.last_beat(rank) if self.watch else None
+        now = time.time()
+        return Failure(kind, f"rank {rank}{place} died: {first}", rank=rank,
+                       node=slot.node if slot else None, pid=slot.pid if slot else None,
+                       detected_after_s=round(now - beat.ts, 3) if beat else None,
+                       last_heartbeat_at=beat.ts if beat else None, failed_at=now)
 
     def _requeue(self, reason: str) -> None:
         """Give the GPUs back and return the job to the queue; it resumes from its checkpoint."""
@@ -300,7 +377,8 @@ class JobController:
             values = ray.get(pending)
         except ray.exceptions.RayActorError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else "actor died"
-            raise WorkerLost(f"a worker died while the {what} was starting: {first}") from None
+            raise WorkerLost(Failure("died", f"a worker died while the {what} was starting: "
+                                             f"{first}")) from None
         return values[0] if single else values
 
     def _set(self, state: JobState, reason: str) -> None:
@@ -316,9 +394,14 @@ class JobController:
             except Exception:
                 pass
         self.workers = []
+        self.watch = None
         if self.pg is not None:
             try:
                 remove_placement_group(self.pg)
             except Exception:
                 pass
             self.pg = None
+
+
+def _node_alive(node_id: str) -> bool:
+    return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
+from kuangchao.platform import quarantine
 from kuangchao.platform.errors import InvalidTransition, SpecError
 from kuangchao.platform.policies import order_key
 from kuangchao.platform.queues import QueueTable
@@ -131,9 +133,11 @@ def node_view(store: JobStore) -> dict[str, Any]:
             for p in job.placement:
                 for g in p.gpus:
                     holders.setdefault(p.node, {})[g] = job.id
+    blocked = quarantine.active(store.quarantine(), time.time())
     nodes = []
     for n in info["nodes"]:
         held = holders.get(n["name"], {})
         nodes.append({**n, "used_gpus": sorted(held), "free_gpus": n["gpus"] - len(held),
-                      "jobs": sorted(set(held.values()))})
+                      "jobs": sorted(set(held.values())),
+                      "quarantine": blocked.get(n["name"])})
     return {"nodes": nodes, "updated_at": info.get("updated_at")}

@@ -9,6 +9,7 @@ idempotent.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -72,9 +73,11 @@ def up(opts: UpOptions) -> dict[str, Any]:
         down()  # a stale record from a crashed run: clear it before starting anew
     topo = load_topology(opts.cluster)
     queues = load_queues(opts.queues) if opts.queues else QueueTable()
+    if opts.dashboard_port == 0:
+        opts = dataclasses.replace(opts, dashboard_port=procs.free_port())
     for port, what, flag in ((opts.api_port, "API", "--api-port"),
                              (opts.dashboard_port, "Ray dashboard", "--dashboard-port")):
-        if procs.port_open(port):
+        if port and procs.port_open(port):
             raise ClusterError(f"port {port} for the {what} is taken; pass {flag} with a free port")
     home = kc_home()
     (home / "logs").mkdir(parents=True, exist_ok=True)
@@ -221,19 +224,38 @@ def _start_control_plane(state: dict[str, Any], settings: Settings) -> None:
 
 
 def _start_api(state: dict[str, Any], settings: Settings, port: int) -> None:
+    """Start the API server; with port 0, on a port chosen just before it binds
+    (Ray's many processes take ports while the cluster starts)."""
     env = _ray_env(state)
     env["KC_RAY_ADDRESS"] = state["ray_address"]
-    log = open(kc_home() / "logs" / "api.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "kuangchao.api.server", "--host", "127.0.0.1",
-                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    state.update(api_pid=proc.pid, api_port=port, api_url=f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + 60
-    while not procs.port_open(port):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise ClusterError(f"API server did not start; see {kc_home()}/logs/api.log")
+    for _ in range(3 if port == 0 else 1):
+        use = port or procs.free_port()
+        log = open(kc_home() / "logs" / "api.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "kuangchao.api.server", "--host",
+                                 "127.0.0.1", "--port", str(use)], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        state.update(api_pid=proc.pid, api_port=use, api_url=f"http://127.0.0.1:{use}")
+        if _api_answers(proc, state["api_url"]):
+            _log(f"api        {state['api_url']} (OpenAPI at {state['api_url']}/openapi.json)")
+            return
+        proc.kill()
+    raise ClusterError(f"API server did not start; see {kc_home()}/logs/api.log")
+
+
+def _api_answers(proc: subprocess.Popen, url: str, timeout_s: float = 60.0) -> bool:
+    """Whether *our* server answers /healthz (an open port alone may be someone else's)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as r:
+                if r.status == 200 and proc.poll() is None:
+                    return True
+        except OSError:
+            pass
         time.sleep(0.2)
-    _log(f"api        {state['api_url']} (OpenAPI at {state['api_url']}/openapi.json)")
+    return False
 
 
 def down() -> bool:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 
+from kuangchao.platform import quarantine
 from kuangchao.platform.errors import InvalidTransition, JobNotFound
 from kuangchao.platform.policies import AdmissionPolicy, Admit, Preempt, Snapshot, Wait, make_policy
 from kuangchao.platform.queues import QueueTable
@@ -36,7 +38,12 @@ class Scheduler:
 
     def snapshot(self) -> Snapshot:
         jobs = self.store.list_active()
-        return Snapshot(nodes=self.nodes(),
+        # A quarantined node is as good as gone for new placements; jobs
+        # already running there keep running.
+        blocked = quarantine.active(self.store.quarantine(), time.time())
+        nodes = tuple(dataclasses.replace(n, alive=False) if n.name in blocked else n
+                      for n in self.nodes())
+        return Snapshot(nodes=nodes,
                         queued=tuple(j for j in jobs if j.state is JobState.QUEUED),
                         active=tuple(j for j in jobs if j.state.holds_resources),
                         queues=QueueTable.from_json(self.store.info("queues")))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from kuangchao.platform.quarantine import QuarantinePolicy
 
 RAY_NAMESPACE = "kuangchao"
 DEFAULT_PREFIX = "kc:"
@@ -46,12 +48,14 @@ class Settings:
             their own so that runs never see each other's keys.
         ray_address: Ray GCS address (`KC_RAY_ADDRESS`/`RAY_ADDRESS`).
         api_url: Where the REST API listens (`KC_API_URL`).
+        quarantine: When a failing node stops getting jobs (`KC_QUARANTINE_*`).
     """
 
     redis_url: str | None
     redis_prefix: str
     ray_address: str | None
     api_url: str
+    quarantine: QuarantinePolicy = field(default_factory=QuarantinePolicy.from_env)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -69,6 +73,7 @@ class Settings:
             or os.environ.get("RAY_ADDRESS")
             or state.get("ray_address"),
             api_url=api_url.rstrip("/"),
+            quarantine=QuarantinePolicy.from_env(),
         )
 
     def env(self) -> dict[str, str]:
@@ -78,4 +83,7 @@ class Settings:
             out["KC_REDIS_URL"] = self.redis_url
         if self.ray_address:
             out["KC_RAY_ADDRESS"] = self.ray_address
+        q = self.quarantine
+        out.update({"KC_QUARANTINE_FAILURES": str(q.failures),
+                    "KC_QUARANTINE_WINDOW_S": str(q.window_s), "KC_QUARANTINE_S": str(q.duration_s)})
         return out

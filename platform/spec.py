@@ -96,14 +96,22 @@ class CheckpointSection(_Section):
     interval_steps: int = Field(50, ge=1)
     path: str = "checkpoints"
     keep_last: int = Field(3, ge=1)
+    # Periodic checkpoints block training only while the state is copied to CPU memory.
+    async_save: bool = True
 
 
 class FaultToleranceSection(_Section):
     max_restarts: int = Field(3, ge=0)
-    heartbeat_interval_s: float = Field(1.0, gt=0)
-    heartbeat_timeout_s: float = Field(10.0, gt=0)
+    heartbeat_interval_s: float = Field(1.0, gt=0, le=60)
+    heartbeat_timeout_s: float = Field(10.0, gt=0, le=600)
     hang_timeout_s: float = Field(300.0, gt=0)
+    # A step whose gradient norm exceeds this many times the running median is rolled back.
     grad_norm_spike_factor: float = Field(10.0, gt=1)
+    grad_norm_window: int = Field(20, ge=3, le=10_000)
+    # Seconds survivors get to stop on their own before they are killed.
+    stop_grace_s: float = Field(10.0, ge=0, le=600)
+    # Fault drills: batches (by global data index) whose loss is made NaN.
+    inject_nan_at_batches: list[int] = Field(default_factory=list, max_length=100)
 
 
 class ElasticSection(_Section):
@@ -180,11 +188,17 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
         errs.append(("elastic.min_replicas",
                      f"{e.min_replicas} exceeds elastic.max_replicas ({e.max_replicas})"))
     ft = spec.fault_tolerance
-    if ft.heartbeat_timeout_s <= ft.heartbeat_interval_s:
+    if ft.heartbeat_timeout_s < 2 * ft.heartbeat_interval_s:
         errs.append((
             "fault_tolerance.heartbeat_timeout_s",
-            f"{ft.heartbeat_timeout_s} must exceed fault_tolerance.heartbeat_interval_s "
-            f"({ft.heartbeat_interval_s})",
+            f"{ft.heartbeat_timeout_s} must be at least twice fault_tolerance.heartbeat_interval_s "
+            f"({ft.heartbeat_interval_s}), so that one late beat is not taken for a death",
+        ))
+    if ft.hang_timeout_s <= ft.heartbeat_timeout_s:
+        errs.append((
+            "fault_tolerance.hang_timeout_s",
+            f"{ft.hang_timeout_s} must exceed fault_tolerance.heartbeat_timeout_s "
+            f"({ft.heartbeat_timeout_s}); a hang is judged on a live heartbeat",
         ))
     return errs
 

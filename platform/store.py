@@ -11,7 +11,13 @@ Keys (all under the configured prefix, default `kc:`):
     {p}job:{id}:checkpoints   list of JSON {step, path, bytes}
     {p}job:{id}:cancel        set when a cancel was requested
     {p}job:{id}:preempt       set (to the job it yields to) when preemption was requested
+    {p}job:{id}:controller    name/pid of the controller running the job
+    {p}job:{id}:hb:{rank}     a rank's heartbeat (TTL), see heartbeat.py
+    {p}job:{id}:stackreq:{r}  set by the controller to ask rank r for its stacks
+    {p}job:{id}:stacks:{r}    rank r's answer
     {p}sched:wake             list the scheduler blocks on; a push wakes it
+    {p}node:{name}:failures   sorted set of a node's failure times
+    {p}quarantine             hash: node name -> JSON {since, until, reason, failures}
 
 Writers that race (API, scheduler, job controller) update a record with
 compare-and-set on its version, so no update is ever lost.
@@ -26,6 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
 
 from kuangchao.platform.errors import JobNotFound, StoreUnavailable
 from kuangchao.platform.state import JobRecord, JobState, transition
@@ -58,9 +66,10 @@ def connect(url: str | None) -> redis.Redis:
     try:
         client = redis.Redis.from_url(
             url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30,
-            health_check_interval=30,
+            health_check_interval=30, retry=Retry(NoBackoff(), 0),
         )
-        client.ping()
+        client.ping()  # fail fast, with a clear message, when Redis is not there at all
+        client.set_retry(riding_retry())
     except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, ValueError) as exc:
         raise StoreUnavailable(
             f"cannot reach Redis at {redact(url)}: {exc}. Check that it is running, or set "
@@ -69,6 +78,11 @@ def connect(url: str | None) -> redis.Redis:
     except redis.ResponseError as exc:
         raise StoreUnavailable(f"Redis at {redact(url)} refused the connection: {exc}") from None
     return client
+
+
+def riding_retry() -> Retry:
+    """Retries that ride out a Redis restart (about 15 s) instead of failing the caller."""
+    return Retry(ExponentialBackoff(cap=2.0, base=0.1), 12)
 
 
 def redact(url: str) -> str:
@@ -215,6 +229,64 @@ class JobStore:
 
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         return [json.loads(c) for c in self.r.lrange(self.key("job", job_id, "checkpoints"), 0, -1)]
+
+    def annotate_restart(self, job_id: str, fields: dict[str, Any]) -> JobRecord | None:
+        """Add timings to the newest restart entry, keeping fields already set.
+
+        A no-op when the job has no restart or the newest one already has
+        every field (a preemption's resume, say, must not touch it).
+        """
+        def add(j: JobRecord):
+            if not j.restart_log:
+                return None
+            last = j.restart_log[-1]
+            new = {k: v for k, v in fields.items() if k not in last and v is not None}
+            if not new:
+                return None
+            return dataclasses.replace(j, restart_log=(*j.restart_log[:-1], {**last, **new})), None
+        return self.update(job_id, add)
+
+    def claim_controller(self, job_id: str, ident: str) -> str | None:
+        """Record `ident` as the job's controller; return the one recorded before."""
+        return self.r.set(self.key("job", job_id, "controller"), ident, get=True)
+
+    # -- heartbeats and stacks ------------------------------------------------
+    def request_stacks(self, job_id: str, ranks: list[int], ttl_s: float = 60.0) -> None:
+        with self.r.pipeline(transaction=False) as pipe:
+            for rank in ranks:
+                pipe.delete(self.key("job", job_id, "stacks", str(rank)))
+                pipe.set(self.key("job", job_id, "stackreq", str(rank)), "1", ex=int(ttl_s))
+            pipe.execute()
+
+    def stacks(self, job_id: str, ranks: list[int]) -> dict[int, str]:
+        values = self.r.mget([self.key("job", job_id, "stacks", str(r)) for r in ranks])
+        return {r: v for r, v in zip(ranks, values, strict=True) if v}
+
+    # -- node quarantine -------------------------------------------------------
+    def record_node_failure(self, node: str, ts: float, window_s: float) -> list[float]:
+        """Add one failure to a node's history; return its failures within the window."""
+        k = self.key("node", node, "failures")
+        with self.r.pipeline() as pipe:
+            pipe.zadd(k, {f"{ts:.6f}": ts})
+            pipe.zremrangebyscore(k, "-inf", ts - window_s)
+            pipe.expire(k, int(window_s) + 60)
+            pipe.zrange(k, 0, -1, withscores=True)
+            *_, members = pipe.execute()
+        return [score for _, score in members]
+
+    def quarantine_node(self, node: str, entry: dict[str, Any]) -> None:
+        self.r.hset(self.key("quarantine"), node, json.dumps(entry))
+
+    def release_node(self, node: str) -> bool:
+        with self.r.pipeline() as pipe:
+            pipe.hdel(self.key("quarantine"), node)
+            pipe.delete(self.key("node", node, "failures"))
+            removed, _ = pipe.execute()
+        return bool(removed)
+
+    def quarantine(self) -> dict[str, dict[str, Any]]:
+        """Every stored quarantine entry (expired ones included; see quarantine.active)."""
+        return {k: json.loads(v) for k, v in self.r.hgetall(self.key("quarantine")).items()}
 
     # -- cancellation and scheduler wake-ups --------------------------------
     def request_cancel(self, job_id: str) -> None:

@@ -11,6 +11,7 @@ import importlib
 import os
 import re
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -26,6 +27,7 @@ from kuangchao.platform.topology import GPU_RESOURCE_PREFIX
 from kuangchao.workers.checkpoint import CheckpointManager
 from kuangchao.workers.context import TrainContext
 from kuangchao.workers.errors import EntrypointError, PlacementMismatch, TrainingError
+from kuangchao.workers.heartbeat import Heartbeat, heartbeat_client
 from kuangchao.workers.joblog import JobLogSink, capture_output
 
 _GPU_RESOURCE = re.compile(rf"^{GPU_RESOURCE_PREFIX}(\d+)(_group_.*)?$")
@@ -66,7 +68,8 @@ class TrainWorker:
     `describe`, `open_rendezvous` (rank 0), `join`, `run`."""
 
     def __init__(self, job_id: str, rank: int, world_size: int, settings: Settings,
-                 planned_gpus: tuple[int, ...] | None = None) -> None:
+                 planned_gpus: tuple[int, ...] | None = None, node: str = "",
+                 heartbeat: tuple[float, float] | None = None) -> None:
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
         self.settings = settings
         self.planned_gpus = planned_gpus
@@ -75,6 +78,15 @@ class TrainWorker:
             self.store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
         self.sink = JobLogSink(self.store, job_id, rank)
         self._rendezvous: dist.TCPStore | None = None
+        self.heartbeat: Heartbeat | None = None
+        if settings.redis_url and heartbeat is not None:
+            # Beats start with the process, so even a hang in start-up is seen.
+            interval_s, timeout_s = heartbeat
+            self.heartbeat = Heartbeat(
+                heartbeat_client(settings.redis_url, timeout_s), settings.redis_prefix, job_id,
+                rank, node or socket.gethostname(), interval_s, timeout_s,
+                on_log=lambda level, msg: self.sink.emit(msg, level=level, module="heartbeat"),
+            ).start()
 
     def describe(self) -> dict[str, Any]:
         """Where this rank landed: host, IP, pid, and the GPU ids it was given.
@@ -148,16 +160,39 @@ class TrainWorker:
 
     def _context(self, spec: JobSpec) -> TrainContext:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        store = self.store
-        on_commit = (lambda info: store.add_checkpoint(self.job_id, info.to_json())) if store else None
+        on_commit = self._record_checkpoint if self.store else None
         ckpt = CheckpointManager(spec.checkpoint.path, self.job_id, self.rank, self.world_size,
                                  spec.spec_hash(), spec.checkpoint.keep_last, on_commit=on_commit)
         return TrainContext(job_id=self.job_id, rank=self.rank, world_size=self.world_size,
                             local_rank=0, spec=spec, device=device, checkpoint=ckpt,
                             sink=self.sink, store=self.store, dp_rank=self.rank,
-                            dp_size=self.world_size)
+                            dp_size=self.world_size, heartbeat=self.heartbeat,
+                            started_at=time.time())
+
+    def _record_checkpoint(self, info: Any) -> None:
+        """List a committed checkpoint on the job; the files on disk are what counts,
+        so a Redis outage only costs the listing, never the training."""
+        try:
+            self.store.add_checkpoint(self.job_id, info.to_json())  # type: ignore[union-attr]
+        except Exception as exc:
+            self.sink.emit(f"could not list checkpoint step {info.step} in Redis: {exc}",
+                           level="WARNING", module="worker")
+
+    def reset(self) -> None:
+        """Leave the process group after a peer failed, keeping the process warm.
+
+        The in-place recovery path calls this on survivors, then `join` with
+        a new rendezvous and `run` again.
+        """
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._rendezvous = None
+        if self.heartbeat is not None:
+            self.heartbeat.set_phase("init")
 
     def shutdown(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.sink.close()
         if dist.is_initialized():
             dist.destroy_process_group()

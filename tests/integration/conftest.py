@@ -20,7 +20,6 @@ import pytest
 import redis
 
 from kuangchao.api.client import Client
-from kuangchao.platform.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -92,7 +91,7 @@ def stack(tmp_path_factory) -> Stack:
     else:
         env.pop("KC_REDIS_URL", None)
     out = kc("up", "--cluster", str(HERE / "cluster-4x8.yaml"), "--queues", str(HERE / "queues.yaml"),
-             "--api-port", str(free_port()), "--dashboard-port", str(free_port()), "--json", env=env)
+             "--api-port", "0", "--dashboard-port", "0", "--json", env=env)
     saved = {k: os.environ.get(k) for k in ("KC_HOME", "KC_REDIS_PREFIX", "KC_REDIS_URL")}
     try:
         assert out.returncode == 0, f"kc up failed:\n{out.stdout}\n{out.stderr}"

@@ -1,0 +1,185 @@
+"""Rank heartbeats: the record format and the controller's classification.
+
+Every rank's heartbeat thread writes one Redis key per beat,
+`{prefix}job:{id}:hb:{rank}`, with a TTL of `heartbeat_timeout_s`. The value
+is a short delimited string (parsing 16k JSON objects per scan would cost more
+than the scan itself):
+
+    step | phase | pid | node | ts | progress_ts | seq
+
+`progress_ts` is when the rank last changed step or phase, on the rank's own
+clock, so a hang is judged from one clock and never from two machines' skew.
+
+`Classifier` is pure: the controller feeds it what it read and the time, and
+it answers which ranks are dead (heartbeat gone) or hung (heartbeat alive,
+no progress for `hang_timeout_s`). After the store was unreachable it holds
+its verdicts for a grace period, so a Redis restart does not look like every
+rank dying at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+PHASES = ("init", "train", "data", "forward", "backward", "optimizer", "checkpoint", "collective")
+_SEP = "|"
+# Before the first step (imports, restore, compile) a rank is judged only by
+# whether it beats: how long start-up takes is the model's business.
+UNTIMED_PHASES = frozenset({"init"})
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat of one rank."""
+
+    rank: int
+    step: int
+    phase: str
+    pid: int
+    node: str
+    ts: float
+    progress_ts: float
+    seq: int = 0
+
+    def encode(self) -> str:
+        return _SEP.join((str(self.step), self.phase, str(self.pid), self.node.replace(_SEP, "_"),
+                          f"{self.ts:.3f}", f"{self.progress_ts:.3f}", str(self.seq)))
+
+    @classmethod
+    def decode(cls, rank: int, raw: str | bytes) -> Beat | None:
+        """Parse a stored beat; None for a malformed value (treated as missing)."""
+        if isinstance(raw, bytes):
+            raw = raw.decode(errors="replace")
+        parts = raw.split(_SEP)
+        if len(parts) != 7:
+            return None
+        try:
+            return cls(rank, int(parts[0]), parts[1], int(parts[2]), parts[3], float(parts[4]),
+                       float(parts[5]), int(parts[6]))
+        except ValueError:
+            return None
+
+    @property
+    def stalled_s(self) -> float:
+        """How long the rank has been on this step and phase, by its own clock."""
+        return max(0.0, self.ts - self.progress_ts)
+
+
+def beat_key(prefix: str, job_id: str, rank: int) -> str:
+    return f"{prefix}job:{job_id}:hb:{rank}"
+
+
+def stack_request_key(prefix: str, job_id: str, rank: int) -> str:
+    return f"{prefix}job:{job_id}:stackreq:{rank}"
+
+
+def stack_key(prefix: str, job_id: str, rank: int) -> str:
+    return f"{prefix}job:{job_id}:stacks:{rank}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A rank the classifier judged failed.
+
+    kind: `expired` (no heartbeat for `heartbeat_timeout_s`) or `hung`
+        (heartbeats arrive but step and phase have not moved for `hang_timeout_s`).
+    detected_after_s: From the last good heartbeat (expired) or from the last
+        progress (hung) to the verdict.
+    """
+
+    rank: int
+    kind: str
+    detected_after_s: float
+    last: Beat | None
+
+    def describe(self, timeout_s: float) -> str:
+        where = f" on {self.last.node} (pid {self.last.pid})" if self.last else ""
+        if self.kind == "hung":
+            assert self.last is not None
+            return (f"rank {self.rank}{where} hung: no progress for {self.detected_after_s:.1f}s "
+                    f"at step {self.last.step} in phase {self.last.phase}")
+        if self.last is None:
+            return f"rank {self.rank} sent no heartbeat within {timeout_s:.0f}s of starting"
+        return (f"rank {self.rank}{where} stopped heartbeating {self.detected_after_s:.1f}s ago "
+                f"(last at step {self.last.step}, phase {self.last.phase})")
+
+
+@dataclass
+class _Seen:
+    beat: Beat | None = None
+    fresh_at: float = 0.0  # classifier clock when a new beat (new seq/ts) was last seen
+
+
+@dataclass
+class Classifier:
+    """Judges ranks from what the controller reads each poll.
+
+    Times passed in are the controller's own monotonic clock for freshness
+    and wall time for `detected_after_s`, so the verdicts do not depend on
+    the workers' clocks agreeing with the controller's.
+    """
+
+    ranks: Sequence[int]
+    heartbeat_timeout_s: float
+    hang_timeout_s: float
+    grace_s: float = 0.0
+    _seen: dict[int, _Seen] = field(default_factory=dict)
+    _hold_until: float = 0.0
+    started: bool = False
+
+    def start(self, now: float) -> None:
+        """Begin watching: ranks get `heartbeat_timeout_s` from now to send a first beat."""
+        self._seen = {r: _Seen(None, now) for r in self.ranks}
+        self.started = True
+
+    def store_failed(self, now: float) -> None:
+        """The read failed: hold verdicts until the store has been back for a while."""
+        self._hold_until = max(self._hold_until, now + self.heartbeat_timeout_s + self.grace_s)
+        for seen in self._seen.values():  # nobody can be blamed for beats we could not read
+            seen.fresh_at = max(seen.fresh_at, now)
+
+    def observe(self, beats: dict[int, Beat | None], now: float, wall: float | None = None
+                ) -> list[Verdict]:
+        """Take one scan's beats (None for a missing key) and return the failed ranks."""
+        if not self.started:
+            self.start(now)
+        wall = time.time() if wall is None else wall
+        held = now < self._hold_until
+        out = []
+        for rank in self.ranks:
+            seen = self._seen[rank]
+            beat = beats.get(rank)
+            if beat is not None and (seen.beat is None
+                                     or (beat.seq, beat.ts) != (seen.beat.seq, seen.beat.ts)):
+                seen.beat, seen.fresh_at = beat, now
+            if held:
+                continue
+            if now - seen.fresh_at > self.heartbeat_timeout_s:
+                last = seen.beat
+                since = wall - last.ts if last else now - seen.fresh_at
+                out.append(Verdict(rank, "expired", max(0.0, since), last))
+            elif (beat is not None and beat.phase not in UNTIMED_PHASES
+                  and beat.stalled_s > self.hang_timeout_s):
+                out.append(Verdict(rank, "hung", beat.stalled_s, beat))
+        return out
+
+    def last_beat(self, rank: int) -> Beat | None:
+        seen = self._seen.get(rank)
+        return seen.beat if seen else None
+
+
+def read_beats(client, prefix: str, job_id: str, ranks: Iterable[int],
+               chunk: int = 4096) -> dict[int, Beat | None]:
+    """All ranks' current beats with pipelined MGETs (one round trip per chunk)."""
+    ranks = list(ranks)
+    out: dict[int, Beat | None] = {}
+    with client.pipeline(transaction=False) as pipe:
+        for i in range(0, len(ranks), chunk):
+            pipe.mget([beat_key(prefix, job_id, r) for r in ranks[i:i + chunk]])
+        replies = pipe.execute()
+    for i, values in enumerate(replies):
+        for rank, raw in zip(ranks[i * chunk:(i + 1) * chunk], values, strict=True):
+            out[rank] = Beat.decode(rank, raw) if raw is not None else None
+    return out

@@ -1,0 +1,48 @@
+"""Node quarantine: a node that keeps failing jobs stops receiving them.
+
+Pure policy; the store keeps each node's failure times and the quarantine
+list, the controller reports failures, and the scheduler leaves quarantined
+nodes out until their quarantine ends or an operator releases them
+(`kc node release NAME`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# Failure kinds that say something about the node. A NaN loss, a user's
+# exception or a cancelled job do not.
+NODE_FAULT_KINDS = frozenset({"died", "expired", "hung", "node_lost"})
+
+
+@dataclass(frozen=True)
+class QuarantinePolicy:
+    """Quarantine a node after `failures` within `window_s`, for `duration_s`."""
+
+    failures: int = 3
+    window_s: float = 600.0
+    duration_s: float = 1800.0
+
+    @classmethod
+    def from_env(cls) -> QuarantinePolicy:
+        """`KC_QUARANTINE_FAILURES`, `KC_QUARANTINE_WINDOW_S`, `KC_QUARANTINE_S`."""
+        d = cls()
+        return cls(failures=int(os.environ.get("KC_QUARANTINE_FAILURES", d.failures)),
+                   window_s=float(os.environ.get("KC_QUARANTINE_WINDOW_S", d.window_s)),
+                   duration_s=float(os.environ.get("KC_QUARANTINE_S", d.duration_s)))
+
+    @property
+    def enabled(self) -> bool:
+        return self.failures > 0
+
+    def recent(self, failure_times: list[float], now: float) -> list[float]:
+        return [t for t in failure_times if now - t <= self.window_s]
+
+    def should_quarantine(self, failure_times: list[float], now: float) -> bool:
+        return self.enabled and len(self.recent(failure_times, now)) >= self.failures
+
+
+def active(quarantine: dict[str, dict], now: float) -> dict[str, dict]:
+    """The entries of a stored quarantine list that have not yet expired."""
+    return {name: q for name, q in quarantine.items() if float(q.get("until", 0)) > now}

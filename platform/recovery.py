@@ -1,0 +1,115 @@
+"""What happens to a job after one of its ranks failed.
+
+`Failure` is what the controller learned (cause, rank, node, how fast);
+`record_failure` writes it as a restart (or the final FAILED), reports the
+node for quarantine, and returns whether the job may go on. Separate from the
+controller so that the bookkeeping is the same for every detection path and
+every recovery path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kuangchao.platform.quarantine import NODE_FAULT_KINDS, QuarantinePolicy
+from kuangchao.platform.state import JobRecord, JobState, transition
+from kuangchao.platform.store import JobStore
+
+
+@dataclass
+class Failure:
+    """One failure of a running job.
+
+    kind: `died` (process or actor gone), `node_lost`, `expired` (heartbeat
+        gone, process still there), `hung` (no progress), `numeric` (NaN or
+        gradient spike), `controller` (the job's controller was restarted).
+    detected_after_s: From the last good heartbeat (or last progress, for a
+        hang) to the moment the controller marked the rank failed.
+    """
+
+    kind: str
+    message: str
+    rank: int | None = None
+    node: str | None = None
+    pid: int | None = None
+    detected_after_s: float | None = None
+    last_heartbeat_at: float | None = None
+    failed_at: float = field(default_factory=time.time)
+
+    def record(self) -> dict[str, Any]:
+        d = {"cause": self.message, **dataclasses.asdict(self)}
+        d.pop("message")
+        return {k: v for k, v in d.items() if v is not None}
+
+
+def record_failure(store: JobStore, job_id: str, failure: Failure, max_restarts: int,
+                   policy: QuarantinePolicy | None = None) -> bool:
+    """Record a failure: a restart entry and event, or FAILED past `max_restarts`.
+
+    Returns:
+        True when the job is now RECOVERING and should be brought back.
+    """
+    quarantined = _report_node(store, failure, policy or QuarantinePolicy())
+    job = store.get(job_id)
+    if job.state.is_terminal:
+        return False
+    store.add_event(job_id, {"type": "failure", "message": failure.message, **failure.record()})
+    if quarantined:
+        until = time.strftime("%H:%M:%S", time.localtime(quarantined["until"]))
+        store.add_event(job_id, {"type": "quarantine", "node": failure.node,
+                                 "message": f"node {failure.node} quarantined until {until}: "
+                                            f"{quarantined['reason']}"})
+    if job.restarts >= max_restarts:
+        _fail(store, job_id, f"{failure.message}; gave up after {job.restarts} restart(s) "
+                             "(fault_tolerance.max_restarts)")
+        return False
+    entry = {"restart": job.restarts + 1, **failure.record()}
+
+    def recovering(j: JobRecord):
+        if j.state.is_terminal:
+            return None
+        if j.state is JobState.RECOVERING:  # already recorded by another path
+            return None
+        return transition(j, JobState.RECOVERING, failure.message, restarts=j.restarts + 1,
+                          restart_log=(*j.restart_log, entry))
+    return store.update(job_id, recovering) is not None
+
+
+def requeue_for_recovery(store: JobStore, job_id: str, teardown_s: float) -> None:
+    """Send a RECOVERING job back to the scheduler to be placed again."""
+    store.annotate_restart(job_id, {"teardown_s": round(teardown_s, 3), "path": "requeue",
+                                    "requeued_at": time.time()})
+    store.update(job_id, lambda j: None if j.state is not JobState.RECOVERING else transition(
+        j, JobState.QUEUED, "re-placing; resumes from the newest verified checkpoint",
+        placement=(), preempting_for=None))
+    store.wake_scheduler(job_id)
+
+
+def _fail(store: JobStore, job_id: str, message: str) -> None:
+    store.update(job_id, lambda j: None if j.state.is_terminal
+                 else transition(j, JobState.FAILED, message))
+
+
+def _report_node(store: JobStore, failure: Failure,
+                 policy: QuarantinePolicy) -> dict[str, Any] | None:
+    """Count the failure against its node; quarantine the node past the policy's limit.
+
+    Returns:
+        The new quarantine entry, or None when the node was not (newly) quarantined.
+    """
+    if not (policy.enabled and failure.node and failure.kind in NODE_FAULT_KINDS):
+        return None
+    times = store.record_node_failure(failure.node, failure.failed_at, policy.window_s)
+    if not policy.should_quarantine(times, failure.failed_at):
+        return None
+    current = store.quarantine().get(failure.node)
+    if current and float(current.get("until", 0)) > failure.failed_at:
+        return None
+    entry = {"since": failure.failed_at, "until": failure.failed_at + policy.duration_s,
+             "failures": len(times),
+             "reason": f"{len(times)} failures within {policy.window_s:.0f}s; last: {failure.message}"}
+    store.quarantine_node(failure.node, entry)
+    return entry
