@@ -30,7 +30,7 @@ from kuangchao.platform.spec import JobSpec, validate_spec
 from kuangchao.platform.state import JobRecord, JobState, PlacedRank, transition
 from kuangchao.platform.store import JobStore
 from kuangchao.platform.topology import gpu_resource
-from kuangchao.platform.watch import RankHost, RankWatch
+from kuangchao.platform.watch import RankHost, RankWatch, kill_process
 from kuangchao.workers.checkpoint import verify
 from kuangchao.workers.errors import CheckpointError, WorkerError
 from kuangchao.workers.worker import TrainWorker
@@ -38,6 +38,8 @@ from kuangchao.workers.worker import TrainWorker
 PG_READY_TIMEOUT_S = 180.0
 RENDEZVOUS_TIMEOUT_S = 300.0
 PREEMPT_GRACE_S = 120.0
+# Failures the in-place path can handle: the rank's node is still there.
+IN_PLACE_KINDS = frozenset({"died", "expired", "hung"})
 
 
 class Cancelled(KuangchaoError):
@@ -46,6 +48,10 @@ class Cancelled(KuangchaoError):
 
 class Preempted(KuangchaoError):
     """The scheduler took the job's GPUs back; it goes back to the queue."""
+
+
+class _GaveUp(KuangchaoError):
+    """The failure used up `max_restarts`; the job is already FAILED."""
 
 
 class WorkerLost(KuangchaoError):
@@ -102,6 +108,10 @@ class JobController:
         self.pg = None
         self.workers: list[Any] = []
         self.infos: list[dict[str, Any]] = []
+        self.bundles: list[dict[str, float]] = []
+        self.planned: list[tuple[int, ...] | None] = []
+        self.refs: list[Any] = []
+        self.backend = ""
         self.watch: RankWatch | None = None
 
     def run(self) -> str:
@@ -117,7 +127,7 @@ class JobController:
                                           "workers died with it"), spec)
                 return self.store.get(self.job_id).state.value
             self._start(job, spec)
-            result = self._watch(spec)
+            result = self._watch_and_recover(spec)
             self._finish(spec, result)
         except WorkerLost as exc:
             assert spec is not None
@@ -161,7 +171,9 @@ class JobController:
         self._teardown()
         teardown_s = time.monotonic() - t0
         job = self.store.get(self.job_id)
-        if job.state is JobState.RECOVERING:  # a restarted controller finishing a recovery
+        if job.state.is_terminal:
+            return
+        if job.state is JobState.RECOVERING:  # already recorded (in-place attempt, or restart)
             requeue_for_recovery(self.store, self.job_id, teardown_s)
             return
         if record_failure(self.store, self.job_id, failure, spec.fault_tolerance.max_restarts,
@@ -171,25 +183,35 @@ class JobController:
     # -- phases ------------------------------------------------------------
     def _start(self, job: JobRecord, spec: JobSpec) -> None:
         pinned = _pinned_nodes()
-        bundles = [_rank_resources(spec, p, pinned) for p in job.placement]
+        self.bundles = [_rank_resources(spec, p, pinned) for p in job.placement]
+        self.planned = [p.gpus if p.node_id in pinned else None for p in job.placement]
         selectors = [{"ray.io/node-id": p.node_id} for p in job.placement]
-        self.pg = placement_group(bundles, strategy="PACK", name=f"kc-{self.job_id}",
+        self.pg = placement_group(self.bundles, strategy="PACK", name=f"kc-{self.job_id}",
                                   bundle_label_selector=selectors)
         self._wait_ready(self.pg.ready(), PG_READY_TIMEOUT_S, "placement group")
-        ft = spec.fault_tolerance
-        cls = ray.remote(TrainWorker)
-        self.workers = []
-        for r, (slot, bundle) in enumerate(zip(job.placement, bundles, strict=True)):
-            custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
-            planned = slot.gpus if slot.node_id in pinned else None
-            self.workers.append(cls.options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom,
-                max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=r),
-            ).remote(self.job_id, r, spec.world_size, self.settings, planned, slot.node,
-                     (ft.heartbeat_interval_s, ft.heartbeat_timeout_s)))
+        self.workers = [self._spawn(r, slot.node, spec) for r, slot in enumerate(job.placement)]
         infos = self._wait_ready([w.describe.remote() for w in self.workers], 300.0, "workers")
         self._record_workers(job, infos)
+        self._form_group(spec, infos)
+        self._set(JobState.RUNNING,
+                  f"{spec.world_size} rank(s) joined the {self.backend} process group")
+        self._note_placed()
+
+    def _spawn(self, rank: int, node: str, spec: JobSpec) -> Any:
+        """Start the actor of one rank in its bundle of the placement group."""
+        bundle = self.bundles[rank]
+        ft = spec.fault_tolerance
+        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+        return ray.remote(TrainWorker).options(
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom,
+            max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=rank),
+        ).remote(self.job_id, rank, spec.world_size, self.settings, self.planned[rank], node,
+                 (ft.heartbeat_interval_s, ft.heartbeat_timeout_s))
+
+    def _form_group(self, spec: JobSpec, infos: list[dict[str, Any]]) -> None:
+        """Watch heartbeats from here on, and form the process group at a fresh rendezvous."""
+        ft = spec.fault_tolerance
         self.infos = infos
         self.watch = RankWatch(
             self.store, self.job_id, list(range(len(self.workers))), ft.heartbeat_timeout_s,
@@ -200,9 +222,7 @@ class JobController:
         backends = self._wait_ready(
             [w.join.remote(host, port, RENDEZVOUS_TIMEOUT_S) for w in self.workers],
             RENDEZVOUS_TIMEOUT_S + 30, "process group")
-        self._set(JobState.RUNNING,
-                  f"{spec.world_size} rank(s) joined the {backends[0]} process group")
-        self._note_placed()
+        self.backend = backends[0]
 
     def _note_placed(self) -> None:
         """After a recovery, record how long re-placement took (requeue to RUNNING)."""
@@ -230,8 +250,17 @@ class JobController:
 
         self.store.update(self.job_id, update)
 
+    def _watch_and_recover(self, spec: JobSpec) -> list[dict[str, Any]]:
+        """Watch the ranks; after a rank dies, replace it in place when possible."""
+        while True:
+            try:
+                return self._watch(spec)
+            except WorkerLost as exc:
+                if not self._replace_in_place(exc.failure, spec):
+                    raise
+
     def _watch(self, spec: JobSpec) -> list[dict[str, Any]]:
-        refs = [w.run.remote(spec.model_dump(mode="json")) for w in self.workers]
+        refs = self.refs = [w.run.remote(spec.model_dump(mode="json")) for w in self.workers]
         results: dict[int, Any] = {}
         pending = list(refs)
         preempt_deadline: float | None = None
@@ -269,6 +298,69 @@ class JobController:
             raise Preempted(f"preempted at step {out[0].get('steps')}; checkpointed and requeued")
         return out
 
+    def _replace_in_place(self, failure: Failure, spec: JobSpec) -> bool:
+        """The fast path: keep the survivors' processes, replace only the dead rank.
+
+        The failed rank is killed (a hung or stopped one too), so survivors
+        waiting on it in a collective fail out of it within moments; they
+        leave the process group and, with a fresh actor in the failed rank's
+        bundle, meet at a new rendezvous and resume from the newest checkpoint
+        without re-importing anything. Returns False (failure recorded, job
+        RECOVERING) when the path does not apply: a lost node, survivors that
+        do not stop within `stop_grace_s`, another death.
+        """
+        rank = failure.rank
+        if failure.kind not in IN_PLACE_KINDS or rank is None or self.pg is None:
+            return False
+        if not record_failure(self.store, self.job_id, failure,
+                              spec.fault_tolerance.max_restarts, self.settings.quarantine):
+            raise _GaveUp(failure.message)  # the job already ended (FAILED, or cancelled)
+        t0 = time.monotonic()
+        slot = self._slot(rank)
+        if failure.kind != "died":
+            kill_process(self.watch.hosts.get(rank) if self.watch else None,
+                         slot.node_id if slot else None)
+        try:
+            ray.kill(self.workers[rank], no_restart=True)
+        except Exception:
+            pass
+        node = slot.node if slot else ""
+        # Start the replacement now: its start-up overlaps the survivors' stop.
+        self.workers[rank] = self._spawn(rank, node, spec)
+        survivors = [r for r in range(len(self.workers)) if r != rank]
+        ready, not_ready = ray.wait([self.refs[r] for r in survivors], num_returns=len(survivors),
+                                    timeout=spec.fault_tolerance.stop_grace_s)
+        if not_ready or not self._all_errored(ready):
+            return False
+        try:
+            ray.get([self.workers[r].reset.remote() for r in survivors], timeout=30)
+            stopped_s = time.monotonic() - t0
+            infos = self._wait_ready([w.describe.remote() for w in self.workers], 120.0, "workers")
+        except (ray.exceptions.RayError, WorkerLost):
+            return False
+        job = self.store.get(self.job_id)
+        self._record_workers(job, infos)
+        self._form_group(spec, infos)
+        self._set(JobState.RUNNING, f"rank {rank} replaced in place on {node}; "
+                                    f"{len(survivors)} survivor(s) kept their processes")
+        self.store.annotate_restart(self.job_id, {
+            "path": "in_place", "teardown_s": round(stopped_s, 3),
+            "placement_s": round(time.monotonic() - t0 - stopped_s, 3)})
+        return True
+
+    @staticmethod
+    def _all_errored(refs: list[Any]) -> bool:
+        """Whether every one of these finished `run` calls failed (none completed the job)."""
+        for ref in refs:
+            try:
+                ray.get(ref)
+                return False
+            except ray.exceptions.RayActorError:
+                return False  # another rank died too: start over from the queue
+            except Exception:
+                continue
+        return True
+
     def _check_heartbeats(self) -> None:
         """Turn heartbeat verdicts into a failure, with stacks for the record."""
         if self.watch is None:
@@ -277,6 +369,7 @@ class JobController:
         if not verdicts:
             return
         first = min(verdicts, key=lambda v: (v.kind != "expired", v.rank))
+        failed_at = time.time()
         ft_timeout = self.watch.classifier.heartbeat_timeout_s
         stacks = self.watch.collect_stacks([v.rank for v in verdicts])
         for rank, text in sorted(stacks.items()):
@@ -291,7 +384,7 @@ class JobController:
         raise WorkerLost(Failure(
             first.kind, message, rank=first.rank, node=slot.node if slot else None,
             pid=slot.pid if slot else None, detected_after_s=round(first.detected_after_s, 3),
-            last_heartbeat_at=beat.ts if beat else None))
+            last_heartbeat_at=beat.ts if beat else None, failed_at=failed_at))
 
     def _finish(self, spec: JobSpec, results: list[dict[str, Any]]) -> None:
         ckpt = (results[0] or {}).get("checkpoint") if results else None

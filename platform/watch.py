@@ -11,7 +11,9 @@ and for one that does not, its process state and, when installed, py-spy.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -25,7 +27,7 @@ from kuangchao.platform.store import JobStore
 
 log = logging.getLogger(__name__)
 
-STACK_WAIT_S = 3.0
+STACK_WAIT_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,37 @@ class RankWatch:
             dump = py_spy_dump(host.pid)
             lines.append(dump or "py-spy is not installed; install it for native stacks")
         return "\n".join(lines)
+
+
+def kill_process(host: RankHost | None, node_id: str | None) -> None:
+    """SIGKILL a rank's process directly.
+
+    `ray.kill` asks the process to exit first and kills it only after a
+    timeout, which a stopped or wedged process cannot answer; survivors
+    blocked on it in a collective would wait that long too.
+    """
+    if host is None or host.pid is None:
+        return
+    if _is_local(host):
+        try:
+            os.kill(host.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        return
+    if node_id:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ray.remote(_kill_pid).options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+        ).remote(host.pid)
+
+
+def _kill_pid(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _is_local(host: RankHost) -> bool:

@@ -36,7 +36,19 @@ def test_sigkilled_worker_recovers_to_the_failure_free_loss(stack):
     done = stack.wait_state(victim["id"], DONE, timeout=600)
     assert done["state"] == "SUCCEEDED", done["message"]
     assert done["restarts"] == 1 and len(done["restart_log"]) == 1
-    assert f"rank 1 on {rank1['node']} (pid {rank1['pid']}) died" in done["restart_log"][0]["cause"]
+    entry = done["restart_log"][0]
+    assert f"rank 1 on {rank1['node']} (pid {rank1['pid']}) died" in entry["cause"]
+    assert entry["kind"] == "died" and entry["rank"] == 1 and entry["node"] == rank1["node"]
+    # A process that exits is seen at once, not when its heartbeat expires.
+    hb_timeout = victim["spec"]["fault_tolerance"]["heartbeat_timeout_s"]
+    assert 0 <= entry["detected_after_s"] < hb_timeout
+    for timing in ("teardown_s", "placement_s", "first_step_s"):
+        assert entry[timing] >= 0, timing
+    assert entry["path"] in ("in_place", "requeue")
+    assert entry["first_step_at"] > entry["failed_at"]
+    assert entry["resumed_step"] % 50 == 0 and entry["resumed_step"] >= 50
+    failures = [e for e in stack.client.events(victim["id"])["events"] if e["type"] == "failure"]
+    assert len(failures) == 1 and failures[0]["rank"] == 1
     states = [e["to"] for e in stack.client.events(victim["id"])["events"] if e["type"] == "state"]
     assert states[:4] == ["QUEUED", "PLACING", "RUNNING", "RECOVERING"]
     assert states[-1] == "SUCCEEDED" and states.count("RUNNING") == 2
