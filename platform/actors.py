@@ -11,6 +11,7 @@ node when one is labelled `kc.io/role=head`:
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -117,8 +118,7 @@ class SchedulerService:
                 time.sleep(self.idle_s)
 
     def info(self) -> dict[str, Any]:
-        return {"cycles": self.cycles, "redis_url": self.settings.redis_url,
-                "redis_prefix": self.settings.redis_prefix}
+        return {"cycles": self.cycles, "pid": os.getpid(), "redis_prefix": self.settings.redis_prefix}
 
     def stop(self) -> None:
         self._stop.set()

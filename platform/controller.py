@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import time
 import traceback
 from pathlib import Path
@@ -188,7 +189,13 @@ class JobController:
         selectors = [{"ray.io/node-id": p.node_id} for p in job.placement]
         self.pg = placement_group(self.bundles, strategy="PACK", name=f"kc-{self.job_id}",
                                   bundle_label_selector=selectors)
-        self._wait_ready(self.pg.ready(), PG_READY_TIMEOUT_S, "placement group")
+        try:
+            self._wait_ready(self.pg.ready(), PG_READY_TIMEOUT_S, "placement group")
+        except KuangchaoError as exc:
+            # A node that vanished after the plan was made: place the job again.
+            if isinstance(exc, Cancelled | WorkerLost):
+                raise
+            raise WorkerLost(Failure("placement", exc.message)) from None
         self.workers = [self._spawn(r, slot.node, spec) for r, slot in enumerate(job.placement)]
         infos = self._wait_ready([w.describe.remote() for w in self.workers], 300.0, "workers")
         self._record_workers(job, infos)
@@ -335,8 +342,8 @@ class JobController:
         try:
             ray.get([self.workers[r].reset.remote() for r in survivors], timeout=30)
             stopped_s = time.monotonic() - t0
-            infos = self._wait_ready([w.describe.remote() for w in self.workers], 120.0, "workers")
-        except (ray.exceptions.RayError, WorkerLost):
+            infos = self._wait_ready([w.describe.remote() for w in self.workers], 60.0, "workers")
+        except (ray.exceptions.RayError, KuangchaoError):
             return False
         job = self.store.get(self.job_id)
         self._record_workers(job, infos)
@@ -381,8 +388,11 @@ class JobController:
             message += "; its process is stopped"
         slot = self._slot(first.rank)
         beat = first.last
+        kind = first.kind
+        if kind == "expired" and slot and _node_lost(slot.node_id):
+            kind, message = "node_lost", message + "; its node is gone"
         raise WorkerLost(Failure(
-            first.kind, message, rank=first.rank, node=slot.node if slot else None,
+            kind, message, rank=first.rank, node=slot.node if slot else None,
             pid=slot.pid if slot else None, detected_after_s=round(first.detected_after_s, 3),
             last_heartbeat_at=beat.ts if beat else None, failed_at=failed_at))
 
@@ -432,7 +442,7 @@ class JobController:
         slot = self._slot(rank)
         place = f" on {slot.node} (pid {slot.pid})" if slot else ""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        kind = "node_lost" if slot and not _node_alive(slot.node_id) else "died"
+        kind = "node_lost" if slot and _node_lost(slot.node_id) else "died"
         beat = self.watch.last_beat(rank) if self.watch else None
         now = time.time()
         return Failure(kind, f"rank {rank}{place} died: {first}", rank=rank,
@@ -496,5 +506,22 @@ class JobController:
             self.pg = None
 
 
-def _node_alive(node_id: str) -> bool:
-    return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
+def _node_lost(node_id: str | None) -> bool:
+    """Whether a node is gone: Ray says so, or its raylet no longer takes connections.
+
+    Ray marks a node dead only after its health checks fail for a while
+    (tens of seconds); a refused connection to the raylet says it at once.
+    """
+    if not node_id:
+        return False
+    entry = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    if entry is None or not entry.get("Alive"):
+        return True
+    try:
+        with socket.create_connection((entry["NodeManagerAddress"], entry["NodeManagerPort"]),
+                                      timeout=2):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False  # slow or filtered is not proof of death; heartbeats decide

@@ -44,8 +44,11 @@ class Beat:
     seq: int = 0
 
     def encode(self) -> str:
-        return _SEP.join((str(self.step), self.phase, str(self.pid), self.node.replace(_SEP, "_"),
-                          f"{self.ts:.3f}", f"{self.progress_ts:.3f}", str(self.seq)))
+        # Phase and node are free text (`ctx.phase(name)`, node names): a separator
+        # in them would make the beat undecodable, i.e. a live rank look dead.
+        return _SEP.join((str(self.step), self.phase.replace(_SEP, "_"), str(self.pid),
+                          self.node.replace(_SEP, "_"), f"{self.ts:.3f}", f"{self.progress_ts:.3f}",
+                          str(self.seq)))
 
     @classmethod
     def decode(cls, rank: int, raw: str | bytes) -> Beat | None:

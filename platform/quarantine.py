@@ -18,11 +18,17 @@ NODE_FAULT_KINDS = frozenset({"died", "expired", "hung", "node_lost"})
 
 @dataclass(frozen=True)
 class QuarantinePolicy:
-    """Quarantine a node after `failures` within `window_s`, for `duration_s`."""
+    """Quarantine a node after `failures` within `window_s`, for `duration_s`.
+
+    A node whose raylet vanished is held back at once for `lost_node_s`:
+    long enough for Ray to declare it dead (which takes tens of seconds),
+    so that the job it failed is not placed straight back onto it.
+    """
 
     failures: int = 3
     window_s: float = 600.0
     duration_s: float = 1800.0
+    lost_node_s: float = 120.0
 
     @classmethod
     def from_env(cls) -> QuarantinePolicy:

@@ -103,13 +103,17 @@ def _report_node(store: JobStore, failure: Failure,
     if not (policy.enabled and failure.node and failure.kind in NODE_FAULT_KINDS):
         return None
     times = store.record_node_failure(failure.node, failure.failed_at, policy.window_s)
-    if not policy.should_quarantine(times, failure.failed_at):
+    now = failure.failed_at
+    if policy.should_quarantine(times, now):
+        until = now + policy.duration_s
+        reason = f"{len(times)} failures within {policy.window_s:.0f}s; last: {failure.message}"
+    elif failure.kind == "node_lost":
+        until, reason = now + policy.lost_node_s, f"its raylet is gone: {failure.message}"
+    else:
         return None
     current = store.quarantine().get(failure.node)
-    if current and float(current.get("until", 0)) > failure.failed_at:
+    if current and float(current.get("until", 0)) >= until:
         return None
-    entry = {"since": failure.failed_at, "until": failure.failed_at + policy.duration_s,
-             "failures": len(times),
-             "reason": f"{len(times)} failures within {policy.window_s:.0f}s; last: {failure.message}"}
+    entry = {"since": now, "until": until, "failures": len(times), "reason": reason}
     store.quarantine_node(failure.node, entry)
     return entry
