@@ -14,6 +14,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from kuangchao.api.checkpoint_cli import checkpoint_app
 from kuangchao.api.client import ApiError, Client
 from kuangchao.api.render import (
     print_events,
@@ -161,6 +162,7 @@ app.add_typer(node_app, name="node")
 
 topology_app = typer.Typer(help="Measure the cluster's network.", no_args_is_help=True)
 app.add_typer(topology_app, name="topology")
+app.add_typer(checkpoint_app, name="checkpoint")
 
 
 @topology_app.command("probe")
@@ -225,6 +227,14 @@ def node_join(address: Annotated[str, typer.Option(help="Ray head address, host:
                f"{[list(i) for i in node.islands]}, leaf {node.leaf}")
 
 
+@node_app.command("release")
+def node_release(name: Annotated[str, typer.Argument(help="The quarantined node.")],
+                 as_json: Json = False) -> None:
+    """End a node's quarantine early, once it has been repaired."""
+    out = _api(client().release_node, name)
+    typer.echo(json.dumps(out) if as_json else f"{name} released from quarantine")
+
+
 @app.command()
 def queues(as_json: Json = False) -> None:
     """Show the queues, their quotas, and the GPUs each holds and waits for."""
@@ -266,9 +276,10 @@ def place(spec: Annotated[Path, typer.Argument(help="Job YAML.")],
 @app.command()
 def up(cluster: Annotated[Path, typer.Option(help="Cluster topology YAML.")] = Path(
            "examples/cluster-2x4.yaml"),
-       api_port: Annotated[int, typer.Option(help="Port for the REST API.")] = DEFAULT_API_PORT,
-       dashboard_port: Annotated[int, typer.Option(help="Port for Ray's dashboard.")] =
-       DEFAULT_DASHBOARD_PORT,
+       api_port: Annotated[int, typer.Option(
+           help="Port for the REST API (0: any free port).")] = DEFAULT_API_PORT,
+       dashboard_port: Annotated[int, typer.Option(
+           help="Port for Ray's dashboard (0: any free port).")] = DEFAULT_DASHBOARD_PORT,
        queues: Annotated[Path | None, typer.Option(help="Queues and quotas YAML.")] = None,
        as_json: Json = False) -> None:
     """Start Redis, a local Ray cluster, the control plane and the API."""

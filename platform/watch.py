@@ -94,6 +94,11 @@ class RankWatch:
         now = self.clock()
         try:
             beats = read_beats(self.store.r, self.store.p, self.job_id, self.ranks)
+            if self.clock() - now > max(1.0, 2 * self.interval_s):
+                # The read waited out an outage (the client retries): beats
+                # written meanwhile were lost, so nobody's silence counts yet.
+                self.classifier.store_failed(self.clock())
+                return []
         except (redis.RedisError, OSError) as exc:
             if self.store_down_since is None:
                 self.store_down_since = now

@@ -4,103 +4,84 @@ Layout of one checkpoint, `{root}/{job_id}/step_{step:08d}/`:
 
     *.distcp, .metadata    DCP shards of {"model", "optim"}
     rank_{r}.pt            per-rank trainer state (RNG states, data position)
-    manifest.json          written last: step, spec hash, world size, files
-                           with sizes and SHA-256 checksums
+    manifest.json          written last: format, step, platform and torch
+                           versions, spec hash, world size, parallel layout,
+                           data position, which RNG states the rank files
+                           hold, and every file with its size and SHA-256
 
 A checkpoint is written into a hidden temporary folder and renamed into place
 only after every rank finished and the manifest is fsynced, so a crash never
 leaves a folder that looks complete. Only folders whose manifest verifies are
 ever restored.
+
+`save` writes while the caller waits. `save_async` only makes a CPU copy of
+the state while the caller waits and writes it on a background thread, over a
+gloo process group of its own so that its collectives never interleave with
+the training loop's on the default group. At most one save is in flight.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from kuangchao.platform.version import __version__
+from kuangchao.workers.checkpoint_async import PendingCheckpoint, stage_to_cpu
+from kuangchao.workers.checkpoint_format import (
+    FORMAT_VERSION,
+    MANIFEST,
+    RESERVED_KEYS,
+    CheckpointInfo,
+    fsync_path,
+    read_manifest,
+    sha256_file,
+    step_dir_name,
+    verify,
+)
 from kuangchao.workers.errors import CheckpointError
 
-MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+# Threads, and so shard files, per rank for the DCP write; the files are then
+# checksummed in parallel too. On 2 cores, 2 save ~20% over 1 for an 88 MB state.
+WRITER_THREADS = 2
+
+__all__ = ["MANIFEST", "FORMAT_VERSION", "CheckpointInfo", "CheckpointManager", "PendingCheckpoint",
+           "load_model_state", "read_manifest", "step_dir_name", "verify"]
 
 
-@dataclass(frozen=True)
-class CheckpointInfo:
+@dataclass
+class _SaveJob:
+    """Everything one write needs, fixed at the time of the save call."""
+
     step: int
-    path: str
-    bytes: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "path": self.path, "bytes": self.bytes}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def verify(path: str | Path) -> dict[str, Any]:
-    """Check a checkpoint folder against its manifest.
-
-    Returns:
-        The manifest.
-
-    Raises:
-        CheckpointError: Saying which file is missing, truncated or altered.
-    """
-    path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no {MANIFEST}; the checkpoint is partial") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}/{MANIFEST} is corrupt: {exc}") from None
-    for name, meta in manifest.get("files", {}).items():
-        f = path / name
-        if not f.exists():
-            raise CheckpointError(f"{path}: file {name} listed in the manifest is missing")
-        if f.stat().st_size != meta["bytes"]:
-            raise CheckpointError(
-                f"{path}: {name} has {f.stat().st_size} bytes, the manifest says {meta['bytes']}")
-        if _sha256(f) != meta["sha256"]:
-            raise CheckpointError(f"{path}: {name} fails its checksum")
-    return manifest
+    state: dict[str, Any]  # {"model": ..., "optim": ...}: staged copies, or live for `save`
+    rank_state: dict[str, Any]
+    extra: dict[str, Any]
+    group: dist.ProcessGroup | None
+    tmp: Path
+    final: Path
+    # {name: {bytes, sha256}} of the files this rank wrote, for the manifest.
+    own_files: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class CheckpointManager:
-    """Saves, lists and restores one job's checkpoints. Call on every rank."""
+    """Saves, lists and restores one job's checkpoints. Call on every rank.
+
+    `save`, `save_async` and `wait` are collective: every rank calls them at
+    the same point, with the same steps.
+    """
 
     def __init__(self, root: str | Path, job_id: str, rank: int, world_size: int,
                  spec_hash: str, keep_last: int = 3,
@@ -108,7 +89,19 @@ class CheckpointManager:
         self.dir = Path(root).expanduser() / job_id
         self.rank, self.world_size = rank, world_size
         self.spec_hash, self.keep_last = spec_hash, keep_last
-        self.on_commit = on_commit  # called on rank 0 once a checkpoint is committed
+        # Called on rank 0 once a checkpoint is committed; for save_async on the writer thread.
+        self.on_commit = on_commit
+        self.last_committed: CheckpointInfo | None = None
+        # Set by load(), for the restart record (TrainContext reads them): the
+        # step restored, how long the load took, and when it ended (time.time()).
+        self.last_restored_step: int | None = None
+        self.last_load_s: float | None = None
+        self.last_load_end: float | None = None
+        self._pending: PendingCheckpoint | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._group_ready = False
+
+    # -- listing --------------------------------------------------------------
 
     def list(self) -> list[Path]:
         """Committed checkpoint folders, oldest first (not yet verified)."""
@@ -125,62 +118,251 @@ class CheckpointManager:
                 continue
         return None
 
+    # -- saving ---------------------------------------------------------------
+
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              rank_state: dict[str, Any], extra: dict[str, Any] | None = None) -> CheckpointInfo:
-        """Write a checkpoint collectively; every rank must call it.
+        """Write a checkpoint and return once it is committed; every rank must call it.
+
+        Waits for a pending `save_async` first. Saving a step this manager has
+        already committed returns that checkpoint instead of writing it again.
 
         Args:
             step: Optimizer steps completed.
-            model, optimizer: Saved as sharded DCP state.
-            rank_state: This rank's own state (RNG, data position).
-            extra: Metadata recorded in the manifest by rank 0.
+            model, optimizer: Saved as sharded DCP state. Pass the unwrapped model.
+            rank_state: This rank's own state (RNG states under "rng", data position).
+            extra: Metadata for the manifest (rank 0's is recorded): the
+                built-in trainer passes "parallel" and "data_position".
+
+        Raises:
+            CheckpointError: This write failed, or the previous async one did.
         """
-        final = self.dir / step_dir_name(step)
-        tmp = self.dir / f".{step_dir_name(step)}.tmp"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        _barrier()
+        t0 = time.perf_counter()
+        _check_extra(extra)
+        self.wait()
+        if self._already_committed(step):
+            return self.last_committed  # type: ignore[return-value]
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        torch.save(rank_state, tmp / f"rank_{self.rank}.pt")
-        _barrier()
-        size = 0
+        # The caller is blocked for the whole write, so the live tensors are written directly.
+        job = self._job(step, {"model": model_sd, "optim": optim_sd}, rank_state, extra)
+        size, write_s = self._write(job)
+        return self._committed(job, size, write_s, blocked_s=time.perf_counter() - t0)
+
+    def save_async(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   rank_state: dict[str, Any], extra: dict[str, Any] | None = None,
+                   ) -> PendingCheckpoint:
+        """Start a checkpoint; return once the state is copied to CPU memory.
+
+        The caller may step the optimizer right away: the write works on a
+        private copy. The DCP write, fsync, checksums, manifest and rename run
+        on a background thread. Same arguments and collective rules as `save`.
+
+        Returns:
+            A handle; `result()` waits for the commit. A failure of the write
+            is raised (as `CheckpointError`) by `result()`, and by this
+            manager's next `wait`, `save` or `save_async` call.
+        """
+        t0 = time.perf_counter()
+        _check_extra(extra)
+        self.wait()
+        if self._already_committed(step):
+            return PendingCheckpoint.completed(self.last_committed)  # type: ignore[arg-type]
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        job = self._job(step, stage_to_cpu({"model": model_sd, "optim": optim_sd}),
+                        stage_to_cpu(rank_state), extra)
+        blocked_s = time.perf_counter() - t0
+        pending = PendingCheckpoint(step, str(job.final), blocked_s)
+
+        def write() -> CheckpointInfo:
+            size, write_s = self._write(job)
+            return self._committed(job, size, write_s, blocked_s)
+
+        self._pending = pending
+        pending.run(write, name=f"kc-checkpoint-{step}")
+        return pending
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
+        """Wait for the save in flight, if any, and return its checkpoint.
+
+        Raises:
+            CheckpointError: The background write failed (raised once; the
+                manager is then ready for the next save), or it was still
+                running after `timeout` seconds (then it stays pending).
+        """
+        pending = self._pending
+        if pending is None:
+            return None
+        try:
+            info = pending.result(timeout)
+        except CheckpointError:
+            if pending.done():
+                self._pending = None
+            raise
+        self._pending = None
+        return info
+
+    @property
+    def pending(self) -> PendingCheckpoint | None:
+        """The save in flight (or finished but not yet waited for), if any."""
+        return self._pending
+
+    # -- the write, shared by save and save_async -----------------------------
+
+    def _already_committed(self, step: int) -> bool:
+        # The step number names the state (optimizer steps completed), so a
+        # second save of it (a periodic and a preemption checkpoint at the same
+        # step) would write the same bytes again.
+        last = self.last_committed
+        return last is not None and last.step == step and Path(last.path).exists()
+
+    def _job(self, step: int, state: dict[str, Any], rank_state: dict[str, Any],
+             extra: dict[str, Any] | None) -> _SaveJob:
+        return _SaveJob(step=step, state=state, rank_state=rank_state, extra=dict(extra or {}),
+                        group=self._checkpoint_group(), tmp=self.dir / f".{step_dir_name(step)}.tmp",
+                        final=self.dir / step_dir_name(step))
+
+    def _checkpoint_group(self) -> dist.ProcessGroup | None:
+        """The gloo group checkpoint collectives use; made once, at the first save.
+
+        `new_group` is itself a collective on the default group, so it runs in
+        the caller's thread, where every rank reaches it at the same point.
+        """
+        if not self._group_ready:
+            if dist.is_available() and dist.is_initialized():
+                self._group = dist.new_group(backend="gloo")
+            self._group_ready = True
+        return self._group
+
+    def _write(self, job: _SaveJob) -> tuple[int, float]:
+        """Write, agree, commit. Returns (bytes on disk, seconds). Runs on every rank."""
+        t0 = time.perf_counter()
+        self._phase(job, "preparing the folder", self._prepare_tmp)
+        self._phase(job, "writing shards", self._write_shards)
+        sizes: list[int] = []
+        self._phase(job, "committing", lambda j: sizes.append(self._commit(j)))
+        return sum(sizes), time.perf_counter() - t0
+
+    def _phase(self, job: _SaveJob, what: str, fn: Callable[[_SaveJob], Any]) -> None:
+        """Run `fn(job)` on this rank, then agree with the others that all succeeded.
+
+        The agreement doubles as the barrier between phases, and makes every
+        rank raise when any failed, instead of leaving the others waiting at
+        the next barrier until the group's timeout.
+        """
+        error: BaseException | None = None
+        try:
+            fn(job)
+        except Exception as exc:
+            error = exc
+        ok = error is None
+        if job.group is not None:
+            flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=job.group)
+            ok = bool(flag.item())
+        if error is not None:
+            raise CheckpointError(f"checkpoint step {job.step}: rank {self.rank} failed while "
+                                  f"{what}: {type(error).__name__}: {error}") from error
+        if not ok:
+            raise CheckpointError(f"checkpoint step {job.step}: another rank failed while {what}; "
+                                  "its log has the reason")
+
+    def _prepare_tmp(self, job: _SaveJob) -> None:
+        if self.rank != 0:
+            return
+        shutil.rmtree(job.tmp, ignore_errors=True)
+        job.tmp.mkdir(parents=True)
+
+    def _write_shards(self, job: _SaveJob) -> None:
+        """Write this rank's DCP shards and rank file, fsync them, and checksum them.
+
+        Every writer fsyncs its own files (DCP does so for its shards and its
+        .metadata), since on a shared filesystem no other node can. Each rank
+        checksums what it wrote, so the hashing is spread over the ranks
+        instead of rank 0 reading the whole checkpoint back.
+        """
+        writer = FileSystemWriter(str(job.tmp), thread_count=WRITER_THREADS)
+        dcp.save(job.state, storage_writer=writer, process_group=job.group, no_dist=job.group is None)
+        rank_file = job.tmp / f"rank_{self.rank}.pt"
+        with rank_file.open("wb") as fh:
+            torch.save(job.rank_state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        # DCP names this rank's shards "__{rank}_{n}.distcp"; rank 0's coordinator writes .metadata.
+        own = [rank_file, *job.tmp.glob(f"__{self.rank}_*")]
         if self.rank == 0:
-            size = self._commit(tmp, final, step, extra or {})
-        _barrier()
-        info = CheckpointInfo(step=step, path=str(final), bytes=size)
+            own.append(job.tmp / ".metadata")
+        own = [f for f in own if f.is_file()]
+        # hashlib releases the GIL on large buffers, so the files hash in parallel.
+        with ThreadPoolExecutor(max_workers=max(1, min(len(own), WRITER_THREADS))) as pool:
+            job.own_files = dict(zip((f.name for f in own), pool.map(_file_entry, own), strict=True))
+
+    def _commit(self, job: _SaveJob) -> int:
+        """Gather the checksums; rank 0 writes the manifest last, renames into place, prunes.
+
+        Returns the bytes committed (0 on the other ranks).
+        """
+        if job.group is not None:
+            gathered: list[Any] = [None] * dist.get_world_size(job.group)
+            dist.all_gather_object(gathered, job.own_files, group=job.group)
+        else:
+            gathered = [job.own_files]
+        if self.rank != 0:
+            return 0
+        files = {name: entry for part in gathered for name, entry in part.items()}
+        for f in job.tmp.iterdir():  # anything no rank claimed (another DCP naming) is hashed here
+            if f.name not in files:
+                files[f.name] = _file_entry(f)
+        files = dict(sorted(files.items()))
+        with (job.tmp / MANIFEST).open("w") as fh:
+            json.dump(self._manifest(job, files), fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if job.final.exists():  # a rerun of the same step (after a restart) replaces the old copy
+            shutil.rmtree(job.final)
+        os.replace(job.tmp, job.final)
+        fsync_path(self.dir)
+        self._prune()
+        return sum(m["bytes"] for m in files.values())
+
+    def _manifest(self, job: _SaveJob, files: dict[str, Any]) -> dict[str, Any]:
+        extra = dict(job.extra)
+        rng = job.rank_state.get("rng")
+        return {
+            "format": FORMAT_VERSION, "step": job.step, "created_at": time.time(),
+            "platform_version": __version__, "torch_version": torch.__version__,
+            "spec_hash": self.spec_hash, "world_size": self.world_size,
+            "parallel": extra.pop("parallel", None),
+            "data_position": extra.pop("data_position", None),
+            # The states themselves stay in the rank files; this says what to expect there.
+            "rng": {"kinds": list(rng) if isinstance(rng, dict) else [],
+                    "rank_files": [f"rank_{r}.pt" for r in range(self.world_size)]},
+            **extra,
+            "files": files,
+        }
+
+    def _committed(self, job: _SaveJob, size: int, write_s: float,
+                   blocked_s: float) -> CheckpointInfo:
+        info = CheckpointInfo(step=job.step, path=str(job.final), bytes=size,
+                              blocked_s=blocked_s, write_s=write_s)
+        self.last_committed = info
         if self.rank == 0 and self.on_commit is not None:
             self.on_commit(info)
         return info
 
-    def _commit(self, tmp: Path, final: Path, step: int, extra: dict[str, Any]) -> int:
-        files = {}
-        for f in sorted(tmp.iterdir()):
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
-            files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-        manifest = {"format": FORMAT_VERSION, "step": step, "spec_hash": self.spec_hash,
-                    "world_size": self.world_size, "created_at": time.time(),
-                    "files": files, **extra}
-        with (tmp / MANIFEST).open("w") as fh:
-            json.dump(manifest, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if final.exists():  # a rerun of the same step replaces the old copy
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(self.dir)
-        self._prune()
-        return sum(m["bytes"] for m in files.values())
-
     def _prune(self) -> None:
         for old in self.list()[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+        # Temporary folders of writes that died with their process. Only one
+        # save is ever in flight, and it has just been renamed, so none is live.
+        for stale in self.dir.glob(".step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    # -- loading --------------------------------------------------------------
 
     def load(self, path: Path, model: torch.nn.Module,
              optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model and optimizer; return this rank's saved state."""
+        t0 = time.perf_counter()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
@@ -189,17 +371,31 @@ class CheckpointManager:
         rank_file = path / f"rank_{self.rank}.pt"
         if not rank_file.exists():  # world size changed: fall back to rank 0's
             rank_file = path / "rank_0.pt"
-        return torch.load(rank_file, weights_only=False)
+        rank_state = torch.load(rank_file, weights_only=False)
+        self.last_restored_step = read_manifest(path).get("step")
+        self.last_load_s, self.last_load_end = time.perf_counter() - t0, time.time()
+        return rank_state
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def _check_extra(extra: dict[str, Any] | None) -> None:
+    clash = RESERVED_KEYS & set(extra or {})
+    if clash:
+        raise ValueError(f"extra may not set {sorted(clash)}: the checkpoint manager writes them")
 
 
 def load_model_state(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
-    """Load a checkpoint's weights into `model` in a plain process (no group).
+    """Load a checkpoint's weights into `model` in this process alone (no collectives).
 
     Returns:
         The manifest. Raises `CheckpointError` when it does not verify.
     """
     manifest = verify(path)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path))
+    # no_dist: a load into this one process, even where a process group exists.
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict(state["model"])
     return manifest

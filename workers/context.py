@@ -47,6 +47,7 @@ class TrainContext:
     dp_size: int = 1
     heartbeat: Heartbeat | None = None
     started_at: float = field(default_factory=time.time)
+    rollbacks: int = 0
     _last_report: dict[str, Any] = field(default_factory=dict)
     _reported_once: bool = False
 
@@ -79,10 +80,17 @@ class TrainContext:
         if "loss" in metrics and "initial_loss" not in self._last_report:
             progress["initial_loss"] = metrics["loss"]
         self._last_report.update(progress)
+        if self.heartbeat is not None and self.heartbeat.progress_key:
+            self.heartbeat.publish(progress)  # goes out with the next beat
+            return
         try:
             self.store.set_progress(self.job_id, progress)
         except Exception as exc:  # progress is best effort; training goes on
             self.sink.emit(f"progress report failed: {exc}", level="WARNING")
+
+    def expect_first_step(self) -> None:
+        """The next report is the first step after a restore: record its timings."""
+        self._reported_once = False
 
     def phase(self, name: str):
         """Mark what this rank is doing (`with ctx.phase("checkpoint"): ...`).
@@ -108,6 +116,8 @@ class TrainContext:
 
     def should_stop(self) -> bool:
         """True once a cancel was requested; cooperative train loops poll it."""
+        if self.heartbeat is not None and "cancel" in self.heartbeat.flag_keys:
+            return self.heartbeat.flags.get("cancel", False)
         try:
             return self.store is not None and self.store.cancel_requested(self.job_id)
         except Exception:  # Redis away: keep training; the controller decides
@@ -119,11 +129,14 @@ class TrainContext:
         A collective: every rank must call it at the same step, and all get the
         same answer, so they stop (and checkpoint) together.
         """
-        try:
-            local = float(self.is_chief and self.store is not None
-                          and self.store.preempt_requested(self.job_id))
-        except Exception:  # Redis away: no preemption can have been asked meanwhile
-            local = 0.0
+        if self.heartbeat is not None and "preempt" in self.heartbeat.flag_keys:
+            local = float(self.is_chief and self.heartbeat.flags.get("preempt", False))
+        else:
+            try:
+                local = float(self.is_chief and self.store is not None
+                              and self.store.preempt_requested(self.job_id))
+            except Exception:  # Redis away: no preemption can have been asked meanwhile
+                local = 0.0
         if self.world_size == 1 or not dist.is_initialized():
             return bool(local)
         flag = torch.tensor([local])

@@ -15,6 +15,7 @@ blocked in a collective or a sleep has released the GIL.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -23,6 +24,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import redis
 
@@ -64,6 +66,12 @@ class Heartbeat:
         self.on_log = on_log or (lambda level, msg: _log.log(logging.getLevelName(level), msg))
         self.step, self.phase = 0, "init"
         self._progress_ts = time.time()
+        self.progress_key: str | None = None
+        self.flag_keys: dict[str, str] = {}
+        self.flags: dict[str, bool] = {}
+        self._progress: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._beat_lock = threading.Lock()
         self._seq = 0
         self.beats_sent = 0
         self.failures = 0
@@ -78,6 +86,19 @@ class Heartbeat:
     def set_phase(self, phase: str) -> None:
         if phase != self.phase:
             self.phase, self._progress_ts = phase, time.time()
+
+    def carry(self, progress_key: str, flag_keys: dict[str, str]) -> None:
+        """Also carry the job's progress out, and control flags in, with each beat.
+
+        Training then never waits on Redis for either: `publish` only stores
+        the newest progress, and `flags` is read from memory.
+        """
+        self.progress_key, self.flag_keys = progress_key, dict(flag_keys)
+
+    def publish(self, progress: dict[str, Any]) -> None:
+        """Queue progress fields for the next beat (newer values win)."""
+        with self._lock:
+            self._progress.update(progress)
 
     @contextmanager
     def in_phase(self, phase: str) -> Iterator[None]:
@@ -104,18 +125,42 @@ class Heartbeat:
         except redis.RedisError:
             pass
 
+    def flush(self) -> None:
+        """Send a beat now, with any queued progress (at the end of a run)."""
+        try:
+            self.beat_once()
+        except (redis.RedisError, OSError) as exc:
+            self.on_log("WARNING", f"final progress could not reach Redis: {exc}")
+
     def beat_once(self) -> None:
         """Write one beat and answer a pending stack request."""
+        with self._beat_lock:
+            self._beat_once()
+
+    def _beat_once(self) -> None:
         self._seq += 1
         beat = Beat(self.rank, self.step, self.phase, os.getpid(), self.node, time.time(),
                     self._progress_ts, self._seq)
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.set(beat_key(self.prefix, self.job_id, self.rank), beat.encode(),
-                     px=int(self.timeout_s * 1000))
-            pipe.get(stack_request_key(self.prefix, self.job_id, self.rank))
-            _, wanted = pipe.execute()
+        with self._lock:
+            progress, self._progress = self._progress, {}
+        flags = list(self.flag_keys.items())
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.set(beat_key(self.prefix, self.job_id, self.rank), beat.encode(),
+                         px=int(self.timeout_s * 1000))
+                pipe.get(stack_request_key(self.prefix, self.job_id, self.rank))
+                for _, key in flags:
+                    pipe.exists(key)
+                if progress and self.progress_key:
+                    _queue_progress(pipe, self.progress_key, progress)
+                replies = pipe.execute()
+        except BaseException:
+            with self._lock:  # keep the progress for the next beat
+                self._progress = {**progress, **self._progress}
+            raise
         self.beats_sent += 1
-        if wanted:
+        self.flags.update({name: bool(v) for (name, _), v in zip(flags, replies[2:], strict=False)})
+        if replies[1]:
             self._answer_stack_request()
 
     def _answer_stack_request(self) -> None:
@@ -146,6 +191,16 @@ class Heartbeat:
                 # before the controller's grace runs out.
                 delay = min(delay * 2, max(self.interval_s, self.timeout_s / 2))
             self._stop.wait(delay)
+
+
+def _queue_progress(pipe: Any, key: str, progress: dict[str, Any]) -> None:
+    """The store's progress write (see JobStore.set_progress), on a pipeline."""
+    progress = dict(progress)
+    initial = progress.pop("initial_loss", None)
+    if initial is not None:
+        pipe.hsetnx(key, "initial_loss", json.dumps(initial))
+    if progress:
+        pipe.hset(key, mapping={f: json.dumps(v) for f, v in progress.items()})
 
 
 def heartbeat_client(url: str, timeout_s: float) -> redis.Redis:

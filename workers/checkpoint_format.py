@@ -1,0 +1,134 @@
+"""The on-disk format of one checkpoint folder, and how to verify it.
+
+Layout of `{root}/{job_id}/step_{step:08d}/`:
+
+    *.distcp, .metadata    DCP shards of {"model", "optim"}
+    rank_{r}.pt            per-rank trainer state (RNG states, data position)
+    manifest.json          written last; see `build_manifest`
+
+Nothing here needs a process group: the CLI and the controller use it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kuangchao.workers.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+# 1: step, spec_hash, world_size, created_at, files (+ the caller's extra keys).
+# 2: adds platform_version, torch_version, parallel, data_position, rng.
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
+# Manifest keys the manager writes itself; a caller's `extra` may not reuse them.
+RESERVED_KEYS = frozenset({"format", "step", "spec_hash", "world_size", "created_at", "files",
+                           "platform_version", "torch_version", "rng"})
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint, as `save` / `PendingCheckpoint.result()` return it.
+
+    Attributes:
+        step, path, bytes: Which checkpoint, where, and its size on disk.
+        blocked_s: Seconds the caller's training loop was held up: waiting for
+            the previous save, plus staging (async) or the whole write (sync).
+        write_s: Seconds the write itself took (DCP shards, rank files,
+            fsync, checksums, manifest and rename).
+    """
+
+    step: int
+    path: str
+    bytes: int
+    blocked_s: float = 0.0
+    write_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "path": self.path, "bytes": self.bytes,
+                "blocked_s": round(self.blocked_s, 6), "write_s": round(self.write_s, 6)}
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(path: Path) -> int | None:
+    """The step a `step_XXXXXXXX` folder name stands for, else None."""
+    m = _STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's entry list: renames, new files)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder, without checking the files.
+
+    Raises:
+        CheckpointError: When it is missing, not JSON, or of an unknown format.
+    """
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {MANIFEST}; the checkpoint is partial") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}/{MANIFEST} is corrupt: {exc}") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}/{MANIFEST} cannot be read: {exc}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{path}/{MANIFEST} is malformed: no file list")
+    fmt = manifest.get("format")
+    if fmt not in READABLE_FORMATS:
+        raise CheckpointError(f"{path}: checkpoint format {fmt!r} is not one this kuangchao reads "
+                              f"{READABLE_FORMATS}; it was written by another version")
+    return manifest
+
+
+def verify(path: str | Path) -> dict[str, Any]:
+    """Check a checkpoint folder against its manifest (formats 1 and 2).
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CheckpointError: Saying which file is missing, truncated or altered.
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    for name, meta in manifest["files"].items():
+        f = path / name
+        try:
+            expected_bytes, expected_sha = meta["bytes"], meta["sha256"]
+        except (KeyError, TypeError):
+            raise CheckpointError(f"{path}/{MANIFEST} is malformed: bad entry for {name}") from None
+        if not f.is_file():
+            raise CheckpointError(f"{path}: file {name} listed in the manifest is missing")
+        size = f.stat().st_size
+        if size != expected_bytes:
+            raise CheckpointError(
+                f"{path}: {name} has {size} bytes, the manifest says {expected_bytes}")
+        if sha256_file(f) != expected_sha:
+            raise CheckpointError(f"{path}: {name} fails its checksum")
+    return manifest
