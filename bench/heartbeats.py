@@ -5,9 +5,10 @@ What is simulated:
 * Ranks. `--ranks` (16,384) ranks each beat once per second, spread evenly
   over the second, from `--writers` (4) forked processes that each own a
   contiguous shard. Every beat is what `workers/heartbeat.py` sends: one
-  round trip of `SET {prefix}job:{id}:hb:{rank} <Beat.encode()> PX 10000` +
-  `GET {prefix}job:{id}:stackreq:{rank}`, keys from `beat_key` /
-  `stack_request_key`. By default each rank has its own TCP connection (as
+  round trip of `SET {prefix}job:{id}:hb:{rank} <Beat.encode()> PX 10000`,
+  `GET {prefix}job:{id}:stackreq:{rank}` (keys from `beat_key` /
+  `stack_request_key`), `EXISTS` of the job's preempt and cancel flags, and
+  on rank 0 an `HSET` of the job's progress. By default each rank has its own TCP connection (as
   every real rank has its own client), so Redis sees one read and one reply
   per beat, not one pipeline per batch of ranks; `--connections` lowers that.
   A few ranks misbehave: dead ranks stop beating 1.5 s in, hung ranks beat
@@ -70,6 +71,7 @@ from kuangchao.platform.heartbeat import (
     stack_request_key,
 )
 from kuangchao.platform.procs import free_port
+from kuangchao.platform.store import JobStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
 
@@ -194,6 +196,13 @@ class WriterConfig:
     port: int
     prefix: str
     connections: int
+    flag_keys: list[str]  # the job's control flags every beat checks (preempt, cancel)
+    progress_key: str  # rank 0's beats also carry the job's progress
+
+
+def _resp(*args: bytes) -> bytes:
+    """One command in the Redis protocol."""
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
 @dataclass
@@ -262,15 +271,16 @@ def _writer(cfg: WriterConfig, shared: WriterShared) -> None:
         return
     shared.ready.put("ok")
 
-    # The RESP framing around each rank's value, built once: what redis-py's
+    # The protocol around each rank's value, built once: what redis-py's
     # pipeline in Heartbeat.beat_once puts on the wire, minus the value.
     ttl = str(int(HEARTBEAT_TIMEOUT_S * 1000)).encode()
+    flags = b"".join(_resp(b"EXISTS", k.encode()) for k in cfg.flag_keys)
     heads, tails = [], []
     for r in cfg.ranks:
         key, req = beat_key(cfg.prefix, JOB, r).encode(), stack_request_key(cfg.prefix, JOB, r).encode()
         heads.append(b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n" % (len(key), key))
-        tails.append(b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n"
-                     % (len(ttl), ttl, len(req), req))
+        tails.append(b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl) + _resp(b"GET", req) + flags)
+    replies = 2 + len(cfg.flag_keys)  # a beat's replies, +1 when it carries progress
     # Local rank i beats in tick i % TICKS_PER_S of every second, on connection i % connections.
     slots: list[dict[int, list[int]]] = [{} for _ in range(TICKS_PER_S)]
     for i in range(len(cfg.ranks)):
@@ -295,8 +305,9 @@ def _writer(cfg: WriterConfig, shared: WriterShared) -> None:
             tick, skipped = tick + behind, skipped + behind
             shared.skipped[cfg.index] = skipped
         pending = []
+        beats = 0
         for conn, idxs in slots[tick % TICKS_PER_S].items():
-            parts = []
+            parts, expected = [], 0
             for i in idxs:
                 rank, role, ts = cfg.ranks[i], roles[i], time.time()
                 if role == DEAD and ts >= dead_at:
@@ -312,12 +323,17 @@ def _writer(cfg: WriterConfig, shared: WriterShared) -> None:
                                 100_000 + rank, f"node-{rank // 8}", ts, frozen[i], seq[i])
                 value = beat.encode().encode()
                 parts += (heads[i], b"$%d\r\n" % len(value), value, tails[i])
+                beats, expected = beats + 1, expected + replies
+                if rank == 0:  # the chief reports a step per beat (JobStore.set_progress's HSET)
+                    parts.append(_resp(b"HSET", cfg.progress_key.encode(),
+                                       b"step", b"%d" % seq[i], b"updated_at", b"%.3f" % ts))
+                    expected += 1
             if parts:
                 socks[conn].sendall(b"".join(parts))
-                pending.append((conn, len(parts) // 2))  # 4 parts a beat, 2 replies a beat
+                pending.append((conn, expected))
         for conn, expected in pending:
             _await_replies(socks[conn], expected)
-            sent += expected // 2
+        sent += beats
         shared.sent[cfg.index] = sent
         tick += 1
     for s in socks:
@@ -450,6 +466,8 @@ def run(ranks: int, seconds: float, writers: int, connections: int) -> int:
     with redis_server(maxclients=connections + 64) as (url, private):
         ctl = store.connect(url)  # the controller's client: decode_responses=True
         stats = redis.Redis.from_url(url)
+        job_keys = JobStore(ctl, prefix)  # the worker's names for the job's flags and progress
+        flag_keys = [job_keys.key("job", JOB, f) for f in ("preempt", "cancel")]
         if not private:  # leave room for the shared server's other clients
             try:
                 maxclients = int(next(iter(stats.config_get("maxclients").values()), 10000))
@@ -475,7 +493,8 @@ def run(ranks: int, seconds: float, writers: int, connections: int) -> int:
             for w in range(writers):
                 lo, hi = w * ranks // writers, (w + 1) * ranks // writers
                 conns = max(1, (w + 1) * connections // writers - w * connections // writers)
-                cfg = WriterConfig(w, all_ranks[lo:hi], roles, host, port, prefix, min(conns, hi - lo))
+                cfg = WriterConfig(w, all_ranks[lo:hi], roles, host, port, prefix, min(conns, hi - lo),
+                                   flag_keys, job_keys.key("job", JOB, "progress"))
                 procs.append(ctx.Process(target=_writer, args=(cfg, shared), daemon=True))
                 procs[-1].start()
             t = time.monotonic()
@@ -499,10 +518,11 @@ def run(ranks: int, seconds: float, writers: int, connections: int) -> int:
             final: list[Verdict] = []
 
             reads: list[float] = []  # read_beats alone, for the breakdown on stderr
+            parsed: dict = {}  # kept between scans, as RankWatch does
 
             def ours() -> list[Verdict]:
                 t = time.perf_counter()
-                beats = read_beats(ctl, prefix, JOB, all_ranks)
+                beats = read_beats(ctl, prefix, JOB, all_ranks, cache=parsed)
                 reads.append(time.perf_counter() - t)
                 return clf.observe(beats, time.monotonic(), time.time())
 

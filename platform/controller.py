@@ -22,6 +22,7 @@ import redis
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from kuangchao.platform import quarantine
 from kuangchao.platform.errors import KuangchaoError
 from kuangchao.platform.orphans import LAUNCHING
 from kuangchao.platform.recovery import Failure, record_failure, requeue_for_recovery
@@ -324,6 +325,8 @@ class JobController:
             raise _GaveUp(failure.message)  # the job already ended (FAILED, or cancelled)
         t0 = time.monotonic()
         slot = self._slot(rank)
+        if slot and slot.node in quarantine.active(self.store.quarantine(), time.time()):
+            return False  # the failure put its node in quarantine: place the job elsewhere
         if failure.kind != "died":
             kill_process(self.watch.hosts.get(rank) if self.watch else None,
                          slot.node_id if slot else None)
@@ -439,12 +442,12 @@ class JobController:
 
     def _died(self, rank: int, exc: BaseException) -> Failure:
         """The failure of a rank whose actor died: its process, or its whole node."""
+        now = time.time()  # the moment the death was seen, before any classification
         slot = self._slot(rank)
         place = f" on {slot.node} (pid {slot.pid})" if slot else ""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         kind = "node_lost" if slot and _node_lost(slot.node_id) else "died"
         beat = self.watch.last_beat(rank) if self.watch else None
-        now = time.time()
         return Failure(kind, f"rank {rank}{place} died: {first}", rank=rank,
                        node=slot.node if slot else None, pid=slot.pid if slot else None,
                        detected_after_s=round(now - beat.ts, 3) if beat else None,

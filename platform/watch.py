@@ -88,12 +88,14 @@ class RankWatch:
                                      grace_s=2 * interval_s)
         self.classifier.start(clock())
         self.store_down_since: float | None = None
+        self._parsed: dict[int, tuple[str, Beat | None]] = {}
 
     def poll(self) -> list[Verdict]:
         """Read every beat once; return the ranks judged failed (none while Redis is away)."""
         now = self.clock()
         try:
-            beats = read_beats(self.store.r, self.store.p, self.job_id, self.ranks)
+            beats = read_beats(self.store.r, self.store.p, self.job_id, self.ranks,
+                               cache=self._parsed)
             if self.clock() - now > max(1.0, 2 * self.interval_s):
                 # The read waited out an outage (the client retries): beats
                 # written meanwhile were lost, so nobody's silence counts yet.

@@ -1,6 +1,7 @@
 """Faults of the infrastructure under a job, on a stack of its own: Redis
 restarted mid-job (a private redis-server with an append-only file, so it
-comes back with its data), and a node lost (its raylet SIGKILLed).
+comes back with its data), a node that keeps failing (quarantined after two
+failures here), and a node lost (its raylet SIGKILLed).
 
 The node test runs last: it leaves the cluster one node short.
 """
@@ -70,7 +71,7 @@ def infra(tmp_path_factory):
     store = PrivateRedis(root / "redis")
     store.start()
     env = {**os.environ, "KC_HOME": str(root / "home"), "KC_REDIS_URL": store.url,
-           "KC_REDIS_PREFIX": f"kcinfra-{uuid.uuid4().hex[:8]}:"}
+           "KC_REDIS_PREFIX": f"kcinfra-{uuid.uuid4().hex[:8]}:", "KC_QUARANTINE_FAILURES": "2"}
     env.pop("KC_API_URL", None)
     out = kc("up", "--cluster", str(HERE / "cluster-3x4.yaml"), "--api-port", "0",
              "--dashboard-port", "0", "--json", env=env)
@@ -121,6 +122,36 @@ def test_redis_restart_mid_job_is_ridden_out(infra):
     messages = [r["message"] for r in client.logs(job["id"])["logs"]]
     assert any("heartbeat to Redis failed" in m for m in messages)
     assert any("heartbeats resumed" in m for m in messages)
+
+
+def test_a_node_failing_twice_is_quarantined_and_the_job_moves(infra):
+    client: Client = infra.client
+    job = client.submit(job_doc(infra, "infra-flaky", steps=3000, interval=50))
+    wait_for(lambda: client.job(job["id"])["progress"]["step"] >= 60, 400, "a first checkpoint")
+    first = client.job(job["id"])["placement"]
+    node = first[1]["node"]
+    os.kill(first[1]["pid"], signal.SIGKILL)
+    # The first failure is repaired in place, on the same node.
+    again = wait_for(lambda: (j := client.job(job["id"]))["state"] == "RUNNING"
+                     and j["restarts"] == 1 and j["placement"][1]["pid"] != first[1]["pid"]
+                     and j["progress"]["step"] > j["restart_log"][0].get("resumed_step", 1e9)
+                     and j, 300, "the in-place recovery")
+    assert again["restart_log"][0]["path"] == "in_place" and again["placement"][1]["node"] == node
+    os.kill(again["placement"][1]["pid"], signal.SIGKILL)
+    done = infra.wait_state(job["id"], DONE, timeout=600)
+    assert done["state"] == "SUCCEEDED", done["message"]
+    assert done["restarts"] == 2 and done["restart_log"][1]["path"] == "requeue"
+    assert node not in {p["node"] for p in done["placement"]}
+    view = {n["name"]: n for n in client.nodes()["nodes"]}
+    assert view[node]["quarantine"] and "2 failures" in view[node]["quarantine"]["reason"]
+    events = [e for e in client.events(job["id"])["events"] if e["type"] == "quarantine"]
+    assert events and events[0]["node"] == node
+
+    out = kc("node", "release", node, env=infra.env)
+    assert out.returncode == 0 and "released" in out.stdout, out.stderr
+    assert not {n["name"]: n for n in client.nodes()["nodes"]}[node]["quarantine"]
+    out = kc("node", "release", node, env=infra.env)
+    assert out.returncode == 2 and "not quarantined" in out.stderr
 
 
 def _raylet_of(node_id: str) -> int:
