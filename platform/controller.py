@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -20,10 +19,12 @@ from typing import Any
 import ray
 import redis
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (
+    PlacementGroupSchedulingStrategy,
+)
 
-from kuangchao.platform import quarantine
 from kuangchao.platform.errors import KuangchaoError
+from kuangchao.platform.inplace import InPlaceRecovery, node_lost
 from kuangchao.platform.orphans import LAUNCHING
 from kuangchao.platform.recovery import Failure, record_failure, requeue_for_recovery
 from kuangchao.platform.registry import nodes_from_ray
@@ -32,7 +33,7 @@ from kuangchao.platform.spec import JobSpec, validate_spec
 from kuangchao.platform.state import JobRecord, JobState, PlacedRank, transition
 from kuangchao.platform.store import JobStore
 from kuangchao.platform.topology import gpu_resource
-from kuangchao.platform.watch import RankHost, RankWatch, kill_process
+from kuangchao.platform.watch import RankHost, RankWatch
 from kuangchao.workers.checkpoint import verify
 from kuangchao.workers.errors import CheckpointError, WorkerError
 from kuangchao.workers.worker import TrainWorker
@@ -40,8 +41,6 @@ from kuangchao.workers.worker import TrainWorker
 PG_READY_TIMEOUT_S = 180.0
 RENDEZVOUS_TIMEOUT_S = 300.0
 PREEMPT_GRACE_S = 120.0
-# Failures the in-place path can handle: the rank's node is still there.
-IN_PLACE_KINDS = frozenset({"died", "expired", "hung"})
 
 
 class Cancelled(KuangchaoError):
@@ -50,10 +49,6 @@ class Cancelled(KuangchaoError):
 
 class Preempted(KuangchaoError):
     """The scheduler took the job's GPUs back; it goes back to the queue."""
-
-
-class _GaveUp(KuangchaoError):
-    """The failure used up `max_restarts`; the job is already FAILED."""
 
 
 class WorkerLost(KuangchaoError):
@@ -90,7 +85,7 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class JobController:
+class JobController(InPlaceRecovery):
     """Runs one job from PLACING to a terminal state.
 
     Args:
@@ -113,6 +108,7 @@ class JobController:
         self.bundles: list[dict[str, float]] = []
         self.planned: list[tuple[int, ...] | None] = []
         self.refs: list[Any] = []
+        self.spares: dict[str, Any] = {}  # node id -> a warm SpareWorker there
         self.backend = ""
         self.watch: RankWatch | None = None
 
@@ -204,6 +200,7 @@ class JobController:
         self._set(JobState.RUNNING,
                   f"{spec.world_size} rank(s) joined the {self.backend} process group")
         self._note_placed()
+        self._start_spares(spec)
 
     def _spawn(self, rank: int, node: str, spec: JobSpec) -> Any:
         """Start the actor of one rank in its bundle of the placement group."""
@@ -306,71 +303,6 @@ class JobController:
             raise Preempted(f"preempted at step {out[0].get('steps')}; checkpointed and requeued")
         return out
 
-    def _replace_in_place(self, failure: Failure, spec: JobSpec) -> bool:
-        """The fast path: keep the survivors' processes, replace only the dead rank.
-
-        The failed rank is killed (a hung or stopped one too), so survivors
-        waiting on it in a collective fail out of it within moments; they
-        leave the process group and, with a fresh actor in the failed rank's
-        bundle, meet at a new rendezvous and resume from the newest checkpoint
-        without re-importing anything. Returns False (failure recorded, job
-        RECOVERING) when the path does not apply: a lost node, survivors that
-        do not stop within `stop_grace_s`, another death.
-        """
-        rank = failure.rank
-        if failure.kind not in IN_PLACE_KINDS or rank is None or self.pg is None:
-            return False
-        if not record_failure(self.store, self.job_id, failure,
-                              spec.fault_tolerance.max_restarts, self.settings.quarantine):
-            raise _GaveUp(failure.message)  # the job already ended (FAILED, or cancelled)
-        t0 = time.monotonic()
-        slot = self._slot(rank)
-        if slot and slot.node in quarantine.active(self.store.quarantine(), time.time()):
-            return False  # the failure put its node in quarantine: place the job elsewhere
-        if failure.kind != "died":
-            kill_process(self.watch.hosts.get(rank) if self.watch else None,
-                         slot.node_id if slot else None)
-        try:
-            ray.kill(self.workers[rank], no_restart=True)
-        except Exception:
-            pass
-        node = slot.node if slot else ""
-        # Start the replacement now: its start-up overlaps the survivors' stop.
-        self.workers[rank] = self._spawn(rank, node, spec)
-        survivors = [r for r in range(len(self.workers)) if r != rank]
-        ready, not_ready = ray.wait([self.refs[r] for r in survivors], num_returns=len(survivors),
-                                    timeout=spec.fault_tolerance.stop_grace_s)
-        if not_ready or not self._all_errored(ready):
-            return False
-        try:
-            ray.get([self.workers[r].reset.remote() for r in survivors], timeout=30)
-            stopped_s = time.monotonic() - t0
-            infos = self._wait_ready([w.describe.remote() for w in self.workers], 60.0, "workers")
-        except (ray.exceptions.RayError, KuangchaoError):
-            return False
-        job = self.store.get(self.job_id)
-        self._record_workers(job, infos)
-        self._form_group(spec, infos)
-        self._set(JobState.RUNNING, f"rank {rank} replaced in place on {node}; "
-                                    f"{len(survivors)} survivor(s) kept their processes")
-        self.store.annotate_restart(self.job_id, {
-            "path": "in_place", "teardown_s": round(stopped_s, 3),
-            "placement_s": round(time.monotonic() - t0 - stopped_s, 3)})
-        return True
-
-    @staticmethod
-    def _all_errored(refs: list[Any]) -> bool:
-        """Whether every one of these finished `run` calls failed (none completed the job)."""
-        for ref in refs:
-            try:
-                ray.get(ref)
-                return False
-            except ray.exceptions.RayActorError:
-                return False  # another rank died too: start over from the queue
-            except Exception:
-                continue
-        return True
-
     def _check_heartbeats(self) -> None:
         """Turn heartbeat verdicts into a failure, with stacks for the record."""
         if self.watch is None:
@@ -392,7 +324,7 @@ class JobController:
         slot = self._slot(first.rank)
         beat = first.last
         kind = first.kind
-        if kind == "expired" and slot and _node_lost(slot.node_id):
+        if kind == "expired" and slot and node_lost(slot.node_id):
             kind, message = "node_lost", message + "; its node is gone"
         raise WorkerLost(Failure(
             kind, message, rank=first.rank, node=slot.node if slot else None,
@@ -446,7 +378,7 @@ class JobController:
         slot = self._slot(rank)
         place = f" on {slot.node} (pid {slot.pid})" if slot else ""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        kind = "node_lost" if slot and _node_lost(slot.node_id) else "died"
+        kind = "node_lost" if slot and node_lost(slot.node_id) else "died"
         beat = self.watch.last_beat(rank) if self.watch else None
         return Failure(kind, f"rank {rank}{place} died: {first}", rank=rank,
                        node=slot.node if slot else None, pid=slot.pid if slot else None,
@@ -494,12 +426,12 @@ class JobController:
         self.store.transition(self.job_id, state, reason)
 
     def _teardown(self) -> None:
-        for w in self.workers:
+        for w in [*self.workers, *self.spares.values()]:
             try:
                 ray.kill(w, no_restart=True)
             except Exception:
                 pass
-        self.workers = []
+        self.workers, self.spares = [], {}
         self.watch = None
         if self.pg is not None:
             try:
@@ -507,24 +439,3 @@ class JobController:
             except Exception:
                 pass
             self.pg = None
-
-
-def _node_lost(node_id: str | None) -> bool:
-    """Whether a node is gone: Ray says so, or its raylet no longer takes connections.
-
-    Ray marks a node dead only after its health checks fail for a while
-    (tens of seconds); a refused connection to the raylet says it at once.
-    """
-    if not node_id:
-        return False
-    entry = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
-    if entry is None or not entry.get("Alive"):
-        return True
-    try:
-        with socket.create_connection((entry["NodeManagerAddress"], entry["NodeManagerPort"]),
-                                      timeout=2):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False  # slow or filtered is not proof of death; heartbeats decide

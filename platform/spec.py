@@ -110,6 +110,8 @@ class FaultToleranceSection(_Section):
     grad_norm_window: int = Field(20, ge=3, le=10_000)
     # Seconds survivors get to stop on their own before they are killed.
     stop_grace_s: float = Field(10.0, ge=0, le=600)
+    # Keep one warm process per node of the job, to take over a failed rank at once.
+    spare_workers: bool = False
     # Fault drills: batches (by global data index) whose loss is made NaN.
     inject_nan_at_batches: list[int] = Field(default_factory=list, max_length=100)
 

@@ -117,6 +117,12 @@ class TrainWorker:
             gpu_ids = list(self.planned_gpus)
             # Before CUDA initialises: this process sees exactly the planned GPUs.
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
+        return self._where(gpu_ids, ray_ids)
+
+    def _where(self, gpu_ids: list[int], ray_ids: list[int]) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
         self.sink.emit(f"rank {self.rank} on {socket.gethostname()} pid {os.getpid()} "
                        f"gpus {gpu_ids}", module="worker", gpu_ids=gpu_ids, ray_gpu_ids=ray_ids)
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
@@ -203,3 +209,30 @@ class TrainWorker:
         self.sink.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class SpareWorker(TrainWorker):
+    """A warm process on a node of a job, waiting to take over a failed rank there.
+
+    It has already imported torch and the trainer, which is most of what a new
+    rank costs to start. It holds no Ray resources of its own: when it adopts
+    a rank it uses the GPUs the job's placement group still reserves for that
+    rank's bundle, so the cluster's accounting stays whole.
+    """
+
+    def __init__(self) -> None:  # noqa: D107 -- the rank comes later, with `adopt`
+        import kuangchao.workers.trainer  # noqa: F401 -- importing is the warm-up
+        self.gpu_ids: list[int] = []
+
+    def adopt(self, job_id: str, rank: int, world_size: int, settings: Settings,
+              gpu_ids: list[int], node: str, heartbeat: tuple[float, float] | None) -> int:
+        """Become `rank` of the job, on the failed rank's GPUs; returns this pid."""
+        TrainWorker.__init__(self, job_id, rank, world_size, settings, None, node, heartbeat)
+        self.gpu_ids = list(gpu_ids)
+        if self.gpu_ids:  # before CUDA initialises
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids))
+        return os.getpid()
+
+    def describe(self) -> dict[str, Any]:
+        return self._where(self.gpu_ids, self.gpu_ids)
+

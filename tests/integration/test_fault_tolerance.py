@@ -30,7 +30,9 @@ def spec(stack, name):
 
 def test_sigkilled_worker_recovers_to_the_failure_free_loss(stack):
     clean = stack.client.submit(spec(stack, "ft-clean"))
-    victim = stack.client.submit(spec(stack, "ft-killed"))
+    killed = spec(stack, "ft-killed")
+    killed["fault_tolerance"] = {"spare_workers": True}  # training math is the same
+    victim = stack.client.submit(killed)
     wait_for(lambda: stack.client.job(victim["id"])["progress"]["step"] >= 60, 400,
              "the job to pass its first checkpoint")
     rank1 = next(p for p in stack.client.job(victim["id"])["placement"] if p["rank"] == 1)
@@ -48,7 +50,8 @@ def test_sigkilled_worker_recovers_to_the_failure_free_loss(stack):
     assert 0 <= entry["detected_after_s"] < hb_timeout
     for timing in ("teardown_s", "placement_s", "first_step_s"):
         assert entry[timing] >= 0, timing
-    assert entry["path"] in ("in_place", "requeue")
+    # Replaced in place by the warm spare on its node; survivors kept their processes.
+    assert entry["path"] == "in_place" and entry["spare"] is True
     assert entry["first_step_at"] > entry["failed_at"]
     assert entry["resumed_step"] % 50 == 0 and entry["resumed_step"] >= 50
     failures = [e for e in stack.client.events(victim["id"])["events"] if e["type"] == "failure"]
