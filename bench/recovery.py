@@ -73,7 +73,10 @@ DETECT_KILLS = 4  # kuangchao kills after the MTTR ones, for crash_detect_ms onl
 DETECT_KILL_AFTER = 2  # ... each this many steps into the restarted loop
 HANG_WAIT_S = 120.0
 # Kuangchao's fault-tolerance settings for every run of this benchmark.
-FAULT_TOLERANCE = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0, "hang_timeout_s": 20.0}
+# Warm spares on: the platform's fastest recovery path (see docs/fault-tolerance.md);
+# `--no-spare` measures the in-place path with a freshly started replacement.
+FAULT_TOLERANCE = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0, "hang_timeout_s": 20.0,
+                   "spare_workers": True}
 RANK = 1  # the rank killed or stopped
 WAIT_S = 240.0  # longest wait for any one thing before the run is declared stuck
 BENCH = "recovery"
@@ -703,7 +706,11 @@ def main() -> None:
     parser.add_argument("--hang-wait", type=float, default=HANG_WAIT_S)
     parser.add_argument("--skip-hang", action="store_true")
     parser.add_argument("--skip-ckpt-io", action="store_true")
+    parser.add_argument("--no-spare", action="store_true",
+                        help="recover with a freshly started replacement instead of a warm spare")
     args = parser.parse_args()
+    if args.no_spare:
+        FAULT_TOLERANCE["spare_workers"] = False
     every, offset = args.ckpt_every, args.kill_offset
     if not 0 < offset < every:
         parser.error("--kill-offset must be between 1 and --ckpt-every - 1")
