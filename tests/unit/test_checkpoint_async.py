@@ -3,6 +3,7 @@
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import kuangchao.workers.checkpoint as ckpt
 from kuangchao.platform.procs import free_port
 from kuangchao.platform.version import __version__
 from kuangchao.workers.checkpoint import CheckpointManager, load_model_state, verify
+from kuangchao.workers.checkpoint_format import sha256_file
 from kuangchao.workers.errors import CheckpointError
 from kuangchao.workers.model import ModelConfig, build_model
 
@@ -73,11 +75,23 @@ def test_blocked_time_is_below_the_write_time_for_a_model_of_megabytes(mgr):
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 1024)).sum().backward()
     opt.step()  # ~8 MB of weights, ~16 MB of Adam state
-    pending = mgr.save_async(1, model, opt, rank_state={})
-    info = pending.result()
-    assert info.bytes > 20e6
-    assert info.blocked_s == pending.blocked_s
-    assert info.blocked_s < info.write_s, info
+    # Fastest of 3 against fastest of 3: on a busy 2-core machine another
+    # process can stall any one copy (staging) past any one write. One torch
+    # thread, as the trainer runs: a parallel copy waits for the busier core.
+    blocked, written = [], []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step in (1, 2, 3):
+            pending = mgr.save_async(step, model, opt, rank_state={})
+            info = pending.result()
+            assert info.bytes > 20e6
+            assert info.blocked_s == pending.blocked_s
+            blocked.append(info.blocked_s)
+            written.append(info.write_s)
+    finally:
+        torch.set_num_threads(threads)
+    assert min(blocked) < min(written), (blocked, written)
 
 
 def test_a_background_failure_surfaces_on_the_next_wait_once(mgr, monkeypatch):
@@ -136,7 +150,7 @@ def test_manifest_records_versions_layout_data_position_and_rng(mgr):
                     extra={"parallel": layout, "data_position": {"step": 4, "skipped_batches": [3]},
                            "note": "kept"})
     m = verify(info.path)
-    assert m["format"] == 2 and m["platform_version"] == __version__
+    assert m["format"] == 3 and m["checksum"] == "crc32" and m["platform_version"] == __version__
     assert m["torch_version"] == torch.__version__ and m["spec_hash"] == "abc"
     assert m["world_size"] == 1 and m["step"] == 4 and m["parallel"] == layout
     assert m["data_position"] == {"step": 4, "skipped_batches": [3]} and m["note"] == "kept"
@@ -151,7 +165,10 @@ def test_verify_reads_format_1_and_refuses_an_unknown_format(mgr):
     info = mgr.save(1, model, opt, rank_state={})
     path = os.path.join(info.path, "manifest.json")
     m = json.loads(open(path).read())
-    old = {k: m[k] for k in ("step", "spec_hash", "world_size", "created_at", "files")}
+    old = {k: m[k] for k in ("step", "spec_hash", "world_size", "created_at")}
+    # Formats 1 and 2 name no checksum: their digests are SHA-256.
+    old["files"] = {name: {"bytes": e["bytes"], "sha256": sha256_file(Path(info.path) / name)}
+                    for name, e in m["files"].items()}
     with open(path, "w") as f:
         json.dump({"format": 1, **old, "parallel": {}}, f)
     assert verify(info.path)["format"] == 1
