@@ -26,7 +26,14 @@ from ray.util.scheduling_strategies import (
 from kuangchao.platform.errors import KuangchaoError
 from kuangchao.platform.inplace import InPlaceRecovery, node_lost
 from kuangchao.platform.orphans import LAUNCHING
-from kuangchao.platform.recovery import Failure, record_failure, requeue_for_recovery
+from kuangchao.platform.recovery import (
+    Cancelled,
+    Failure,
+    Preempted,
+    WorkerLost,
+    record_failure,
+    requeue_for_recovery,
+)
 from kuangchao.platform.registry import nodes_from_ray
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec import JobSpec, validate_spec
@@ -41,22 +48,6 @@ from kuangchao.workers.worker import TrainWorker
 PG_READY_TIMEOUT_S = 180.0
 RENDEZVOUS_TIMEOUT_S = 300.0
 PREEMPT_GRACE_S = 120.0
-
-
-class Cancelled(KuangchaoError):
-    """The job was cancelled while the controller was working on it."""
-
-
-class Preempted(KuangchaoError):
-    """The scheduler took the job's GPUs back; it goes back to the queue."""
-
-
-class WorkerLost(KuangchaoError):
-    """A rank died, hung or lost its node: an infrastructure fault the job recovers from."""
-
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(failure.message)
-        self.failure = failure
 
 
 def _pinned_nodes() -> set[str]:

@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kuangchao.platform import quarantine
 from kuangchao.platform.errors import KuangchaoError
-from kuangchao.platform.recovery import Failure, record_failure
+from kuangchao.platform.recovery import Cancelled, Failure, record_failure
 from kuangchao.platform.spec import JobSpec
 from kuangchao.platform.state import JobState, PlacedRank
 from kuangchao.platform.watch import kill_process
@@ -77,6 +77,8 @@ class InPlaceRecovery:
             ray.get([self.workers[r].reset.remote() for r in survivors], timeout=30)
             stopped_s = time.monotonic() - t0
             infos = self._wait_ready([w.describe.remote() for w in self.workers], 60.0, "workers")
+        except Cancelled:
+            raise
         except (ray.exceptions.RayError, KuangchaoError):
             return False
         job = self.store.get(self.job_id)

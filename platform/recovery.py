@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kuangchao.platform.errors import KuangchaoError
 from kuangchao.platform.quarantine import NODE_FAULT_KINDS, QuarantinePolicy
 from kuangchao.platform.state import JobRecord, JobState, transition
 from kuangchao.platform.store import JobStore
@@ -43,6 +44,22 @@ class Failure:
         d = {"cause": self.message, **dataclasses.asdict(self)}
         d.pop("message")
         return {k: v for k, v in d.items() if v is not None}
+
+
+class Cancelled(KuangchaoError):
+    """The job was cancelled while the controller was working on it."""
+
+
+class Preempted(KuangchaoError):
+    """The scheduler took the job's GPUs back; it goes back to the queue."""
+
+
+class WorkerLost(KuangchaoError):
+    """A rank died, hung or lost its node: an infrastructure fault the job recovers from."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
 
 
 def record_failure(store: JobStore, job_id: str, failure: Failure, max_restarts: int,
