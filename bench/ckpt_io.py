@@ -5,9 +5,12 @@ parameters (29 MB of fp32 weights) with AdamW state after one step: about
 88 MB in all. Reported, as medians over the repeats:
 
   ckpt_save_throughput         bytes/s of CheckpointManager.save (DCP shards,
-                               rank file, fsync, SHA-256 of every file,
-                               manifest, rename) against torch.save of the same
-                               model and optimizer state_dicts to one file + fsync
+                               rank file, fsync, checksum of every file,
+                               manifest, rename; the old checkpoint's deletion
+                               runs in the background, and is waited for
+                               before the baseline) against torch.save of the
+                               same model and optimizer state_dicts to one
+                               file + fsync
   async_ckpt_blocked_fraction  seconds save_async holds the training loop
                                (staging to CPU memory) against a sync save
 
@@ -86,6 +89,7 @@ def measure_save_throughput(repeats: int = REPEATS, root: str | None = None) -> 
         for i in range(1, repeats + 1):
             info = mgr.save(i, model, opt, rank_state={})
             ours.append(info.bytes / info.blocked_s)
+            mgr.wait_pruned()  # the previous checkpoint's deletion must not slow the baseline
             t0 = time.perf_counter()
             size = torch_save_fsync(model, opt, tmp / "baseline.pt")
             theirs.append(size / (time.perf_counter() - t0))
@@ -111,6 +115,7 @@ def measure_async_blocked(repeats: int = REPEATS, root: str | None = None) -> di
         step_s = _step_time(model, opt, 3)
         for i in range(1, repeats + 1):
             sync_s.append(mgr.save(2 * i - 1, model, opt, rank_state={}).blocked_s)
+            mgr.wait_pruned()  # back to back here; in training, saves are many steps apart
             pending = mgr.save_async(2 * i, model, opt, rank_state={})
             blocked.append(pending.blocked_s)
             steps = 0
