@@ -42,7 +42,10 @@ def _control_options(name: str) -> dict[str, Any]:
                             "num_cpus": 0, "max_concurrency": 8}
     head = head_node_id(ray.nodes())
     if head:
-        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=True)
+        # Hard affinity: Ray does not reliably honour a soft one for detached
+        # actors (seen on 2.60), and a controller on a worker node would die
+        # with that node. Without the head the cluster is gone anyway.
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
     return opts
 
 

@@ -20,7 +20,9 @@ deleted on a background thread.
 `save` writes while the caller waits. `save_async` only makes a CPU copy of
 the state while the caller waits and writes it on a background thread, over a
 gloo process group of its own so that its collectives never interleave with
-the training loop's on the default group. At most one save is in flight.
+the training loop's on the default group. At most one save is in flight. The
+CPU copy is kept and overwritten by the next `save_async`, so a manager that
+saved asynchronously holds one host copy of the model and optimizer state.
 """
 
 from __future__ import annotations
@@ -115,6 +117,9 @@ class CheckpointManager:
         self.last_load_s: float | None = None
         self.last_load_end: float | None = None
         self._pending: PendingCheckpoint | None = None
+        # The previous save_async's CPU copy of {"model", "optim"}, overwritten
+        # by the next one; only ever touched once that write is over.
+        self._staged: dict[str, Any] | None = None
         self._group: dist.ProcessGroup | None = None
         self._group_ready = False
         # Pruning: the thread deleting retired checkpoints, and the folders
@@ -193,6 +198,16 @@ class CheckpointManager:
         private copy. The DCP write, fsync, checksums, manifest and rename run
         on a background thread. Same arguments and collective rules as `save`.
 
+        Memory: the CPU copy of the model and optimizer state is kept after
+        the write, and the next `save_async` copies into it in place when the
+        state has the same keys, shapes and dtypes (fresh memory for anything
+        that changed): a copy into pages never touched costs several times one
+        into pages in use. So from the first call on, this manager holds one host
+        copy of this rank's model and optimizer state, as torch's own async
+        checkpointing does with its cached staging buffers. It is overwritten
+        only after the previous write is over (this call waits for it first),
+        and dropped after a failed write.
+
         Returns:
             A handle; `result()` waits for the commit. A failure of the write
             is raised (as `CheckpointError`) by `result()`, and by this
@@ -204,8 +219,10 @@ class CheckpointManager:
         if self._already_committed(step):
             return PendingCheckpoint.completed(self.last_committed)  # type: ignore[arg-type]
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        job = self._job(step, stage_to_cpu({"model": model_sd, "optim": optim_sd}),
-                        stage_to_cpu(rank_state), extra)
+        # After wait(): no write reads the previous copy any more, so it may be overwritten.
+        staged = stage_to_cpu({"model": model_sd, "optim": optim_sd}, into=self._staged)
+        self._staged = staged
+        job = self._job(step, staged, stage_to_cpu(rank_state), extra)
         blocked_s = time.perf_counter() - t0
         pending = PendingCheckpoint(step, str(job.final), blocked_s)
 
@@ -233,6 +250,10 @@ class CheckpointManager:
         except CheckpointError:
             if pending.done():
                 self._pending = None
+                # A write that failed may have left DCP writer threads behind
+                # (torch joins them only when its own part succeeds) that still
+                # read the staged copy: the next save copies into fresh memory.
+                self._staged = None
             raise
         self._pending = None
         return info

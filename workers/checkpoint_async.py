@@ -1,8 +1,8 @@
 """Pieces of the asynchronous save: staging to CPU memory, and the handle.
 
 `CheckpointManager.save_async` stages the state (a private CPU copy, so the
-optimizer may keep stepping), then writes it on a background thread and hands
-back a `PendingCheckpoint`.
+optimizer may keep stepping; its buffers are reused by the next save), then
+writes it on a background thread and hands back a `PendingCheckpoint`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kuangchao.workers.checkpoint_format import CheckpointInfo
 from kuangchao.workers.errors import CheckpointError
 
 
-def stage_to_cpu(obj: Any) -> Any:
+def stage_to_cpu(obj: Any, into: Any = None) -> Any:
     """A deep copy of a (nested) state dict with every tensor copied to CPU.
 
     The copy never shares storage with the original, even for tensors that are
@@ -29,23 +29,62 @@ def stage_to_cpu(obj: Any) -> Any:
     Non-tensor leaves are deep-copied for the same reason (the trainer mutates
     `param_groups[i]["lr"]` every step). Tensors that alias each other (a
     weight-tied head and embedding) get one shared copy, as in the original.
+
+    Args:
+        obj: The state to copy.
+        into: A previous result of `stage_to_cpu` that nothing reads any more
+            (its write is over): its tensors are overwritten in place (`copy_`)
+            wherever `obj` has a plain tensor of the same shape and dtype at the
+            same place, which spares allocating and faulting in fresh memory
+            (~1.5 ms instead of ~10 ms per 24 MB). Everything else is copied
+            fresh as without it. The result may share tensors with `into`, and
+            `into` must not be used again except as the next call's `into`.
     """
-    return _stage(obj, {})
+    return _stage(obj, into, {}, set())
 
 
-def _stage(obj: Any, memo: dict[tuple, torch.Tensor]) -> Any:
+def _stage(obj: Any, prev: Any, memo: dict[tuple, torch.Tensor], used: set[int]) -> Any:
+    """`obj` staged, reusing the tensors of `prev` (the same place in the previous copy)."""
     if isinstance(obj, torch.Tensor):
         key = _alias_key(obj)
-        if key not in memo:
-            memo[key] = obj.detach().to("cpu", copy=True)
-        return memo[key]
+        staged = memo.get(key)
+        if staged is None:
+            staged = _reusable(prev, obj, used)
+            if staged is not None:
+                staged.copy_(obj.detach())
+            else:
+                staged = obj.detach().to("cpu", copy=True)
+            used.add(id(staged))
+            memo[key] = staged
+        return staged
     if isinstance(obj, dict):
-        return {k: _stage(v, memo) for k, v in obj.items()}
+        before = prev if isinstance(prev, dict) else {}
+        return {k: _stage(v, before.get(k), memo, used) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_stage(v, memo) for v in obj]
+        return [_stage(v, _item(prev, list, i), memo, used) for i, v in enumerate(obj)]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_stage(v, memo) for v in obj)
+        return tuple(_stage(v, _item(prev, tuple, i), memo, used) for i, v in enumerate(obj))
     return copy.deepcopy(obj)
+
+
+def _item(prev: Any, kind: type, i: int) -> Any:
+    return prev[i] if isinstance(prev, kind) and i < len(prev) else None
+
+
+def _reusable(prev: Any, t: torch.Tensor, used: set[int]) -> torch.Tensor | None:
+    """`prev` when `t` can be copied into it with the result a fresh copy would have.
+
+    Only plain strided CPU tensors of the same shape and dtype, each taken once
+    (two tensors that shared a copy last time may not share one now). Tensor
+    subclasses (DTensor) and other layouts are always copied fresh.
+    """
+    if type(prev) is not torch.Tensor or id(prev) in used:
+        return None
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_quantized:
+        return None
+    if prev.device.type != "cpu" or prev.shape != t.shape or prev.dtype != t.dtype:
+        return None
+    return prev
 
 
 def _alias_key(t: torch.Tensor) -> tuple:

@@ -176,3 +176,15 @@ def test_truncated_newest_checkpoint_is_skipped_on_restore(stack):
                if e["type"] == "checkpoint_skipped"]
     assert skipped and newest.name in skipped[0]["message"]
     assert "has" in skipped[0]["message"] and "bytes" in skipped[0]["message"]
+
+
+def test_control_plane_actors_run_on_the_head_node(stack, ray_driver):
+    """A controller on a worker node would die with that node; they live on the head."""
+    from ray.util.state import list_actors
+
+    head = next(n["NodeID"] for n in ray_driver.nodes()
+                if (n.get("Labels") or {}).get("kc.io/role") == "head")
+    control = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+               if a.class_name in ("SchedulerService", "RegistryActor", "JobControllerActor")]
+    assert {a.class_name for a in control} >= {"SchedulerService", "RegistryActor"}
+    assert all(a.node_id == head for a in control), [(a.class_name, a.node_id) for a in control]

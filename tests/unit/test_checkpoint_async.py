@@ -15,6 +15,7 @@ import kuangchao.workers.checkpoint as ckpt
 from kuangchao.platform.procs import free_port
 from kuangchao.platform.version import __version__
 from kuangchao.workers.checkpoint import CheckpointManager, load_model_state, verify
+from kuangchao.workers.checkpoint_async import stage_to_cpu
 from kuangchao.workers.checkpoint_format import sha256_file
 from kuangchao.workers.errors import CheckpointError
 from kuangchao.workers.model import ModelConfig, build_model
@@ -70,6 +71,76 @@ def test_async_save_holds_the_state_of_the_call_even_when_training_goes_on(mgr):
             assert torch.equal(v, opt_state[i][k]), (i, k)
 
 
+def _staged_ptrs(staged):
+    """{path: data_ptr} of every tensor in a staged copy."""
+    out = {}
+
+    def walk(obj, path):
+        if isinstance(obj, torch.Tensor):
+            out[path] = obj.data_ptr()
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, (*path, k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, (*path, i))
+
+    walk(staged, ())
+    return out
+
+
+def test_consecutive_async_saves_reuse_the_staging_memory_and_write_the_second_state(mgr):
+    model, opt = make()
+    first_weights, _ = snapshot(model, opt)
+    mgr.save_async(1, model, opt, rank_state={"step": 1}).result()
+    before = _staged_ptrs(mgr._staged)
+    assert len(before) > 10 and any(p[0] == "optim" for p in before)  # weights and Adam state
+    step(model, opt)
+    opt.param_groups[0]["lr"] = 0.5
+    weights, opt_state = snapshot(model, opt)
+    pending = mgr.save_async(2, model, opt, rank_state={"step": 2})
+    assert _staged_ptrs(mgr._staged) == before  # copied into the same memory, nothing allocated
+    with torch.no_grad():  # training goes on in place while step 2 is written
+        for p in model.parameters():
+            p.add_(1.0)
+    opt.param_groups[0]["lr"] = 0.7  # plain values are copied, not shared
+    step(model, opt)
+    assert pending.result().step == 2
+    fresh, fresh_opt = make(seed=7)
+    assert mgr.load(pending.path, fresh, fresh_opt) == {"step": 2}
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    for i, s in enumerate(fresh_opt.state.values()):
+        for k, v in s.items():
+            assert torch.equal(v, opt_state[i][k]), (i, k)
+    assert fresh_opt.param_groups[0]["lr"] == 0.5
+    first, _ = make(seed=7)  # step 1, written before the memory was reused, is still step 1's
+    load_model_state(mgr.list()[0], first)
+    for k, v in first.state_dict().items():
+        assert torch.equal(v, first_weights[k]), k
+
+
+def test_staging_reuses_only_tensors_of_the_same_shape_dtype_and_sharing():
+    tied = torch.zeros(3)
+    first = stage_to_cpu({"a": torch.ones(4), "b": torch.ones(2), "c": torch.ones(2, dtype=torch.int64),
+                          "tied": [tied, tied], "n": 1})
+    assert first["tied"][0] is first["tied"][1]
+    state = {"a": torch.full((4,), 2.0), "b": torch.ones(5), "c": torch.ones(2),
+             "tied": [torch.ones(3), torch.full((3,), 3.0)], "n": [2], "new": torch.ones(1)}
+    ptrs = _staged_ptrs(first)
+    second = stage_to_cpu(state, into=first)
+    assert second["a"].data_ptr() == ptrs[("a",)]  # same shape and dtype: overwritten in place
+    assert second["b"].data_ptr() != ptrs[("b",)] and second["b"].shape == (5,)
+    assert second["c"].data_ptr() != ptrs[("c",)] and second["c"].dtype == torch.float32
+    # Shared last time, two tensors now: one may take the old memory, the other must not.
+    assert second["tied"][0].data_ptr() != second["tied"][1].data_ptr()
+    assert second["tied"][0].data_ptr() == ptrs[("tied", 0)]
+    assert second["n"] == [2] and second["n"] is not state["n"]
+    for k in ("a", "b", "c", "new"):
+        assert torch.equal(second[k], state[k]) and second[k].data_ptr() != state[k].data_ptr()
+    assert torch.equal(second["tied"][1], state["tied"][1])
+
+
 def test_blocked_time_is_below_the_write_time_for_a_model_of_megabytes(mgr):
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
     opt = torch.optim.AdamW(model.parameters())
@@ -104,6 +175,7 @@ def test_a_background_failure_surfaces_on_the_next_wait_once(mgr, monkeypatch):
     pending = mgr.save_async(1, model, opt, rank_state={})
     with pytest.raises(CheckpointError, match="No space left on device"):
         mgr.wait()
+    assert mgr._staged is None  # writer threads of the failed save may still read its copy
     with pytest.raises(CheckpointError, match="No space left"):
         pending.result()
     assert mgr.wait() is None  # raised once; the manager takes the next save
