@@ -45,10 +45,25 @@ def print_job(job: dict[str, Any]) -> None:
     for pl in job.get("placement") or []:
         typer.echo(f"  rank {pl['rank']:<3} {pl['node']:<12} leaf {pl['leaf']:<10} "
                    f"gpu {pl['gpu']} pid {pl['pid']}")
+    for r in job.get("restart_log") or []:
+        typer.echo(f"restart {r.get('restart')}    {r.get('kind', '?')}: {r.get('cause', '')}")
+        typer.echo("             " + restart_timings(r))
     ckpts = job.get("checkpoints") or []
     if ckpts:
         last = ckpts[-1]
         typer.echo(f"checkpoint   step {last['step']} at {last['path']} ({last['bytes']} bytes)")
+
+
+def restart_timings(r: dict[str, Any]) -> str:
+    """One line of how a recovery went: detection, path and the time of each phase."""
+    parts = []
+    for key, label in (("detected_after_s", "detected after"), ("teardown_s", "teardown"),
+                       ("placement_s", "placement"), ("restore_s", "restore"),
+                       ("first_step_s", "first step")):
+        if isinstance(r.get(key), int | float):
+            parts.append(f"{label} {r[key]:.2f}s")
+    path = r.get("path", "?") + (" (warm spare)" if r.get("spare") else "")
+    return f"path {path}; " + ", ".join(parts)
 
 
 def print_jobs(jobs: list[dict[str, Any]]) -> None:
