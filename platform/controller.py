@@ -278,7 +278,7 @@ class JobController(InPlaceRecovery):
                     raise
             if not pending:
                 break
-            self._check_heartbeats()
+            self._check_heartbeats(skip=set(results))
             try:
                 if self.store.cancel_requested(self.job_id):
                     raise Cancelled("cancelled")
@@ -294,11 +294,14 @@ class JobController(InPlaceRecovery):
             raise Preempted(f"preempted at step {out[0].get('steps')}; checkpointed and requeued")
         return out
 
-    def _check_heartbeats(self) -> None:
-        """Turn heartbeat verdicts into a failure, with stacks for the record."""
+    def _check_heartbeats(self, skip: set[int]) -> None:
+        """Turn heartbeat verdicts into a failure, with stacks for the record.
+
+        Ranks in `skip` have already returned from their train function.
+        """
         if self.watch is None:
             return
-        verdicts = self.watch.poll()
+        verdicts = [v for v in self.watch.poll() if v.rank not in skip]
         if not verdicts:
             return
         first = min(verdicts, key=lambda v: (v.kind != "expired", v.rank))

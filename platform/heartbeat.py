@@ -24,11 +24,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-PHASES = ("init", "train", "data", "forward", "backward", "optimizer", "checkpoint", "collective")
+PHASES = ("init", "train", "data", "forward", "backward", "optimizer", "checkpoint", "collective",
+          "done")
 _SEP = "|"
-# Before the first step (imports, restore, compile) a rank is judged only by
-# whether it beats: how long start-up takes is the model's business.
-UNTIMED_PHASES = frozenset({"init"})
+# Before the first step (imports, restore, compile) and after its train
+# function returned, a rank is judged only by whether it beats: how long
+# start-up takes, or how long its peers still work, is the model's business.
+UNTIMED_PHASES = frozenset({"init", "done"})
 
 
 class Beat(NamedTuple):

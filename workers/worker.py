@@ -168,6 +168,7 @@ class TrainWorker:
                 raise TrainingError(f"{message}\n{tb}") from None
             finally:
                 if self.heartbeat is not None:
+                    self.heartbeat.set_phase("done")
                     self.heartbeat.flush()
                 self.sink.flush()
 

@@ -101,6 +101,12 @@ def test_a_rank_still_in_init_is_never_hung():
     assert c.observe({0: b}, now=500.0, wall=WALL0 + 500) == []
 
 
+def test_a_rank_whose_train_function_returned_is_never_hung():
+    c = classifier()
+    b = beat(seq=500, ts=WALL0 + 500, progress_ts=WALL0, step=100, phase="done")
+    assert c.observe({0: b}, now=500.0, wall=WALL0 + 500) == []
+
+
 def test_a_hung_rank_that_also_stops_beating_is_reported_expired():
     c = classifier()
     b = beat(seq=1, ts=WALL0 + 100, progress_ts=WALL0)
