@@ -234,6 +234,21 @@ def tiny_spec(steps: int = 60, out: str | Path | None = None, name: str = "bench
     return doc
 
 
+def build_loop_parts(spec: JobSpec, world_size: int) -> tuple[Any, Any, Any, BatchSource]:
+    """The model, its DDP wrapper, AdamW and the batch source every benchmark loop uses,
+    with one torch thread per rank on both sides."""
+    torch.set_num_threads(1)
+    torch.manual_seed(spec.training.seed)
+    model = build_model(model_config(spec))
+    ddp = DistributedDataParallel(model) if world_size > 1 else model
+    o = spec.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas,
+                                  weight_decay=o.weight_decay)
+    source = BatchSource(load_corpus(None, spec.data.max_bytes, spec.model.vocab_size),
+                         spec.model.seq_len, spec.training.seed)
+    return model, ddp, optimizer, source
+
+
 def bench_loop(spec: JobSpec, rank: int, world_size: int,
                after_steps: Callable[[torch.nn.Module, torch.optim.Optimizer], Any] | None = None,
                ) -> dict[str, Any]:
@@ -248,16 +263,8 @@ def bench_loop(spec: JobSpec, rank: int, world_size: int,
         {"start": time the loop began, "steps": time after each optimizer step}.
     """
     start = time.time()
-    torch.set_num_threads(1)  # one core per rank on both sides
-    seed, micro = spec.training.seed, spec.parallel.micro_batch_size
-    torch.manual_seed(seed)
-    model = build_model(model_config(spec))
-    ddp = DistributedDataParallel(model) if world_size > 1 else model
-    o = spec.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas,
-                                  weight_decay=o.weight_decay)
-    source = BatchSource(load_corpus(None, spec.data.max_bytes, spec.model.vocab_size),
-                         spec.model.seq_len, seed)
+    model, ddp, optimizer, source = build_loop_parts(spec, world_size)
+    micro = spec.parallel.micro_batch_size
     stamps = []
     for step in range(spec.training.steps):
         x, y = source.get(batch_indices(step, 0, rank, world_size, micro, 1))

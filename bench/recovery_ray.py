@@ -29,12 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
+from bench.harness import build_loop_parts
 from kuangchao.platform.spec import JobSpec, validate_spec
-from kuangchao.workers.data import BatchSource, batch_indices, load_corpus
-from kuangchao.workers.model import build_model
-from kuangchao.workers.trainer import model_config
+from kuangchao.workers.data import batch_indices
 
 Hook = Callable[[int, torch.nn.Module, torch.optim.Optimizer], None]
 
@@ -70,16 +68,8 @@ def resumable_loop(spec: JobSpec, rank: int, world_size: int, trace: Trace,
     outside the timing (kuangchao's mandatory final checkpoint).
     """
     t_start = time.time()
-    torch.set_num_threads(1)  # one core per rank on both sides
-    seed, micro = spec.training.seed, spec.parallel.micro_batch_size
-    torch.manual_seed(seed)
-    model = build_model(model_config(spec))
-    ddp = DistributedDataParallel(model) if world_size > 1 else model
-    o = spec.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas,
-                                  weight_decay=o.weight_decay)
-    source = BatchSource(load_corpus(None, spec.data.max_bytes, spec.model.vocab_size),
-                         spec.model.seq_len, seed)
+    model, ddp, optimizer, source = build_loop_parts(spec, world_size)
+    micro = spec.parallel.micro_batch_size
     t_built = time.time()
     start_step = restore(model, optimizer)
     trace.write("start", step=start_step, t=t_start, built=t_built, restored=time.time())
