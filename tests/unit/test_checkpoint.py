@@ -8,6 +8,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 import kuangchao.workers.checkpoint as ckpt
+import kuangchao.workers.checkpoint_io as ckpt_io
 from kuangchao.workers.checkpoint import CheckpointManager, load_model_state, verify
 from kuangchao.workers.checkpoint_format import CHECKSUM, checksum_file
 from kuangchao.workers.errors import CheckpointError
@@ -173,7 +174,7 @@ def test_a_rerun_of_a_step_replaces_the_committed_copy(mgr):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_files_the_writer_did_not_checksum_are_read_back(mgr, monkeypatch):
     # As with a DCP version that writes some file without going through `create_stream`.
-    monkeypatch.setattr(ckpt._ChecksummingFileSystem, "create_stream", FileSystem.create_stream)
+    monkeypatch.setattr(ckpt_io.ChecksummingFileSystem, "create_stream", FileSystem.create_stream)
     model, opt = make()
     info = mgr.save(1, model, opt, rank_state={})
     manifest = verify(info.path)
@@ -185,6 +186,7 @@ def test_files_the_writer_did_not_checksum_are_read_back(mgr, monkeypatch):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_the_manifest_names_the_checksum_it_was_written_with(mgr, monkeypatch):
     monkeypatch.setattr(ckpt, "CHECKSUM", "sha256")
+    monkeypatch.setattr(ckpt_io, "CHECKSUM", "sha256")
     model, opt = make()
     info = mgr.save(1, model, opt, rank_state={})
     manifest = verify(info.path)
