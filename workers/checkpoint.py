@@ -50,6 +50,7 @@ from kuangchao.workers.checkpoint_async import (
     StagingBuffers,
     stage_to_cpu,
 )
+from kuangchao.workers.checkpoint_export import load_model_state
 from kuangchao.workers.checkpoint_format import (
     CHECKSUM,
     FORMAT_VERSION,
@@ -494,17 +495,3 @@ def _check_extra(extra: dict[str, Any] | None) -> None:
     clash = RESERVED_KEYS & set(extra or {})
     if clash:
         raise ValueError(f"extra may not set {sorted(clash)}: the checkpoint manager writes them")
-
-
-def load_model_state(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
-    """Load a checkpoint's weights into `model` in this process alone (no collectives).
-
-    Returns:
-        The manifest. Raises `CheckpointError` when it does not verify.
-    """
-    manifest = verify(path)
-    state = {"model": model.state_dict()}
-    # no_dist: a load into this one process, even where a process group exists.
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    model.load_state_dict(state["model"])
-    return manifest

@@ -88,3 +88,17 @@ def export_model(path: str | Path, out: str | Path, fmt: str, check: bool = True
             tmp.unlink(missing_ok=True)
     return {"step": manifest["step"], "path": str(path), "out": str(out), "format": fmt,
             "tensors": len(tensors), "bytes": out.stat().st_size}
+
+
+def load_model_state(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
+    """Load a checkpoint's weights into `model` in this process alone (no collectives).
+
+    Returns:
+        The manifest. Raises `CheckpointError` when it does not verify.
+    """
+    manifest = verify(path)
+    state = {"model": model.state_dict()}
+    # no_dist: a load into this one process, even where a process group exists.
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    model.load_state_dict(state["model"])
+    return manifest
