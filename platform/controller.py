@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import (
 
 from kuangchao.platform.errors import KuangchaoError
 from kuangchao.platform.inplace import InPlaceRecovery, node_lost
-from kuangchao.platform.orphans import LAUNCHING
+from kuangchao.platform.orphans import LAUNCHING, controller_name
 from kuangchao.platform.recovery import (
     Cancelled,
     Failure,
@@ -150,8 +150,7 @@ class JobController(InPlaceRecovery):
         previous = self.store.claim_controller(self.job_id, ident)
         if previous is None or previous == ident or previous.endswith("/" + LAUNCHING):
             return False
-        prev_name = previous.rsplit("/", 1)[0]
-        return prev_name == self.name and job.state in (JobState.RUNNING, JobState.RECOVERING,
+        return controller_name(previous) == self.name and job.state in (JobState.RUNNING, JobState.RECOVERING,
                                                          JobState.RESIZING, JobState.PLACING)
 
     def _handle_lost(self, failure: Failure, spec: JobSpec) -> None:

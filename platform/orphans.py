@@ -23,6 +23,11 @@ from kuangchao.platform.store import JobStore
 log = logging.getLogger(__name__)
 
 LAUNCHING = "launching"  # the pid part of a controller claim made before it starts
+
+
+def controller_name(ident: str | None) -> str | None:
+    """The actor name in a controller claim `name/pid`."""
+    return ident.rsplit("/", 1)[0] if ident else None
 RECONCILE_S = 5.0
 ORPHAN_AFTER_S = 20.0
 
@@ -42,8 +47,7 @@ class OrphanCheck:
         for job in self.store.list_active():
             if job.driver != "scheduler" or not job.state.holds_resources:
                 continue
-            ident = self.store.r.get(self.store.key("job", job.id, "controller"))
-            name = ident.rsplit("/", 1)[0] if ident else None
+            name = controller_name(self.store.controller(job.id))
             if name and self.exists(name):
                 continue
             seen.add(job.id)

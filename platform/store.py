@@ -247,8 +247,12 @@ class JobStore:
         return self.update(job_id, add)
 
     def claim_controller(self, job_id: str, ident: str) -> str | None:
-        """Record `ident` as the job's controller; return the one recorded before."""
+        """Record `ident` (`name/pid`) as the job's controller; return the one recorded before."""
         return self.r.set(self.key("job", job_id, "controller"), ident, get=True)
+
+    def controller(self, job_id: str) -> str | None:
+        """The `name/pid` of the controller last recorded for the job."""
+        return self.r.get(self.key("job", job_id, "controller"))
 
     # -- heartbeats and stacks ------------------------------------------------
     def request_stacks(self, job_id: str, ranks: list[int], ttl_s: float = 60.0) -> None:

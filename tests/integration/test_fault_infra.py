@@ -95,6 +95,15 @@ def job_doc(stack: Stack, name: str, steps: int, interval: int) -> dict:
     return d
 
 
+def past_first_checkpoint(stack: Stack, name: str, steps: int) -> tuple[dict, list[dict]]:
+    """Submit a job (a checkpoint every 50 steps) and wait until it has one; return it
+    and where its ranks run."""
+    job = stack.client.submit(job_doc(stack, name, steps=steps, interval=50))
+    wait_for(lambda: stack.client.job(job["id"])["progress"]["step"] >= 60, 400,
+             "a first checkpoint")
+    return job, stack.client.job(job["id"])["placement"]
+
+
 def checkpoint_steps(stack: Stack, job_id: str) -> list[int]:
     folder = Path(stack.env["KC_HOME"]) / "ckpt" / job_id
     return sorted(int(p.name.split("_")[1]) for p in folder.glob("step_*")
@@ -126,9 +135,7 @@ def test_redis_restart_mid_job_is_ridden_out(infra):
 
 def test_a_node_failing_twice_is_quarantined_and_the_job_moves(infra):
     client: Client = infra.client
-    job = client.submit(job_doc(infra, "infra-flaky", steps=3000, interval=50))
-    wait_for(lambda: client.job(job["id"])["progress"]["step"] >= 60, 400, "a first checkpoint")
-    first = client.job(job["id"])["placement"]
+    job, first = past_first_checkpoint(infra, "infra-flaky", steps=3000)
     node = first[1]["node"]
     os.kill(first[1]["pid"], signal.SIGKILL)
     # The first failure is repaired in place, on the same node.
@@ -165,9 +172,7 @@ def _raylet_of(node_id: str) -> int:
 
 def test_lost_node_job_is_placed_elsewhere(infra):
     client: Client = infra.client
-    job = client.submit(job_doc(infra, "infra-node", steps=600, interval=50))
-    wait_for(lambda: client.job(job["id"])["progress"]["step"] >= 60, 400, "a first checkpoint")
-    placement = client.job(job["id"])["placement"]
+    job, placement = past_first_checkpoint(infra, "infra-node", steps=600)
     lost = placement[0]["node"]
     assert {p["node"] for p in placement} == {lost}, "the job should be packed on one node"
     os.kill(_raylet_of(placement[0]["node_id"]), signal.SIGKILL)

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-import redis
 
 from kuangchao.platform.procs import alive
+from kuangchao.platform.store import JobStore
 
 from .conftest import wait_for
 
@@ -102,9 +102,8 @@ def test_killed_controller_is_restarted_and_recovers_its_job(stack):
     job = stack.client.submit(spec(stack, "ft-controller"))
     wait_for(lambda: stack.client.job(job["id"])["progress"]["step"] >= 60, 400,
              "the job to pass its first checkpoint")
-    r = redis.Redis.from_url(stack.env["KC_REDIS_URL"], decode_responses=True)
-    ident = r.get(f"{stack.env['KC_REDIS_PREFIX']}job:{job['id']}:controller")
-    pid = int(ident.rsplit("/", 1)[1])
+    store = JobStore.from_url(stack.env["KC_REDIS_URL"], stack.env["KC_REDIS_PREFIX"])
+    pid = int(store.controller(job["id"]).rsplit("/", 1)[1])
     os.kill(pid, signal.SIGKILL)
     done = stack.wait_state(job["id"], DONE, timeout=600)
     assert done["state"] == "SUCCEEDED", done["message"]
