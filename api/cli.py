@@ -132,6 +132,20 @@ def cancel(job_id: str, as_json: Json = False) -> None:
 
 
 @app.command()
+def scale(job_id: str,
+          replicas: int = typer.Option(..., "--replicas", min=1,
+                                       help="data-parallel replicas to run at"),
+          as_json: Json = False) -> None:
+    """Resize an elastic job (within its elastic.min_replicas..max_replicas)."""
+    job = _api(client().scale, job_id, replicas)
+    if as_json:
+        typer.echo(json.dumps(job))
+        return
+    typer.echo(f"{job_id}: asked for {replicas} replica(s); now {job.get('replicas')} "
+               f"(state {job['state']}); the scheduler resizes it as capacity allows")
+
+
+@app.command()
 def events(job_id: str, as_json: Json = False) -> None:
     """Show a job's events."""
     evs = _api(client().events, job_id)["events"]

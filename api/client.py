@@ -71,6 +71,12 @@ class Client:
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel")
 
+    def scale(self, job_id: str, replicas: int) -> dict[str, Any]:
+        return self._call("PATCH", f"/v1/jobs/{job_id}", json={"replicas": replicas})
+
+    def samples(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}/samples")
+
     def events(self, job_id: str, start: int = 0) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}/events", params={"start": start})
 

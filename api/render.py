@@ -36,6 +36,11 @@ def print_job(job: dict[str, Any]) -> None:
         ("step", f"{p.get('step', 0)}/{p.get('total_steps') or '?'}"),
         ("loss", f"{_loss(p.get('loss'))} (initial {_loss(p.get('initial_loss'))})"),
     ]
+    if job.get("max_replicas", 1) > job.get("min_replicas", 1):
+        want = job.get("desired_replicas")
+        rows.append(("replicas", f"{job.get('replicas')} (elastic {job['min_replicas']}.."
+                                 f"{job['max_replicas']}" + (f", asked {want}" if want else "") + ")"))
+        rows.append(("samples", f"{job.get('samples_seen', 0)} (global batch {job.get('global_batch')})"))
     if job.get("waiting_for"):
         rows.append(("waiting for", job["waiting_for"]))
     if job.get("message"):
@@ -48,6 +53,10 @@ def print_job(job: dict[str, Any]) -> None:
     for r in job.get("restart_log") or []:
         typer.echo(f"restart {r.get('restart')}    {r.get('kind', '?')}: {r.get('cause', '')}")
         typer.echo("             " + restart_timings(r))
+    for r in job.get("resize_log") or []:
+        took = f"{r['resize_s']:.2f}s to the first step" if "resize_s" in r else "in progress"
+        typer.echo(f"resize       {r.get('from')} -> {r.get('to')} replicas ({r.get('cause')}, "
+                   f"{r.get('path')}): {took}")
     ckpts = job.get("checkpoints") or []
     if ckpts:
         last = ckpts[-1]

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
+from torch.distributed import TCPStore
 
+from kuangchao.platform.elastic import ElasticRange
 from kuangchao.platform.errors import KuangchaoError
 from kuangchao.platform.inplace import InPlaceRecovery, node_lost
 from kuangchao.platform.orphans import LAUNCHING, controller_name
@@ -35,6 +38,7 @@ from kuangchao.platform.recovery import (
     requeue_for_recovery,
 )
 from kuangchao.platform.registry import nodes_from_ray
+from kuangchao.platform.resize_ctl import LiveResize
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec import JobSpec, validate_spec
 from kuangchao.platform.state import JobRecord, JobState, PlacedRank, transition
@@ -42,6 +46,7 @@ from kuangchao.platform.store import JobStore
 from kuangchao.platform.topology import gpu_resource
 from kuangchao.platform.watch import RankHost, RankWatch
 from kuangchao.workers.checkpoint import verify
+from kuangchao.workers.elastic import Generation
 from kuangchao.workers.errors import CheckpointError, WorkerError
 from kuangchao.workers.worker import TrainWorker
 
@@ -76,7 +81,7 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class JobController(InPlaceRecovery):
+class JobController(InPlaceRecovery, LiveResize):
     """Runs one job from PLACING to a terminal state.
 
     Args:
@@ -93,7 +98,13 @@ class JobController(InPlaceRecovery):
         self.job_id, self.settings, self.poll_s = job_id, settings, poll_s
         self.store = store or JobStore.from_url(settings.redis_url, settings.redis_prefix)
         self.name = name
-        self.pg = None
+        self.pgs: list[Any] = []  # one placement group per data-parallel replica
+        self.rpr = 1  # ranks per replica
+        self.world = 0
+        self.gen = 0  # the process-group generation last published
+        self.kv: Any = None  # the rendezvous store this controller hosts for every generation
+        self.spec_range: ElasticRange | None = None
+        self.live_mode = False
         self.workers: list[Any] = []
         self.infos: list[dict[str, Any]] = []
         self.bundles: list[dict[str, float]] = []
@@ -126,7 +137,10 @@ class JobController(InPlaceRecovery):
             self._set(JobState.CANCELLED, "cancelled on request")
         except Preempted as exc:
             self._teardown()
-            self._requeue(exc.message)
+            req = self.resize_by_restart
+            self._requeue(exc.message if req is None else
+                          f"resizing to {req['to']} replica(s) by a restart ({req.get('cause')}): "
+                          "checkpointed; the scheduler places it again")
         except Exception as exc:
             if not isinstance(exc, KuangchaoError | ray.exceptions.RayError):
                 # A bug of ours, not the job's: keep the traceback for the report.
@@ -170,27 +184,40 @@ class JobController(InPlaceRecovery):
 
     # -- phases ------------------------------------------------------------
     def _start(self, job: JobRecord, spec: JobSpec) -> None:
+        self.spec_range = spec.elastic_range
+        self.live_mode = spec.live_resize
+        self.rpr = self.spec_range.ranks_per_replica
+        self.gen = max(self.gen, int((self.store.generation(self.job_id) or {}).get("gen", 0)))
+        self.world = len(job.placement)
         pinned = _pinned_nodes()
         self.bundles = [_rank_resources(spec, p, pinned) for p in job.placement]
         self.planned = [p.gpus if p.node_id in pinned else None for p in job.placement]
-        selectors = [{"ray.io/node-id": p.node_id} for p in job.placement]
-        self.pg = placement_group(self.bundles, strategy="PACK", name=f"kc-{self.job_id}",
-                                  bundle_label_selector=selectors)
-        try:
-            self._wait_ready(self.pg.ready(), PG_READY_TIMEOUT_S, "placement group")
-        except KuangchaoError as exc:
-            # A node that vanished after the plan was made: place the job again.
-            if isinstance(exc, Cancelled | WorkerLost):
-                raise
-            raise WorkerLost(Failure("placement", exc.message)) from None
+        self.pgs = [self._replica_pg(list(job.placement[r:r + self.rpr]), self.bundles[r:r + self.rpr])
+                    for r in range(0, self.world, self.rpr)]
+        self._await_pgs(self.pgs)
         self.workers = [self._spawn(r, slot.node, spec) for r, slot in enumerate(job.placement)]
         infos = self._wait_ready([w.describe.remote() for w in self.workers], 300.0, "workers")
         self._record_workers(job, infos)
         self._form_group(spec, infos)
         self._set(JobState.RUNNING,
-                  f"{spec.world_size} rank(s) joined the {self.backend} process group")
+                  f"{self.world} rank(s) joined the {self.backend} process group")
         self._note_placed()
         self._start_spares(spec)
+
+    def _replica_pg(self, slots: list[PlacedRank], bundles: list[dict[str, float]]) -> Any:
+        """The placement group of one replica, its bundles pinned to the planned nodes."""
+        selectors = [{"ray.io/node-id": p.node_id} for p in slots]
+        return placement_group(bundles, strategy="PACK", name=f"kc-{self.job_id}-r{slots[0].rank}",
+                               bundle_label_selector=selectors)
+
+    def _await_pgs(self, pgs: list[Any]) -> None:
+        try:
+            self._wait_ready([pg.ready() for pg in pgs], PG_READY_TIMEOUT_S, "placement group")
+        except KuangchaoError as exc:
+            # A node that vanished after the plan was made: place the job again.
+            if isinstance(exc, Cancelled | WorkerLost):
+                raise
+            raise WorkerLost(Failure("placement", exc.message)) from None
 
     def _spawn(self, rank: int, node: str, spec: JobSpec) -> Any:
         """Start the actor of one rank in its bundle of the placement group."""
@@ -200,24 +227,46 @@ class JobController(InPlaceRecovery):
         return ray.remote(TrainWorker).options(
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom,
             max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=rank),
-        ).remote(self.job_id, rank, spec.world_size, self.settings, self.planned[rank], node,
+                self.pgs[rank // self.rpr], placement_group_bundle_index=rank % self.rpr),
+        ).remote(self.job_id, rank, self.world, self.settings, self.planned[rank], node,
                  (ft.heartbeat_interval_s, ft.heartbeat_timeout_s))
 
     def _form_group(self, spec: JobSpec, infos: list[dict[str, Any]]) -> None:
         """Watch heartbeats from here on, and form the process group at a fresh rendezvous."""
+        self._watch_ranks(spec, infos)
+        gen = self._publish(self.world, {r: r for r in range(self.world)}, (), "start",
+                            signal=False)
+        backends = self._wait_ready(
+            [w.join.remote(gen.to_json(), r, RENDEZVOUS_TIMEOUT_S) for r, w in enumerate(self.workers)],
+            RENDEZVOUS_TIMEOUT_S + 30, "process group")
+        self.backend = backends[0]
+
+    def _watch_ranks(self, spec: JobSpec, infos: list[dict[str, Any]]) -> None:
         ft = spec.fault_tolerance
         self.infos = infos
         self.watch = RankWatch(
-            self.store, self.job_id, list(range(len(self.workers))), ft.heartbeat_timeout_s,
+            self.store, self.job_id, list(range(len(infos))), ft.heartbeat_timeout_s,
             ft.hang_timeout_s, ft.heartbeat_interval_s,
-            hosts={i["rank"]: RankHost(i["pid"], i["ip"], i["host"]) for i in infos})
-        host = infos[0]["ip"]
-        port = self._wait_ready(self.workers[0].open_rendezvous.remote(host), 60.0, "rendezvous")
-        backends = self._wait_ready(
-            [w.join.remote(host, port, RENDEZVOUS_TIMEOUT_S) for w in self.workers],
-            RENDEZVOUS_TIMEOUT_S + 30, "process group")
-        self.backend = backends[0]
+            hosts={r: RankHost(i["pid"], i["ip"], i["host"]) for r, i in enumerate(infos)})
+
+    def _publish(self, world: int, ranks: dict[int, int], joining: tuple[int, ...], cause: str,
+                 signal: bool) -> Generation:
+        """Publish the next process-group generation, at the rendezvous this controller hosts.
+
+        Every generation meets under its own key prefix of one long-lived
+        store, so a slow rank of an old generation can never join a new one.
+        """
+        if self.kv is None:
+            self.kv = TCPStore(ray.util.get_node_ip_address(), 0, is_master=True,
+                               wait_for_workers=False, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+        rng = self.spec_range
+        replicas = world // rng.ranks_per_replica
+        self.gen += 1
+        gen = Generation(gen=self.gen, world_size=world, replicas=replicas,
+                         accum=rng.accumulation(replicas), host=ray.util.get_node_ip_address(),
+                         port=int(self.kv.port), ranks=ranks, joining=joining, cause=cause)
+        self.store.publish_generation(self.job_id, gen.to_json(), signal)
+        return gen
 
     def _note_placed(self) -> None:
         """After a recovery, record how long re-placement took (requeue to RUNNING)."""
@@ -246,24 +295,39 @@ class JobController(InPlaceRecovery):
         self.store.update(self.job_id, update)
 
     def _watch_and_recover(self, spec: JobSpec) -> list[dict[str, Any]]:
-        """Watch the ranks; after a rank dies, replace it in place when possible."""
+        """Watch the ranks; after a rank dies, replace it in place, or for an elastic job
+        re-form the group around the survivors."""
+        doc = spec.model_dump(mode="json")
+        self.refs = [w.run.remote(doc) for w in self.workers]
         while True:
             try:
-                return self._watch(spec)
+                return self._follow(spec)
             except WorkerLost as exc:
-                if not self._replace_in_place(exc.failure, spec):
+                if self.live:
+                    if not self._resize_after_loss(exc.failure, spec):
+                        raise
+                elif self._replace_in_place(exc.failure, spec):
+                    self.refs = [w.run.remote(doc) for w in self.workers]
+                else:
                     raise
 
-    def _watch(self, spec: JobSpec) -> list[dict[str, Any]]:
-        refs = self.refs = [w.run.remote(spec.model_dump(mode="json")) for w in self.workers]
+    @property
+    def live(self) -> bool:
+        """Whether resizes and lost ranks keep the survivors' processes and state."""
+        return bool(self.spec_range and self.spec_range.elastic and self.live_mode)
+
+    def _follow(self, spec: JobSpec) -> list[dict[str, Any]]:
+        """Wait for every rank's `run` (in `self.refs`, which a live resize may change)."""
         results: dict[int, Any] = {}
-        pending = list(refs)
         preempt_deadline: float | None = None
-        while pending:
+        while True:
+            pending = [ref for r, ref in enumerate(self.refs) if r not in results]
+            if not pending:
+                break
             # One ready result is enough to act on: a dead rank is seen at once.
-            ready, pending = ray.wait(pending, num_returns=1, timeout=self.poll_s)
+            ready, _ = ray.wait(pending, num_returns=1, timeout=self.poll_s)
             for ref in ready:
-                rank = refs.index(ref)
+                rank = self.refs.index(ref)
                 try:
                     results[rank] = ray.get(ref)  # raises the worker's error
                 except ray.exceptions.RayActorError as exc:
@@ -275,7 +339,7 @@ class JobController(InPlaceRecovery):
                     if dead:
                         raise WorkerLost(self._died(*dead[0])) from None
                     raise
-            if not pending:
+            if len(results) == len(self.refs):
                 break
             self._check_heartbeats(skip=set(results))
             try:
@@ -283,12 +347,14 @@ class JobController(InPlaceRecovery):
                     raise Cancelled("cancelled")
                 if preempt_deadline is None and self.store.preempt_requested(self.job_id):
                     preempt_deadline = time.monotonic() + PREEMPT_GRACE_S
+                if not results and self.store.resize_requested(self.job_id):
+                    self._resize_on_request(spec)
             except redis.RedisError:
                 pass  # Redis away: the heartbeat watch holds its verdicts; training goes on
             if preempt_deadline is not None and time.monotonic() > preempt_deadline:
                 raise Preempted(f"preempted; workers did not checkpoint within {PREEMPT_GRACE_S:.0f}s "
                                 "and were stopped")
-        out = [results[i] for i in range(len(refs))]
+        out = [results[i] for i in range(len(self.refs))]
         if out and isinstance(out[0], dict) and out[0].get("preempted"):
             raise Preempted(f"preempted at step {out[0].get('steps')}; checkpointed and requeued")
         return out
@@ -384,7 +450,7 @@ class JobController(InPlaceRecovery):
             if j.state.is_terminal:
                 return None
             new, event = transition(j, JobState.QUEUED, reason, placement=(), preempting_for=None,
-                                    preemptions=j.preemptions + 1)
+                                    preemptions=j.preemptions + 1, resize=None)
             return new, event
         self.store.update(self.job_id, back)
         self.store.clear_preempt(self.job_id)
@@ -426,9 +492,10 @@ class JobController(InPlaceRecovery):
                 pass
         self.workers, self.spares = [], {}
         self.watch = None
-        if self.pg is not None:
+        for pg in self.pgs:
             try:
-                remove_placement_group(self.pg)
+                remove_placement_group(pg)
             except Exception:
                 pass
-            self.pg = None
+        self.pgs = []
+        self.kv = None  # closes the rendezvous this controller hosted

@@ -47,7 +47,7 @@ class InPlaceRecovery:
         do not stop within `stop_grace_s`, another death.
         """
         rank = failure.rank
-        if failure.kind not in IN_PLACE_KINDS or rank is None or self.pg is None:
+        if failure.kind not in IN_PLACE_KINDS or rank is None or not self.pgs:
             return False
         if not record_failure(self.store, self.job_id, failure,
                               spec.fault_tolerance.max_restarts, self.settings.quarantine):
@@ -128,7 +128,7 @@ class InPlaceRecovery:
         ft = spec.fault_tolerance
         gpus = self.infos[rank]["gpu_ids"] if rank < len(self.infos) else []
         try:
-            ray.get(spare.adopt.remote(self.job_id, rank, spec.world_size, self.settings, gpus,
+            ray.get(spare.adopt.remote(self.job_id, rank, self.world, self.settings, gpus,
                                        slot.node if slot else "",
                                        (ft.heartbeat_interval_s, ft.heartbeat_timeout_s)),
                     timeout=30)

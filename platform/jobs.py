@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
 import time
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao.platform import quarantine
+from kuangchao.platform.elastic import elastic_range, samples_seen
 from kuangchao.platform.errors import InvalidTransition, SpecError
 from kuangchao.platform.policies import order_key
 from kuangchao.platform.queues import QueueTable
@@ -55,10 +57,12 @@ def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
     """
     check_queue(store, spec)
     spec = resolve_checkpoint_path(spec)
+    rng = spec.elastic_range
+    world = rng.world_size(rng.max_replicas)  # until admitted: the most it may take
     job = JobRecord(
         id=new_job_id(spec.task.name), name=spec.task.name, spec=spec.model_dump(mode="json"),
-        queue=spec.task.queue, priority=spec.task.priority_value, world_size=spec.world_size,
-        gpus=spec.gpus_required, driver=driver, owner=owner)
+        queue=spec.task.queue, priority=spec.task.priority_value, world_size=world,
+        gpus=world * spec.parallel.gpus_per_rank, driver=driver, owner=owner)
     return store.create(job)
 
 
@@ -79,6 +83,43 @@ def cancel(store: JobStore, job_id: str) -> JobRecord:
     return store.get(job_id)
 
 
+def scale(store: JobStore, job_id: str, replicas: int) -> JobRecord:
+    """Ask for an elastic job to run at `replicas` data-parallel replicas.
+
+    The scheduler grows the job as capacity allows, or shrinks it at once;
+    a queued job is admitted at that size when it fits.
+
+    Raises:
+        SpecError: When `replicas` is outside the job's elastic range or does
+            not split its global batch evenly (HTTP 422, exit 2).
+        InvalidTransition: When the job has finished or is not elastic (409).
+    """
+    job = store.get(job_id)
+    if job.state.is_terminal:
+        raise InvalidTransition(f"job {job_id} already finished as {job.state.value}")
+    rng = elastic_range(job.spec)
+    if not rng.elastic:
+        raise InvalidTransition(
+            f"job {job_id} is not elastic; submit it with elastic.min_replicas and "
+            "elastic.max_replicas to make it resizable")
+    if not rng.admissible(replicas):
+        raise SpecError([("replicas", (
+            f"{replicas} is not a size job {job_id} can run at; choose one of "
+            f"{', '.join(map(str, sorted(rng.sizes())))} (between elastic.min_replicas "
+            f"{rng.min_replicas} and elastic.max_replicas {rng.max_replicas}, splitting the "
+            f"global batch of {rng.global_batch} evenly)"))])
+
+    def ask(j: JobRecord):
+        if j.state.is_terminal:
+            return None
+        return dataclasses.replace(j, desired_replicas=replicas), {
+            "type": "scale", "message": f"asked to run at {replicas} replica(s)",
+            "to_replicas": replicas}
+    store.update(job_id, ask)
+    store.wake_scheduler(job_id)
+    return store.get(job_id)
+
+
 def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None = None) -> dict[str, Any]:
     """The public JSON of a job: the record plus progress and checkpoints."""
     d = job.to_json()
@@ -92,6 +133,11 @@ def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None =
         "initial_loss": prog.get("initial_loss"),
         "tokens_per_s": prog.get("tokens_per_s"),
     }
+    rng = elastic_range(job.spec)
+    d["min_replicas"], d["max_replicas"] = rng.min_replicas, rng.max_replicas
+    d["global_batch"] = rng.global_batch
+    d["samples_seen"] = prog.get("samples_seen", samples_seen(d["progress"]["step"] or 0,
+                                                              rng.global_batch))
     d["checkpoints"] = store.checkpoints(job.id)
     d["queue_position"] = (queue_position(store, job, all_jobs) if job.state is JobState.QUEUED
                            else None)

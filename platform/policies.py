@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from kuangchao.platform.elastic import elastic_range
 from kuangchao.platform.placement import (
     Infeasible,
     JobShape,
@@ -52,6 +53,7 @@ class Snapshot:
 class Admit:
     job_id: str
     plan: PlacementPlan
+    replicas: int = 0  # data-parallel size admitted at (the plan's replica count)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,23 @@ class Preempt:
     reason: str
 
 
-Decision = Admit | Wait | Preempt
+@dataclass(frozen=True)
+class Resize:
+    """Change a running elastic job's data-parallel size to `to` replicas.
+
+    A grow carries the plan of the added replicas (their GPUs are held from
+    now on); a shrink names the job it makes room for, if any.
+    """
+
+    job_id: str
+    to: int
+    cause: str
+    reason: str
+    plan: PlacementPlan | None = None
+    for_job: str | None = None
+
+
+Decision = Admit | Wait | Preempt | Resize
 
 
 class AdmissionPolicy(Protocol):
@@ -145,13 +163,19 @@ class FifoPolicy:
             if blocked_by is not None:
                 out.append(Wait(job.id, f"behind job {blocked_by} in the FIFO queue"))
                 continue
-            result = place(snap.nodes, used, job_shape(job))
+            rng, shape = elastic_range(job.spec), job_shape(job)
+            result: PlacementPlan | Infeasible = Infeasible("no admissible size")
+            n = 0
+            for n in rng.sizes(upto=rng.target(job.desired_replicas)):
+                result = place(snap.nodes, used, replace(shape, dp=n))
+                if isinstance(result, PlacementPlan):
+                    break
             if isinstance(result, Infeasible):
                 out.append(Wait(job.id, result.reason))
                 blocked_by = job.id
                 continue
             used = _union(used, _plan_gpus(result))
-            out.append(Admit(job.id, result))
+            out.append(Admit(job.id, result, n))
         return out
 
 
@@ -174,6 +198,7 @@ class GangPolicy:
         state = _CycleState(snap)
         for job in sorted(snap.queued, key=order_key):
             state.out.extend(self._one(job, state))
+        state.out.extend(elastic_resizes(state))
         return state.out
 
     def _one(self, job: JobRecord, st: _CycleState) -> list[Decision]:
@@ -183,39 +208,84 @@ class GangPolicy:
             return [Wait(job.id, f"queue {job.queue!r} does not exist; known queues: "
                                  f"{', '.join(snap.queues.names)}")]
         in_use = st.usage.get(queue.name, 0)
-        if in_use + job.gpus > queue.limit:
+        rng = elastic_range(job.spec)
+        per = rng.gpus_per_replica
+        # An elastic job takes the most replicas that fit, up to its target, and at least its minimum.
+        sizes = rng.sizes(upto=rng.target(job.desired_replicas)) or [rng.min_replicas]
+        fitting = [n for n in sizes if in_use + n * per <= queue.limit]
+        if not fitting:
             return [Wait(job.id, f"quota {queue.name}: {in_use}/{queue.limit:g} GPUs in use")]
-        if job.gpus > st.total:  # can never fit: it must not hold GPUs back from others
-            return [Wait(job.id, f"needs {job.gpus} GPUs, the cluster has {st.total}")]
-        if job.id in st.awaiting:  # victims are checkpointing for this job
+        least = fitting[-1]
+        if least * per > st.total:  # can never fit: it must not hold GPUs back from others
+            return [Wait(job.id, f"needs {least * per} GPUs, the cluster has {st.total}")]
+        if job.id in st.awaiting:  # victims are checkpointing or shrinking for this job
             st.hold(st.awaiting[job.id])
-            return [Wait(job.id, "waiting for preempted job(s) "
-                                 f"{', '.join(sorted(st.awaiting_ids[job.id]))} to checkpoint")]
+            ids = ", ".join(sorted(st.awaiting_ids[job.id]))
+            if st.awaiting_shrink.get(job.id):
+                return [Wait(job.id, f"waiting for job(s) {ids} to shrink")]
+            return [Wait(job.id, f"waiting for preempted job(s) {ids} to checkpoint")]
         shape = job_shape(job)
-        plan = st.try_place(shape, job.gpus, traffic_from_spec(job.spec))
-        if isinstance(plan, PlacementPlan):
-            st.take(_plan_gpus(plan))
-            st.usage[queue.name] = in_use + job.gpus
-            return [Admit(job.id, plan)]
-        victims: list[JobRecord] = []
+        traffic = traffic_from_spec(job.spec)
+        plan: PlacementPlan | Infeasible = Infeasible("no admissible size")
+        for n in fitting:
+            plan = st.try_place(replace(shape, dp=n), n * per, traffic)
+            if isinstance(plan, PlacementPlan):
+                st.take(_plan_gpus(plan))
+                st.usage[queue.name] = in_use + n * per
+                return [Admit(job.id, plan, n)]
+        shape, need = replace(shape, dp=least), least * per
         if snap.queues.preemption and not st.preempting:
-            victims = self._victims(job, shape, st)
-        if victims:
-            st.preempting = True  # one preemption per cycle: the next cycle sees its effect
-            for v in victims:
-                st.preempted.add(v.id)
-                st.hold(_job_gpus(v))
-            names = ", ".join(v.id for v in victims)
-            out: list[Decision] = [Preempt(v.id, job.id, f"preempted for higher-priority job {job.id}")
-                                   for v in victims]
-            return out + [Wait(job.id, f"preempting {names}")]
+            shrinks = shrink_victims(job, shape, need, st, lambda a: self._eligible(job, need, a, st))
+            if shrinks:
+                return self._shrink(job, shrinks, st)
+            victims = self._victims(job, shape, need, st)
+            if victims:
+                st.preempting = True  # one preemption per cycle: the next cycle sees its effect
+                for v in victims:
+                    st.preempted.add(v.id)
+                    st.hold(_job_gpus(v))
+                names = ", ".join(v.id for v in victims)
+                out: list[Decision] = [Preempt(v.id, job.id, f"preempted for higher-priority job {job.id}")
+                                       for v in victims]
+                return out + [Wait(job.id, f"preempting {names}")]
+        assert isinstance(plan, Infeasible)
         reason = plan.reason
         if st.head is None:
             st.head = job.id
             st.hold(self._head_reservation(shape, st))
-        elif st.free_unreserved >= job.gpus:
+        elif st.free_unreserved >= need:
             reason = f"GPUs are held for job {st.head}, ahead in the queue"
         return [Wait(job.id, reason)]
+
+    @staticmethod
+    def _shrink(job: JobRecord, shrinks: list[tuple[JobRecord, int]],
+                st: _CycleState) -> list[Decision]:
+        """Shrink elastic jobs (instead of evicting them) to make room for `job`."""
+        st.preempting = True
+        out: list[Decision] = []
+        for a, n in shrinks:
+            st.preempted.add(a.id)
+            st.hold(replica_gpus(a, n))
+            out.append(Resize(a.id, n, "preemption",
+                              f"shrinking to {n} replica(s) for higher-priority job {job.id}",
+                              for_job=job.id))
+        names = ", ".join(a.id for a, _ in shrinks)
+        return out + [Wait(job.id, f"shrinking {names} to make room")]
+
+    @staticmethod
+    def _eligible(job: JobRecord, need: int, a: JobRecord, st: _CycleState) -> bool:
+        """Whether active job `a` may give up GPUs for queued `job`."""
+        snap = st.snap
+        queue = snap.queues.get(job.queue)
+        assert queue is not None
+        if a.id in st.preempted or a.preempting_for or a.resize or not a.placement:
+            return False
+        if a.priority < job.priority:
+            return True
+        under_guarantee = st.usage.get(job.queue, 0) + need <= queue.guaranteed_gpus
+        qa = snap.queues.get(a.queue)
+        borrowing = qa is not None and st.usage.get(a.queue, 0) > qa.guaranteed_gpus
+        return a.queue != job.queue and under_guarantee and borrowing
 
     def _head_reservation(self, shape: JobShape, st: _CycleState) -> dict[str, set[int]]:
         """The free GPUs the blocked head would take now: its largest partial fit."""
@@ -230,26 +300,18 @@ class GangPolicy:
                 hi = mid - 1
         return _plan_gpus(best) if best else {}
 
-    def _victims(self, job: JobRecord, shape: JobShape, st: _CycleState) -> list[JobRecord]:
+    def _victims(self, job: JobRecord, shape: JobShape, need: int,
+                 st: _CycleState) -> list[JobRecord]:
         snap = st.snap
-        queue = snap.queues.get(job.queue)
-        assert queue is not None
-        under_guarantee = st.usage.get(job.queue, 0) + job.gpus <= queue.guaranteed_gpus
 
         def eligible(a: JobRecord) -> bool:
-            if a.id in st.preempted or a.preempting_for or not a.placement:
-                return False
-            if a.priority < job.priority:
-                return True
-            qa = snap.queues.get(a.queue)
-            borrowing = qa is not None and st.usage.get(a.queue, 0) > qa.guaranteed_gpus
-            return a.queue != job.queue and under_guarantee and borrowing
+            return self._eligible(job, need, a, st)
 
         cands = sorted((a for a in snap.active if eligible(a)),
                        key=lambda a: (a.priority, -(a.started_at or a.created_at), a.id))
         # Cheap bound first: even all candidates together may not free enough GPUs.
         reclaimable = sum(a.gpus for a in cands[:MAX_VICTIM_CANDIDATES])
-        if st.free + reclaimable < job.gpus:
+        if st.free + reclaimable < need:
             return []
         chosen: list[JobRecord] = []
         freed: dict[str, set[int]] = {}
@@ -297,11 +359,15 @@ class _CycleState:
         self._failed: dict[tuple[int, int, int], tuple[int, str]] = {}
         self.awaiting: dict[str, dict[str, set[int]]] = {}
         self.awaiting_ids: dict[str, set[str]] = {}
+        self.awaiting_shrink: dict[str, bool] = {}
         for a in snap.active:
-            if a.preempting_for:
-                self.awaiting[a.preempting_for] = _union(self.awaiting.get(a.preempting_for, {}),
-                                                         _job_gpus(a))
-                self.awaiting_ids.setdefault(a.preempting_for, set()).add(a.id)
+            # GPUs on their way to a queued job: a preempted job's, or what a shrink frees.
+            for_job = a.preempting_for or (a.resize or {}).get("for_job")
+            if for_job:
+                gpus = _job_gpus(a) if a.preempting_for else replica_gpus(a, int(a.resize["to"]))
+                self.awaiting[for_job] = _union(self.awaiting.get(for_job, {}), gpus)
+                self.awaiting_ids.setdefault(for_job, set()).add(a.id)
+                self.awaiting_shrink[for_job] = not a.preempting_for
 
     def blocked(self) -> dict[str, set[int]]:
         return _union(self.used, self.reserved)
@@ -333,6 +399,12 @@ class _CycleState:
             self.free -= len(new)
             self.reserved.setdefault(node, set()).update(ids)
 
+
+from kuangchao.platform.elastic_policy import (  # noqa: E402 -- it builds on the helpers above
+    elastic_resizes,
+    replica_gpus,
+    shrink_victims,
+)
 
 POLICIES: dict[str, type] = {"fifo": FifoPolicy, "gang": GangPolicy}
 

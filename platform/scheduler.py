@@ -11,8 +11,18 @@ import time
 from collections.abc import Callable
 
 from kuangchao.platform import quarantine
+from kuangchao.platform.elastic import elastic_range
 from kuangchao.platform.errors import InvalidTransition, JobNotFound
-from kuangchao.platform.policies import AdmissionPolicy, Admit, Preempt, Snapshot, Wait, make_policy
+from kuangchao.platform.policies import (
+    AdmissionPolicy,
+    Admit,
+    Decision,
+    Preempt,
+    Resize,
+    Snapshot,
+    Wait,
+    make_policy,
+)
 from kuangchao.platform.queues import QueueTable
 from kuangchao.platform.state import JobRecord, JobState, PlacedRank, transition
 from kuangchao.platform.store import JobStore
@@ -48,7 +58,7 @@ class Scheduler:
                         active=tuple(j for j in jobs if j.state.holds_resources),
                         queues=QueueTable.from_json(self.store.info("queues")))
 
-    def step(self) -> list[Admit | Wait | Preempt]:
+    def step(self) -> list[Decision]:
         """Run one cycle: cancel queued jobs on request, then admit in policy order."""
         snap = self.snapshot()
         queued = []
@@ -65,6 +75,8 @@ class Scheduler:
                 self._admit(d)
             elif isinstance(d, Preempt):
                 self._preempt(d)
+            elif isinstance(d, Resize):
+                self._resize(d)
             else:
                 self._wait(d)
         return decisions
@@ -95,14 +107,36 @@ class Scheduler:
         def admit(j: JobRecord):
             if j.state is not JobState.QUEUED:
                 return None
+            rng = elastic_range(j.spec)
+            replicas = d.replicas or len(placement) // rng.ranks_per_replica
             summary = ", ".join(f"{p.rank}:{p.node}/{p.gpu}" for p in placement)
-            return transition(j, JobState.PLACING, f"admitted; placement {summary}",
-                              placement=placement)
+            size = (f"{replicas} of {rng.min_replicas}..{rng.max_replicas} replicas; "
+                    if rng.elastic else "")
+            return transition(j, JobState.PLACING, f"admitted; {size}placement {summary}",
+                              placement=placement, replicas=replicas, world_size=len(placement),
+                              gpus=len(placement) * rng.gpus_per_rank)
         if self.store.update(d.job_id, admit) is None:
             return
         job = self.store.get(d.job_id)
         if job.driver == "scheduler":
             self.launch(d.job_id)
+
+    def _resize(self, d: Resize) -> None:
+        """Ask a running job's controller to resize; a grow holds its new GPUs from now on."""
+        def ask(j: JobRecord):
+            if j.state is not JobState.RUNNING or j.resize is not None:
+                return None
+            added = tuple(
+                PlacedRank(rank=j.world_size + s.rank, node=s.node, node_id=s.node_id, leaf=s.leaf,
+                           gpu=s.gpus[0] if s.gpus else None, gpus=s.gpus)
+                for s in (d.plan.slots if d.plan else ()))
+            request = {"to": d.to, "from": j.replicas, "cause": d.cause, "for_job": d.for_job,
+                       "requested_at": time.time()}
+            return dataclasses.replace(j, resize=request, placement=j.placement + added), {
+                "type": "resize_requested", "message": d.reason, "cause": d.cause,
+                "from_replicas": j.replicas, "to_replicas": d.to}
+        if self.store.update(d.job_id, ask) is not None:
+            self.store.request_resize(d.job_id)
 
     def _wait(self, d: Wait) -> None:
         def note(j: JobRecord):

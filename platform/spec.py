@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kuangchao.platform.elastic import ElasticRange, elastic_range, range_errors
 from kuangchao.platform.errors import SpecError
 
 BUILTIN_MODELS = ("gpt", "llama")
@@ -57,6 +58,8 @@ class DataSection(_Section):
     path: str | None = None
     max_bytes: int = Field(4_000_000, ge=1024)
     prefetch: int = Field(2, ge=1, le=64)
+    # Record every step's global sample indices in Redis (`kc samples`), to audit the sequence.
+    record_samples: bool = False
 
 
 class ParallelSection(_Section):
@@ -117,8 +120,17 @@ class FaultToleranceSection(_Section):
 
 
 class ElasticSection(_Section):
+    """The data-parallel range; one replica is tensor_parallel_size x pipeline_parallel_size ranks.
+
+    The global batch stays the one `parallel` describes; see platform/elastic.py.
+    """
+
     min_replicas: int | None = Field(None, ge=1)
     max_replicas: int | None = Field(None, ge=1)
+    # live: survivors keep their processes and in-memory state and re-form the group;
+    # restart: checkpoint, requeue and start again at the new size (any entrypoint).
+    # auto: live for the built-in trainer, restart for custom entrypoints.
+    resize: Literal["auto", "live", "restart"] = "auto"
 
 
 class PermissionSection(_Section):
@@ -151,6 +163,16 @@ class JobSpec(_Section):
     @property
     def gpus_required(self) -> int:
         return self.world_size * self.parallel.gpus_per_rank
+
+    @property
+    def elastic_range(self) -> ElasticRange:
+        return elastic_range(self.model_dump(mode="json"))
+
+    @property
+    def live_resize(self) -> bool:
+        """Whether resizes keep the processes (the built-in trainer, or a declared live entrypoint)."""
+        mode = self.elastic.resize
+        return mode == "live" or (mode == "auto" and self.entrypoint is None)
 
     def spec_hash(self) -> str:
         """Stable hash of the full spec, recorded in checkpoint manifests."""
@@ -185,10 +207,7 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
         ))
     if spec.entrypoint is not None and not _IMPORT_REF.match(spec.entrypoint):
         errs.append(("entrypoint", f"{spec.entrypoint!r} is not of the form 'package.module:function'"))
-    e = spec.elastic
-    if e.min_replicas and e.max_replicas and e.min_replicas > e.max_replicas:
-        errs.append(("elastic.min_replicas",
-                     f"{e.min_replicas} exceeds elastic.max_replicas ({e.max_replicas})"))
+    errs.extend(range_errors(spec.model_dump(mode="json")))
     ft = spec.fault_tolerance
     if ft.heartbeat_timeout_s < 2 * ft.heartbeat_interval_s:
         errs.append((

@@ -60,10 +60,12 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
          JobState.RESIZING, JobState.QUEUED}
     ),
     JobState.RECOVERING: frozenset(
-        {JobState.PLACING, JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}
+        {JobState.PLACING, JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED,
+         JobState.RESIZING}
     ),
     JobState.RESIZING: frozenset(
-        {JobState.PLACING, JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.RECOVERING}
+        {JobState.PLACING, JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.RECOVERING,
+         JobState.QUEUED, JobState.SUCCEEDED}
     ),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
@@ -109,6 +111,13 @@ class JobRecord:
     preemptions: int = 0
     preempting_for: str | None = None
     placement: tuple[PlacedRank, ...] = ()
+    # Elastic jobs: the data-parallel size now (0 until admitted), the size asked
+    # for with `kc scale`, a resize the scheduler asked for and not yet done, and
+    # the record of finished resizes.
+    replicas: int = 0
+    desired_replicas: int | None = None
+    resize: dict[str, Any] | None = None
+    resize_log: tuple[dict[str, Any], ...] = ()
     waiting_for: str | None = None
     message: str | None = None
     driver: str = "scheduler"
@@ -126,6 +135,7 @@ class JobRecord:
         d = dict(d)
         d["state"] = JobState(d["state"])
         d["restart_log"] = tuple(d.get("restart_log") or ())
+        d["resize_log"] = tuple(d.get("resize_log") or ())
         d["placement"] = tuple(
             PlacedRank(**{**p, "gpus": tuple(p.get("gpus") or ())}) for p in d.get("placement") or ()
         )

@@ -246,6 +246,21 @@ class JobStore:
             return dataclasses.replace(j, restart_log=(*j.restart_log[:-1], {**last, **new})), None
         return self.update(job_id, add)
 
+    def annotate_resize(self, job_id: str, fields: dict[str, Any]) -> dict[str, Any] | None:
+        """Add fields to the newest resize entry, keeping those already set; returns it."""
+        out: dict[str, Any] = {}
+
+        def add(j: JobRecord):
+            if not j.resize_log:
+                return None
+            last = j.resize_log[-1]
+            new = {k: v for k, v in fields.items() if k not in last and v is not None}
+            if not new:
+                return None
+            out.update({**last, **new})
+            return dataclasses.replace(j, resize_log=(*j.resize_log[:-1], {**last, **new})), None
+        return out if self.update(job_id, add) is not None else None
+
     def claim_controller(self, job_id: str, ident: str) -> str | None:
         """Record `ident` (`name/pid`) as the job's controller; return the one recorded before."""
         return self.r.set(self.key("job", job_id, "controller"), ident, get=True)
@@ -308,6 +323,57 @@ class JobStore:
 
     def clear_preempt(self, job_id: str) -> None:
         self.r.delete(self.key("job", job_id, "preempt"))
+
+    # -- elastic resizes -----------------------------------------------------
+    # The scheduler raises `resize` for the job's controller (the request itself is
+    # on the record); the controller publishes each new process-group generation
+    # and raises `rejoin` with its number for the ranks, which read it every step.
+    def request_resize(self, job_id: str) -> None:
+        self.r.set(self.key("job", job_id, "resize"), "1")
+
+    def resize_requested(self, job_id: str) -> bool:
+        return bool(self.r.exists(self.key("job", job_id, "resize")))
+
+    def clear_resize(self, job_id: str) -> None:
+        self.r.delete(self.key("job", job_id, "resize"))
+
+    def publish_generation(self, job_id: str, generation: dict[str, Any], signal: bool) -> None:
+        """Store the next generation; with `signal`, ask running ranks to rejoin at their next step."""
+        with self.r.pipeline() as pipe:
+            pipe.set(self.key("job", job_id, "generation"), json.dumps(generation))
+            if signal:
+                pipe.set(self.key("job", job_id, "rejoin"), str(generation["gen"]))
+            else:  # a group formed from scratch: no earlier request may reach its ranks
+                pipe.delete(self.key("job", job_id, "rejoin"))
+            pipe.execute()
+
+    def generation(self, job_id: str) -> dict[str, Any] | None:
+        raw = self.r.get(self.key("job", job_id, "generation"))
+        return json.loads(raw) if raw else None
+
+    def rejoin_requested(self, job_id: str) -> int:
+        """The generation ranks are asked to rejoin, 0 when none."""
+        raw = self.r.get(self.key("job", job_id, "rejoin"))
+        return int(raw) if raw else 0
+
+    def clear_rejoin(self, job_id: str) -> None:
+        self.r.delete(self.key("job", job_id, "rejoin"))
+
+    # The sample record of `data.record_samples`: field "step/dp_size/dp_rank",
+    # value "start:stop,..." (the global sample indices of each micro-batch).
+    def record_samples(self, job_id: str, fields: dict[str, str]) -> None:
+        if fields:
+            self.r.hset(self.key("job", job_id, "samples"), mapping=fields)
+
+    def samples(self, job_id: str) -> dict[str, str]:
+        return self.r.hgetall(self.key("job", job_id, "samples"))
+
+    def forget_samples_from(self, job_id: str, step: int) -> None:
+        """Drop the record of steps `step` and later (a restore undid them)."""
+        key = self.key("job", job_id, "samples")
+        undone = [f for f in self.r.hkeys(key) if int(f.split("/", 1)[0]) >= step]
+        if undone:
+            self.r.hdel(key, *undone)
 
     def wake_scheduler(self, reason: str = "") -> None:
         self.r.rpush(self.key("sched", "wake"), reason or "tick")

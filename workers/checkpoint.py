@@ -286,6 +286,20 @@ class CheckpointManager:
                         group=self._checkpoint_group(), tmp=self.dir / f".{step_dir_name(step)}.tmp",
                         final=self.dir / step_dir_name(step))
 
+    def settle(self, grace_s: float) -> None:
+        """Before the process group changes: let the write in flight end, or abandon it
+        after `grace_s` (its folder never commits; a lost peer can leave it stuck)."""
+        try:
+            self.wait(timeout=grace_s)
+        except CheckpointError:
+            pass
+        self._pending = None
+
+    def regroup(self, rank: int, world_size: int) -> None:
+        """Write as `rank` of `world_size` from now on, in the new process group."""
+        self.rank, self.world_size = rank, world_size
+        self._group, self._group_ready = None, False
+
     def _checkpoint_group(self) -> dist.ProcessGroup | None:
         """The gloo group checkpoint collectives use; made once, at the first save.
 

@@ -32,6 +32,13 @@ class TrainContext:
         heartbeat: This rank's heartbeat; `report` moves its step and
             `phase` names what the rank is doing, for hang detection.
         started_at: When this run of the train function began.
+        accum_steps: Micro-batches per optimizer step at the current size; an
+            elastic job's global batch stays fixed, so this changes with `dp_size`.
+        generation: The process-group generation this rank is in.
+        joining: This rank joined a running job and gets the state from its peers
+            (`kuangchao.workers.resize.sync_state`) instead of a checkpoint.
+        live_resize: Resizes and lost peers are handled in this process
+            (`kuangchao.workers.resize`); otherwise they end the train function.
     """
 
     job_id: str
@@ -48,8 +55,15 @@ class TrainContext:
     heartbeat: Heartbeat | None = None
     started_at: float = field(default_factory=time.time)
     rollbacks: int = 0
+    accum_steps: int = 1
+    generation: int = 0
+    generation_start: int = 0  # the first step trained in this generation
+    joining: bool = False
+    live_resize: bool = False
+    group_store: Any = None
     _last_report: dict[str, Any] = field(default_factory=dict)
     _reported_once: bool = False
+    _first_after: str = "restart"
 
     @property
     def is_chief(self) -> bool:
@@ -88,9 +102,10 @@ class TrainContext:
         except Exception as exc:  # progress is best effort; training goes on
             self.sink.emit(f"progress report failed: {exc}", level="WARNING")
 
-    def expect_first_step(self) -> None:
-        """The next report is the first step after a restore: record its timings."""
+    def expect_first_step(self, after: str = "restart") -> None:
+        """The next report is the first step after a restore (or a `resize`): record its timings."""
         self._reported_once = False
+        self._first_after = after
 
     def phase(self, name: str):
         """Mark what this rank is doing (`with ctx.phase("checkpoint"): ...`).
@@ -103,6 +118,9 @@ class TrainContext:
     def _note_first_step(self, step: int) -> None:
         """After a recovery, record restore and first-step timings on the restart."""
         now = time.time()
+        if self._first_after == "resize":
+            self._note_resized(now)
+            return
         ckpt = self.checkpoint
         load_s = getattr(ckpt, "last_load_s", None)
         load_end = getattr(ckpt, "last_load_end", None)
@@ -113,6 +131,25 @@ class TrainContext:
             self.store.annotate_restart(self.job_id, fields)  # type: ignore[union-attr]
         except Exception as exc:  # timings are best effort; training goes on
             self.sink.emit(f"could not record recovery timings: {exc}", level="WARNING")
+
+    def _note_resized(self, now: float) -> None:
+        """The first step at a new size: finish the resize's record and event."""
+        try:
+            entry = self.store.annotate_resize(self.job_id, {"first_step_at": now})  # type: ignore[union-attr]
+            if not entry or "requested_at" not in entry:
+                return
+            took = round(now - entry["requested_at"], 3)
+            self.store.annotate_resize(self.job_id, {"resize_s": took})  # type: ignore[union-attr]
+            self.store.add_event(self.job_id, {  # type: ignore[union-attr]
+                "type": "resize", "from_world_size": entry.get("from_world_size"),
+                "to_world_size": entry.get("to_world_size"), "from_replicas": entry.get("from"),
+                "to_replicas": entry.get("to"), "cause": entry.get("cause"), "resize_s": took,
+                "path": entry.get("path"),
+                "message": f"resized from {entry.get('from_world_size')} to "
+                           f"{entry.get('to_world_size')} rank(s) ({entry.get('cause')}); first "
+                           f"step at the new size {took:.2f}s after the decision"})
+        except Exception as exc:  # bookkeeping; training goes on
+            self.sink.emit(f"could not record the resize timing: {exc}", level="WARNING")
 
     def should_stop(self) -> bool:
         """True once a cancel was requested; cooperative train loops poll it."""
@@ -129,17 +166,44 @@ class TrainContext:
         A collective: every rank must call it at the same step, and all get the
         same answer, so they stop (and checkpoint) together.
         """
-        if self.heartbeat is not None and "preempt" in self.heartbeat.flag_keys:
-            local = float(self.is_chief and self.heartbeat.flags.get("preempt", False))
-        else:
-            try:
-                local = float(self.is_chief and self.store is not None
-                              and self.store.preempt_requested(self.job_id))
-            except Exception:  # Redis away: no preemption can have been asked meanwhile
-                local = 0.0
+        return self.control()[0]
+
+    def control(self) -> tuple[bool, int]:
+        """Rank 0's view of the job's requests, agreed by every rank in one collective.
+
+        Returns:
+            Whether a preemption is asked, and the generation to rejoin (0: none).
+            Every rank must call it at the same step.
+        """
+        preempt, rejoin = 0.0, 0.0
+        if self.is_chief:
+            if self.heartbeat is not None and "preempt" in self.heartbeat.flag_keys:
+                preempt = float(self.heartbeat.flags.get("preempt", False))
+            else:
+                preempt = float(self._asked(lambda s: s.preempt_requested(self.job_id)))
+            if self.live_resize:
+                # Read every step, not with the heartbeat: a resize waits on it.
+                gen = float(self._asked(lambda s: s.rejoin_requested(self.job_id)))
+                rejoin = gen if gen > self.generation else 0.0
         if self.world_size == 1 or not dist.is_initialized():
-            return bool(local)
-        flag = torch.tensor([local])
+            return bool(preempt), int(rejoin)
+        flags = torch.tensor([preempt, rejoin], dtype=torch.float64)
         with self.phase("collective"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0].item()), int(flags[1].item())
+
+    def _asked(self, read: Any) -> Any:
+        try:
+            return read(self.store) if self.store is not None else 0
+        except Exception:  # Redis away: nothing can have been asked meanwhile
+            return 0
+
+    def regroup(self, rank: int, world_size: int, accum_steps: int, generation: int) -> None:
+        """Take up a new place after a resize: rank, size, accumulation, checkpoint shard."""
+        self.rank, self.world_size = rank, world_size
+        self.dp_rank, self.dp_size = rank, world_size
+        self.accum_steps, self.generation = accum_steps, generation
+        self.checkpoint.regroup(rank, world_size)
+        self.sink.rank = rank
+        if self.heartbeat is not None:
+            self.heartbeat.rename(rank)

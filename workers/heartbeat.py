@@ -87,6 +87,23 @@ class Heartbeat:
         if phase != self.phase:
             self.phase, self._progress_ts = phase, time.time()
 
+    def rename(self, rank: int) -> None:
+        """Beat as `rank` from now on (a resize renumbered this rank); the old key goes."""
+        with self._beat_lock:
+            old, self.rank = self.rank, rank
+        if old != rank:
+            try:
+                self.client.delete(beat_key(self.prefix, self.job_id, old))
+            except redis.RedisError:
+                pass  # it expires on its own
+        self.beat_once_quietly()
+
+    def beat_once_quietly(self) -> None:
+        try:
+            self.beat_once()
+        except (redis.RedisError, OSError):
+            pass  # the thread's next beat retries
+
     def carry(self, progress_key: str, flag_keys: dict[str, str]) -> None:
         """Also carry the job's progress out, and control flags in, with each beat.
 

@@ -10,6 +10,7 @@ restored.
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import math
 import time
@@ -21,10 +22,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from kuangchao.platform.elastic import samples_seen
 from kuangchao.platform.spec import JobSpec
+from kuangchao.workers import resize
 from kuangchao.workers.checkpoint import CheckpointInfo, PendingCheckpoint
 from kuangchao.workers.context import TrainContext
 from kuangchao.workers.data import BatchSource, Prefetcher, batch_indices, load_corpus
+from kuangchao.workers.elastic import ResizeNow, is_collective_failure
 from kuangchao.workers.errors import CheckpointError, TrainingError
 from kuangchao.workers.model import ModelConfig, build_model
 from kuangchao.workers.numerics import GradNormGuard, NumericFault, data_index, data_position
@@ -66,12 +70,11 @@ def make_optimizer(model: torch.nn.Module, spec: JobSpec) -> torch.optim.Optimiz
 
 def _batches(source: BatchSource, spec: JobSpec, ctx: TrainContext,
              pos: Position) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    p = spec.parallel
+    micro_batch, accum = spec.parallel.micro_batch_size, ctx.accum_steps
     for step in range(pos.step, spec.training.steps):
         index = data_index(step, pos.skipped)
-        for micro in range(p.gradient_accumulation_steps):
-            idx = batch_indices(index, micro, ctx.dp_rank, ctx.dp_size, p.micro_batch_size,
-                                p.gradient_accumulation_steps)
+        for micro in range(accum):
+            idx = batch_indices(index, micro, ctx.dp_rank, ctx.dp_size, micro_batch, accum)
             yield source.get(idx)
 
 
@@ -140,41 +143,71 @@ def train(ctx: TrainContext) -> dict[str, Any]:
     spec = ctx.spec
     seed_everything(spec.training.seed)
     model = build_model(model_config(spec)).to(ctx.device)
-    ddp: torch.nn.Module = model
-    if ctx.world_size > 1:
-        ddp = DistributedDataParallel(model)
     optimizer = make_optimizer(model, spec)
     ft = spec.fault_tolerance
     guard = GradNormGuard(ft.grad_norm_spike_factor, ft.grad_norm_window)
-    pos = restore_latest(ctx, model, optimizer, guard) or Position()
+    if ctx.joining:  # a rank added to a running job: its peers hand it the state
+        pos = resize.sync_state(ctx, model, optimizer, guard, None)
+        ctx.generation_start = pos.step
+        resize.mark_ready(ctx.group_store, ctx.rank)
+        ctx.expect_first_step("resize")
+    else:
+        pos = restore_latest(ctx, model, optimizer, guard) or Position()
+        resize.forget_samples_from(ctx, pos.step)
+        ctx.generation_start = pos.step
     corpus = load_corpus(spec.data.path, spec.data.max_bytes, spec.model.vocab_size)
     source = BatchSource(corpus, spec.model.seq_len, spec.training.seed)
     ctx.log(f"training {model.num_params():,} parameters from step {pos.step} "
             f"to {spec.training.steps} on {ctx.world_size} rank(s)")
     while True:
+        ddp = resize.wrap_ddp(model, ctx)
+        moving = False
         try:
             return _train_from(ctx, pos, ddp, model, optimizer, source, guard)
         except NumericFault as fault:
             pos = roll_back(ctx, fault, model, optimizer, guard, pos.skipped)
+            resize.forget_samples_from(ctx, pos.step)
+        except Exception as exc:
+            # A planned resize, or (elastic jobs) a peer lost mid-collective: the
+            # survivors keep their state and move to the controller's next group.
+            if not ctx.live_resize or not (isinstance(exc, ResizeNow)
+                                           or is_collective_failure(exc)):
+                raise
+            if not isinstance(exc, ResizeNow):
+                ctx.log(f"process group broke at step {pos.step}: {str(exc).splitlines()[0]}; "
+                        "waiting for the controller to re-form it", level="WARNING")
+            moving = True
+        if moving:
+            # The old DDP wrapper's gradient hooks belong to the old group: free it
+            # (and the failed frames that hold it) before the next one is made.
+            del ddp
+            gc.collect()
+            rejoined = resize.rejoin(ctx, model, optimizer, guard, pos)
+            if rejoined is None:
+                return {"left": True, "steps": pos.step}
+            pos = rejoined
 
 
 def _train_from(ctx: TrainContext, pos: Position, ddp: torch.nn.Module, model: torch.nn.Module,
                 optimizer: torch.optim.Optimizer, source: BatchSource,
                 guard: GradNormGuard) -> dict[str, Any]:
     spec = ctx.spec
-    p, t = spec.parallel, spec.training
-    tokens_per_step = p.micro_batch_size * p.gradient_accumulation_steps * ctx.dp_size * spec.model.seq_len
-    meter = _Throughput(tokens_per_step)
+    t = spec.training
+    global_batch = spec.elastic_range.global_batch  # the same at every size
+    meter = _Throughput(global_batch * spec.model.seq_len)
     loss_value = float("nan")
+    first = pos.step
     with Prefetcher(_batches(source, spec, ctx, pos), depth=max(1, spec.data.prefetch)) as it:
-        for step in range(pos.step, t.steps):
+        for step in range(first, t.steps):
             loss_value = _train_step(ddp, model, optimizer, it, step, ctx, pos, guard)
+            resize.record_samples(ctx, step, pos)
+            done = pos.step = step + 1  # applied: a rejoin continues after it
             meter.tick()
-            done = step + 1
-            if done % t.log_interval == 0 or done == t.steps or step == pos.step:
+            if done % t.log_interval == 0 or done == t.steps or done == first + 1:
                 global_loss = _global_mean(loss_value, ctx)
                 rate = meter.rate()
-                ctx.report(done, loss=global_loss, tokens_per_s=rate)
+                ctx.report(done, loss=global_loss, tokens_per_s=rate,
+                           samples_seen=samples_seen(done, global_batch), world_size=ctx.world_size)
                 if ctx.is_chief:
                     ctx.log(f"step {done}/{t.steps} loss {global_loss:.4f} tokens/s {rate:.0f}",
                             step=done, loss=global_loss)
@@ -182,7 +215,12 @@ def _train_from(ctx: TrainContext, pos: Position, ddp: torch.nn.Module, model: t
                 ctx.report(done)
             if done % spec.checkpoint.interval_steps == 0 and done != t.steps:
                 _save(ctx, done, model, optimizer, pos, guard)
-            if done != t.steps and ctx.preemption_requested():
+            if done == t.steps:
+                continue
+            preempt, rejoin = ctx.control()
+            if rejoin:
+                raise ResizeNow(rejoin)
+            if preempt:
                 info = _save(ctx, done, model, optimizer, pos, guard, sync=True)
                 ctx.log(f"preempted at step {done}; checkpoint saved, yielding the GPUs")
                 return {"preempted": True, "steps": done, "checkpoint": info.to_json()}
@@ -226,7 +264,7 @@ def _train_step(ddp: torch.nn.Module, model: torch.nn.Module, optimizer: torch.o
                 guard: GradNormGuard) -> float:
     """One optimizer step; raises `NumericFault` instead of applying bad gradients."""
     spec = ctx.spec
-    accum = spec.parallel.gradient_accumulation_steps
+    accum = ctx.accum_steps
     index = data_index(step, pos.skipped)
     poison = ctx.is_chief and index in spec.fault_tolerance.inject_nan_at_batches
     for group in optimizer.param_groups:

@@ -14,7 +14,6 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from kuangchao.platform.store import JobStore
 from kuangchao.platform.topology import GPU_RESOURCE_PREFIX
 from kuangchao.workers.checkpoint import CheckpointManager
 from kuangchao.workers.context import TrainContext
+from kuangchao.workers.elastic import Generation, join_generation
 from kuangchao.workers.errors import EntrypointError, PlacementMismatch, TrainingError
 from kuangchao.workers.heartbeat import Heartbeat, heartbeat_client
 from kuangchao.workers.joblog import JobLogSink, capture_output
@@ -65,7 +65,7 @@ def granted_gpu_ids(assigned: dict[str, float]) -> list[int]:
 
 class TrainWorker:
     """Hosts one rank. Methods are called by the job controller in order:
-    `describe`, `open_rendezvous` (rank 0), `join`, `run`."""
+    `describe`, `join`, `run`."""
 
     def __init__(self, job_id: str, rank: int, world_size: int, settings: Settings,
                  planned_gpus: tuple[int, ...] | None = None, node: str = "",
@@ -77,7 +77,8 @@ class TrainWorker:
         if settings.redis_url:
             self.store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
         self.sink = JobLogSink(self.store, job_id, rank)
-        self._rendezvous: dist.TCPStore | None = None
+        self.generation: Generation | None = None
+        self._group_store: Any = None
         self.heartbeat: Heartbeat | None = None
         if settings.redis_url and heartbeat is not None:
             # Beats start with the process, so even a hang in start-up is seen.
@@ -129,25 +130,19 @@ class TrainWorker:
                 "ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
                 "gpu_ids": gpu_ids, "ray_gpu_ids": ray_ids}
 
-    def open_rendezvous(self, host: str) -> int:
-        """Rank 0 only: start the TCP store the group meets at; return its port."""
-        # Port 0 lets the OS choose, so two jobs on one node never collide.
-        self._rendezvous = dist.TCPStore(host, 0, self.world_size, is_master=True,
-                                         wait_for_workers=False,
-                                         timeout=timedelta(seconds=300))
-        return int(self._rendezvous.port)
-
-    def join(self, host: str, port: int, timeout_s: float = 300.0) -> str:
-        """Join the process group: NCCL with CUDA, else gloo."""
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
+    def join(self, generation: dict[str, Any], rank: int | None = None,
+             timeout_s: float = 300.0) -> str:
+        """Join the process group of `generation` (as the controller published it):
+        NCCL with CUDA, else gloo, at the rendezvous the controller hosts."""
+        gen = Generation.from_json(generation)
+        if gen.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-        store = self._rendezvous or dist.TCPStore(host, port, self.world_size, is_master=False,
-                                                  timeout=timedelta(seconds=timeout_s))
-        if backend == "nccl":
-            torch.cuda.set_device(0)  # Ray exposes only this rank's GPUs
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        self.rank = self.rank if rank is None else rank
+        self.world_size, self.generation = gen.world_size, gen
+        if self.heartbeat is not None:
+            self.heartbeat.rename(self.rank)
+        self.sink.rank = self.rank
+        backend, self._group_store = join_generation(gen, self.rank, timeout_s)
         return backend
 
     def run(self, spec_doc: dict[str, Any]) -> dict[str, Any]:
@@ -177,11 +172,19 @@ class TrainWorker:
         on_commit = self._record_checkpoint if self.store else None
         ckpt = CheckpointManager(spec.checkpoint.path, self.job_id, self.rank, self.world_size,
                                  spec.spec_hash(), spec.checkpoint.keep_last, on_commit=on_commit)
+        gen = self.generation
+        rng = spec.elastic_range
+        replicas = self.world_size // rng.ranks_per_replica
         return TrainContext(job_id=self.job_id, rank=self.rank, world_size=self.world_size,
                             local_rank=0, spec=spec, device=device, checkpoint=ckpt,
                             sink=self.sink, store=self.store, dp_rank=self.rank,
                             dp_size=self.world_size, heartbeat=self.heartbeat,
-                            started_at=time.time())
+                            started_at=time.time(),
+                            accum_steps=gen.accum if gen else rng.accumulation(replicas),
+                            generation=gen.gen if gen else 0,
+                            joining=bool(gen and self.rank in gen.joining),
+                            live_resize=spec.live_resize and rng.elastic and self.store is not None,
+                            group_store=self._group_store)
 
     def _record_checkpoint(self, info: Any) -> None:
         """List a committed checkpoint on the job; the files on disk are what counts,
@@ -200,7 +203,7 @@ class TrainWorker:
         """
         if dist.is_initialized():
             dist.destroy_process_group()
-        self._rendezvous = None
+        self._group_store = None
         if self.heartbeat is not None:
             self.heartbeat.set_phase("init")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
 
 from kuangchao.api.deps import Store
 from kuangchao.platform import jobs
@@ -57,6 +58,30 @@ def cancel_job(job_id: str, store: Store) -> dict[str, Any]:
     except InvalidTransition as exc:
         raise HTTPException(status_code=409, detail=exc.message) from None
     return jobs.job_view(store, job)
+
+
+class ScaleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    replicas: int = Field(ge=1, description="data-parallel replicas to run at")
+
+
+@router.patch("/{job_id}", summary="Resize an elastic job: {\"replicas\": N}")
+def patch_job(job_id: str, body: ScaleRequest, store: Store) -> dict[str, Any]:
+    _get(store, job_id)
+    try:
+        job = jobs.scale(store, job_id, body.replicas)
+    except SpecError as exc:
+        raise _spec_422(exc) from None
+    except InvalidTransition as exc:
+        raise HTTPException(status_code=409, detail=exc.message) from None
+    return jobs.job_view(store, job)
+
+
+@router.get("/{job_id}/samples", summary="The job's sample record (data.record_samples)")
+def job_samples(job_id: str, store: Store) -> dict[str, Any]:
+    job = _get(store, job_id)
+    return {"record_samples": bool(job.spec.get("data", {}).get("record_samples")),
+            "samples": store.samples(job_id)}
 
 
 @router.get("/{job_id}/events", summary="The job's events, oldest first")

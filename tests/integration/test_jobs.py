@@ -63,7 +63,8 @@ def test_cancel_mid_run_removes_workers_and_placement_group(stack, ray_driver):
 
     def pg_removed():
         table = placement_group_table()
-        mine = [pg for pg in table.values() if pg["name"] == f"kc-{job['id']}"]
+        # One placement group per data-parallel replica, named after its first rank.
+        mine = [pg for pg in table.values() if pg["name"].startswith(f"kc-{job['id']}-r")]
         return mine and all(pg["state"] == "REMOVED" for pg in mine)
     wait_for(pg_removed, 60, "the placement group to be removed")
     with pytest.raises(ApiError) as info:
