@@ -116,9 +116,9 @@ def add_node(cluster: BenchCluster, name: str, cpus: int, gpus: int, leaf: str =
 
     Uses `localcluster._ray_start` itself, so the new raylet gets the same
     environment (Redis settings for kuangchao's actors), its own dashboard-agent
-    port and the same object-store size. `ray start` returns once the raylet
-    has registered with the GCS; the node then counts as joined when
-    `ray.nodes()` reports it alive (polled every 10 ms).
+    port and the same object-store size. The node counts as joined when
+    `ray.nodes()` first reports it alive (polled every 20 ms while `ray start`
+    runs, which exits a second or so after the raylet has registered).
 
     Call it from the process that runs `local_cluster` (it reads KC_HOME) and
     never concurrently with another raylet start (they race for local ports).
@@ -137,14 +137,18 @@ def add_node(cluster: BenchCluster, name: str, cpus: int, gpus: int, leaf: str =
                                     f"--num-gpus={gpus}", f"--labels={labels}",
                                     f"--resources={pinned}"],
                                    localcluster._ray_env(state), f"ray-{name}.log")
-    if proc.wait(timeout=timeout_s) != 0:
-        raise RuntimeError(f"`ray start` for {name} failed; see {cluster.tmp}/home/logs/ray-{name}.log")
+    # Poll while `ray start` runs: the raylet registers (and schedulers may see
+    # it) about a second before the `ray start` process gets round to exiting.
     deadline = time.monotonic() + timeout_s
     while (node := node_named(name)) is None:
+        if proc.poll() not in (None, 0):
+            raise RuntimeError(f"`ray start` for {name} failed; see {cluster.tmp}/home/logs/ray-{name}.log")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"node {name} not alive in ray.nodes() {timeout_s:.0f}s after `ray start`")
-        time.sleep(0.01)
+            raise TimeoutError(f"node {name} not alive in ray.nodes() within {timeout_s:.0f}s")
+        time.sleep(0.02)
     joined = time.time()
+    if proc.wait(timeout=timeout_s) != 0:
+        raise RuntimeError(f"`ray start` for {name} failed; see {cluster.tmp}/home/logs/ray-{name}.log")
     _check_covered_by_down(state, node["NodeID"])
     return node["NodeID"], joined
 

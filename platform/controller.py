@@ -210,9 +210,11 @@ class JobController(InPlaceRecovery, LiveResize):
         return placement_group(bundles, strategy="PACK", name=f"kc-{self.job_id}-r{slots[0].rank}",
                                bundle_label_selector=selectors)
 
-    def _await_pgs(self, pgs: list[Any]) -> None:
+    def _await_pgs(self, pgs: list[Any], timeout_s: float = PG_READY_TIMEOUT_S) -> None:
+        if not pgs:
+            return
         try:
-            self._wait_ready([pg.ready() for pg in pgs], PG_READY_TIMEOUT_S, "placement group")
+            self._wait_ready([pg.ready() for pg in pgs], timeout_s, "placement group")
         except KuangchaoError as exc:
             # A node that vanished after the plan was made: place the job again.
             if isinstance(exc, Cancelled | WorkerLost):
@@ -388,7 +390,8 @@ class JobController(InPlaceRecovery, LiveResize):
         raise WorkerLost(Failure(
             kind, message, rank=first.rank, node=slot.node if slot else None,
             pid=slot.pid if slot else None, detected_after_s=round(first.detected_after_s, 3),
-            last_heartbeat_at=beat.ts if beat else None, failed_at=failed_at))
+            last_heartbeat_at=beat.ts if beat else None, failed_at=failed_at,
+            node_id=slot.node_id if slot else None))
 
     def _finish(self, spec: JobSpec, results: list[dict[str, Any]]) -> None:
         ckpt = (results[0] or {}).get("checkpoint") if results else None
@@ -442,7 +445,8 @@ class JobController(InPlaceRecovery, LiveResize):
         return Failure(kind, f"rank {rank}{place} died: {first}", rank=rank,
                        node=slot.node if slot else None, pid=slot.pid if slot else None,
                        detected_after_s=round(now - beat.ts, 3) if beat else None,
-                       last_heartbeat_at=beat.ts if beat else None, failed_at=now)
+                       last_heartbeat_at=beat.ts if beat else None, failed_at=now,
+                       node_id=slot.node_id if slot else None)
 
     def _requeue(self, reason: str) -> None:
         """Give the GPUs back and return the job to the queue; it resumes from its checkpoint."""

@@ -52,3 +52,16 @@ class QuarantinePolicy:
 def active(quarantine: dict[str, dict], now: float) -> dict[str, dict]:
     """The entries of a stored quarantine list that have not yet expired."""
     return {name: q for name, q in quarantine.items() if float(q.get("until", 0)) > now}
+
+
+def holds(active_entries: dict[str, dict], node) -> bool:
+    """Whether an active entry keeps `node` (a NodeInfo) out of new placements.
+
+    An entry for a lost raylet names its node id and holds only that raylet,
+    not a new one that joined under the same name.
+    """
+    entry = active_entries.get(node.name)
+    if entry is None:
+        return False
+    lost_id = entry.get("node_id")
+    return lost_id is None or lost_id == node.node_id

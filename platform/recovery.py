@@ -39,6 +39,7 @@ class Failure:
     detected_after_s: float | None = None
     last_heartbeat_at: float | None = None
     failed_at: float = field(default_factory=time.time)
+    node_id: str | None = None
 
     def record(self) -> dict[str, Any]:
         d = {"cause": self.message, **dataclasses.asdict(self)}
@@ -117,9 +118,13 @@ def _report_node(store: JobStore, failure: Failure,
     Returns:
         The new quarantine entry, or None when the node was not (newly) quarantined.
     """
-    if not (policy.enabled and failure.node and failure.kind in NODE_FAULT_KINDS):
+    if not (failure.node and failure.kind in NODE_FAULT_KINDS):
         return None
-    times = store.record_node_failure(failure.node, failure.failed_at, policy.window_s)
+    if not policy.enabled and failure.kind != "node_lost":
+        return None
+    # A lost node is held back even with quarantine off: it is a fact, not a judgement.
+    times = (store.record_node_failure(failure.node, failure.failed_at, policy.window_s)
+             if policy.enabled else [])
     now = failure.failed_at
     if policy.should_quarantine(times, now):
         until = now + policy.duration_s
@@ -132,5 +137,8 @@ def _report_node(store: JobStore, failure: Failure,
     if current and float(current.get("until", 0)) >= until:
         return None
     entry = {"since": now, "until": until, "failures": len(times), "reason": reason}
+    if failure.kind == "node_lost" and failure.node_id:
+        # Only that raylet is held back: a node that rejoins under the same name is a new one.
+        entry["node_id"] = failure.node_id
     store.quarantine_node(failure.node, entry)
     return entry

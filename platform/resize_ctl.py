@@ -34,7 +34,8 @@ from kuangchao.platform.spec import JobSpec
 from kuangchao.platform.state import JobRecord, JobState, PlacedRank, transition
 from kuangchao.platform.watch import kill_process
 
-GENERATION_READY_S = 300.0  # survivors finish their step, joiners import torch and take the state
+GENERATION_READY_S = 300.0  # survivors finish their step, joiners take the state
+JOINER_READY_S = 60.0  # a new rank's placement group and process; a grow is called off past it
 LEAVE_WAIT_S = 30.0
 POLL_S = 0.02
 
@@ -80,7 +81,7 @@ class LiveResize:
                                f"{len(reserved)} slot(s) for {len(m.joining)} new rank(s)")
             return
         self._begin(job, req, m, "live")
-        self._run_generation(spec, m, joiners, dead=set())
+        self._run_generation(spec, m, joiners, dead=set(), planned=True)
 
     def _resize_after_loss(self, failure: Failure, spec: JobSpec) -> bool:
         """An elastic job lost ranks: re-form the group around the survivors.
@@ -132,67 +133,115 @@ class LiveResize:
 
     # -- the generation change -----------------------------------------------------
     def _run_generation(self, spec: JobSpec, m: Membership, joiners: list[_Joiner],
-                        dead: set[int]) -> None:
-        """Move the job to membership `m`; on failure raise `WorkerLost` (kind "resize")."""
+                        dead: set[int], planned: bool = False) -> None:
+        """Move the job to membership `m`.
+
+        Raises:
+            WorkerLost: (kind "resize") when it fails once the ranks were told to
+                move, or when the ranks to add cannot start after a loss.
+            FinishedDuringResize: The job ended first; the old group is kept.
+        A planned resize whose new ranks cannot start is called off instead:
+        the job goes on at its size and the reserved GPUs are given back.
+        """
         t0 = time.monotonic()
         old = (list(self.workers), list(self.refs), list(self.pgs), list(self.bundles),
                list(self.planned), list(self.infos))
         try:
-            gen, leaving = self._switch(spec, m, joiners, dead, old)
+            self._prepare(spec, m, joiners, old)
+        except (KuangchaoError, ray.exceptions.RayError) as exc:
+            if isinstance(exc, Cancelled) or not planned:
+                self._fail_resize(exc, m)
+            self._call_off(old, m, joiners, exc)
+            return
+        try:
+            gen, leaving = self._go(spec, m, dead, old)
         except FinishedDuringResize:
             self._rollback_switch(old, m)
             raise
         except (KuangchaoError, ray.exceptions.RayError) as exc:
-            if isinstance(exc, Cancelled):
-                raise
-            message = exc.message if isinstance(exc, KuangchaoError) else str(exc).splitlines()[0]
-            raise WorkerLost(Failure("resize", f"live resize to {m.world_size} rank(s) failed: "
-                                               f"{message}")) from None
+            self._fail_resize(exc, m)
         formed_s = time.monotonic() - t0
         self._release(leaving, old, m, joiners)
         self._commit(spec, m, joiners, gen, formed_s)
 
-    def _switch(self, spec: JobSpec, m: Membership, joiners: list[_Joiner], dead: set[int],
-                old: tuple) -> tuple[Any, list[int]]:
+    def _fail_resize(self, exc: BaseException, m: Membership) -> None:
+        if isinstance(exc, Cancelled):
+            raise exc
+        message = exc.message if isinstance(exc, KuangchaoError) else str(exc).splitlines()[0]
+        raise WorkerLost(Failure("resize", f"live resize to {m.world_size} rank(s) failed: "
+                                           f"{message}")) from None
+
+    def _prepare(self, spec: JobSpec, m: Membership, joiners: list[_Joiner], old: tuple) -> None:
+        """Start the joining ranks (and their placement groups) while the others train on."""
         workers, refs, pgs, bundles, planned, infos = old
         order = sorted(m.ranks, key=m.ranks.__getitem__)  # old ranks in their new order
         kept = [order[i] // self.rpr for i in range(0, len(order), self.rpr)]
         from kuangchao.platform.controller import _pinned_nodes, _rank_resources
 
         pinned = _pinned_nodes()
-        new_pgs = [pgs[i] for i in kept]
         fresh = [j for j in joiners if j.pg is None]
         for j in fresh:
             j.pg = self._replica_pg(j.slots, [_rank_resources(spec, p, pinned) for p in j.slots])
-        self._await_pgs([j.pg for j in fresh])
-        self.pgs = new_pgs + [j.pg for j in joiners]
+        self.pgs = [pgs[i] for i in kept] + [j.pg for j in joiners]
         slots = [s for j in joiners for s in j.slots]
         self.bundles = [bundles[r] for r in order] + [_rank_resources(spec, s, pinned) for s in slots]
         self.planned = [planned[r] for r in order] + [s.gpus if s.node_id in pinned else None
                                                       for s in slots]
         self.world = m.world_size
-        self.workers = [workers[r] for r in order] + [
-            self._spawn(rank, s.node, spec) for rank, s in zip(m.joining, slots, strict=True)]
+        self.workers = [workers[r] for r in order]
         self.refs = [refs[r] for r in order]
+        self.infos = [infos[r] for r in order]
+        self._await_pgs([j.pg for j in fresh], JOINER_READY_S)
+        self.workers += [self._spawn(rank, s.node, spec) for rank, s in zip(m.joining, slots,
+                                                                            strict=True)]
         new_infos = self._wait_ready([self.workers[r].describe.remote() for r in m.joining],
-                                     GENERATION_READY_S, "new ranks")
+                                     JOINER_READY_S, "new ranks")
         for s, info in zip(slots, new_infos, strict=True):
             if s.node_id and info["node_id"] != s.node_id:
                 raise KuangchaoError(f"a new rank was planned on {s.node} but started on node "
                                      f"{info['node_id'][:12]}")
-        self.infos = [infos[r] for r in order] + list(new_infos)
+        self.infos += list(new_infos)
+
+    def _go(self, spec: JobSpec, m: Membership, dead: set[int],
+            old: tuple) -> tuple[Any, list[int]]:
+        """Publish the generation, start the joiners' training, wait until the group is whole."""
+        refs = old[1]
         gen = self._publish(m.world_size, m.ranks, m.joining, self._cause, signal=True)
         doc = spec.model_dump(mode="json")
         for rank in m.joining:
             self.workers[rank].join.remote(gen.to_json(), rank, GENERATION_READY_S)
             self.refs.append(self.workers[rank].run.remote(doc))
-        leaving = [r for r in range(len(workers)) if r not in m.ranks and r not in dead]
+        leaving = [r for r in range(len(old[0])) if r not in m.ranks and r not in dead]
         self._await_generation(gen, [refs[r] for r in leaving])
         return gen, leaving
 
+    def _call_off(self, old: tuple, m: Membership, joiners: list[_Joiner], exc: BaseException) -> None:
+        """A grow whose new ranks could not start: keep training at the old size."""
+        message = exc.message if isinstance(exc, KuangchaoError) else str(exc).splitlines()[0]
+        new_pgs = [j.pg for j in joiners if j.pg is not None and j.pg not in old[2]]
+        self._rollback_switch(old, m)
+        for pg in new_pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        world = self.world
+
+        def back(j: JobRecord):
+            if j.state is not JobState.RESIZING:
+                return None
+            log = j.resize_log[:-1] + ({**j.resize_log[-1], "called_off": message},) \
+                if j.resize_log else ()
+            return transition(j, JobState.RUNNING, f"resize called off, staying at {world} "
+                                                   f"rank(s): {message}",
+                              placement=tuple(p for p in j.placement if p.rank < world),
+                              resize=None, resize_log=log)
+        self.store.update(self.job_id, back)
+        self.store.wake_scheduler(self.job_id)
+
     def _await_generation(self, gen: Any, leaving_refs: list[Any]) -> None:
         """Until every rank of `gen` is in and holds the state; fail on a rank's error."""
-        keys = [f"{gen.prefix}ready/{r}" for r in range(gen.world_size)]
+        keys = [gen.ready_key(r) for r in range(gen.world_size)]
         deadline = time.monotonic() + GENERATION_READY_S
         while not self.kv.check(keys):
             done, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
@@ -208,7 +257,7 @@ class LiveResize:
             time.sleep(POLL_S)
 
     def _rollback_switch(self, old: tuple, m: Membership) -> None:
-        """The job finished its last step during the switch: keep the old group's ranks."""
+        """Keep the old group's ranks: the job finished first, or the new ranks never came."""
         for rank in m.joining:
             if rank < len(self.workers):
                 self._kill(self.workers[rank])

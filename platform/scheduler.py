@@ -51,7 +51,7 @@ class Scheduler:
         # A quarantined node is as good as gone for new placements; jobs
         # already running there keep running.
         blocked = quarantine.active(self.store.quarantine(), time.time())
-        nodes = tuple(dataclasses.replace(n, alive=False) if n.name in blocked else n
+        nodes = tuple(dataclasses.replace(n, alive=False) if quarantine.holds(blocked, n) else n
                       for n in self.nodes())
         return Snapshot(nodes=nodes,
                         queued=tuple(j for j in jobs if j.state is JobState.QUEUED),

@@ -75,7 +75,12 @@ class Generation:
 
     @property
     def prefix(self) -> str:
-        return f"gen{self.gen}/"
+        """The generation's key prefix in the rendezvous store (PrefixStore adds the "/")."""
+        return f"gen{self.gen}"
+
+    def ready_key(self, rank: int) -> str:
+        """The key `mark_ready` sets, as the controller sees it in the unprefixed store."""
+        return f"{self.prefix}/ready/{rank}"
 
 
 def is_collective_failure(exc: BaseException) -> bool:
