@@ -54,7 +54,8 @@ def median(xs: list[float]) -> float:
 
 def emit(bench: str, metric: str, unit: str, ours: float, baseline: float, target: float) -> None:
     """Print one result line; `ratio` is ours over baseline (lower is better)."""
-    ratio = ours / baseline if baseline else float("inf")
+    # A zero baseline (samples_lost) gives ratio 0 when ours is zero too.
+    ratio = ours / baseline if baseline else (0.0 if ours == 0 else float("inf"))
     print(json.dumps({"bench": bench, "metric": metric, "unit": unit, "ours": round(ours, 6),
                       "baseline": round(baseline, 6), "ratio": round(ratio, 4),
                       "target": target}), flush=True)

@@ -70,6 +70,7 @@ class LiveResize:
             # A train function that cannot resize in place checkpoints and yields;
             # the scheduler places it again at the size it can have.
             self.resize_by_restart = req
+            self._open_entry(req, int(req["to"]), "restart")
             self.store.request_preempt(self.job_id, f"resize to {req['to']} replicas")
             return
         to = int(req["to"])
@@ -81,7 +82,10 @@ class LiveResize:
                                f"{len(reserved)} slot(s) for {len(m.joining)} new rank(s)")
             return
         self._begin(job, req, m, "live")
-        self._run_generation(spec, m, joiners, dead=set(), planned=True)
+        try:
+            self._run_generation(spec, m, joiners, dead=set(), planned=True)
+        except FinishedDuringResize:
+            pass  # the old group's results are in; the watch collects them
 
     def _resize_after_loss(self, failure: Failure, spec: JobSpec) -> bool:
         """An elastic job lost ranks: re-form the group around the survivors.
@@ -284,14 +288,24 @@ class LiveResize:
                     pass
 
     # -- records ------------------------------------------------------------------
+    def _entry(self, req: dict[str, Any], to: int, path: str) -> dict[str, Any]:
+        """A resize's record; the first step at the new size closes it (`resize_s`)."""
+        cur = self.world // self.rpr
+        return {"from": cur, "to": to, "from_world_size": self.world,
+                "to_world_size": to * self.rpr, "cause": str(req.get("cause") or "requested"),
+                "path": path, "requested_at": req.get("requested_at") or time.time(),
+                "for_job": req.get("for_job")}
+
+    def _open_entry(self, req: dict[str, Any], to: int, path: str) -> None:
+        entry = self._entry(req, to, path)
+        self.store.update(self.job_id, lambda j: (dataclasses.replace(
+            j, resize_log=(*j.resize_log, entry)), None))
+
     def _begin(self, job: JobRecord, req: dict[str, Any], m: Membership, path: str) -> None:
         """RESIZING, with the resize's entry opened (the first step at the new size closes it)."""
         cur = self.world // self.rpr
         self._cause = str(req.get("cause") or "requested")
-        entry = {"from": cur, "to": m.world_size // self.rpr, "from_world_size": self.world,
-                 "to_world_size": m.world_size, "cause": self._cause, "path": path,
-                 "requested_at": req.get("requested_at") or time.time(),
-                 "for_job": req.get("for_job")}
+        entry = self._entry(req, m.world_size // self.rpr, path)
         message = (f"resizing from {cur} to {entry['to']} replica(s) ({self._cause})"
                    if entry["to"] != cur else f"replacing {len(m.joining)} rank(s) in place")
 

@@ -31,6 +31,20 @@ from kuangchao.platform.topology import NodeInfo
 log = logging.getLogger(__name__)
 
 
+def _readmitted(job: JobRecord, replicas: int, world: int) -> tuple[dict, ...]:
+    """A job placed again at another size (a resize by restart, or after a lost node)
+    has resized: open (or correct) the entry its first step at that size closes."""
+    log = job.resize_log
+    if not job.replicas or job.replicas == replicas or job.started_at is None:
+        return log
+    last = log[-1] if log else None
+    if last is not None and "first_step_at" not in last:  # the resize that sent it back
+        return (*log[:-1], {**last, "to": replicas, "to_world_size": world})
+    return (*log, {"from": job.replicas, "to": replicas, "from_world_size": job.world_size,
+                   "to_world_size": world, "cause": "re-placed", "path": "restart",
+                   "requested_at": time.time()})
+
+
 class Scheduler:
     """One scheduling cycle at a time; see `step`.
 
@@ -114,7 +128,8 @@ class Scheduler:
                     if rng.elastic else "")
             return transition(j, JobState.PLACING, f"admitted; {size}placement {summary}",
                               placement=placement, replicas=replicas, world_size=len(placement),
-                              gpus=len(placement) * rng.gpus_per_rank)
+                              gpus=len(placement) * rng.gpus_per_rank,
+                              resize_log=_readmitted(j, replicas, len(placement)))
         if self.store.update(d.job_id, admit) is None:
             return
         job = self.store.get(d.job_id)

@@ -261,6 +261,21 @@ class JobStore:
             return dataclasses.replace(j, resize_log=(*j.resize_log[:-1], {**last, **new})), None
         return out if self.update(job_id, add) is not None else None
 
+    def close_resize(self, job_id: str, first_step_at: float, world_size: int) -> dict[str, Any] | None:
+        """Stamp the open resize entry to `world_size` ranks with its first step and
+        `resize_s` (decision to first step), in one update; returns it, or None."""
+        out: dict[str, Any] = {}
+
+        def close(j: JobRecord):
+            last = j.resize_log[-1] if j.resize_log else None
+            if (last is None or "first_step_at" in last or "requested_at" not in last
+                    or last.get("to_world_size") != world_size):
+                return None
+            out.update(last, first_step_at=first_step_at,
+                       resize_s=round(first_step_at - last["requested_at"], 3))
+            return dataclasses.replace(j, resize_log=(*j.resize_log[:-1], dict(out))), None
+        return out if self.update(job_id, close) is not None else None
+
     def claim_controller(self, job_id: str, ident: str) -> str | None:
         """Record `ident` (`name/pid`) as the job's controller; return the one recorded before."""
         return self.r.set(self.key("job", job_id, "controller"), ident, get=True)

@@ -118,8 +118,8 @@ class TrainContext:
     def _note_first_step(self, step: int) -> None:
         """After a recovery, record restore and first-step timings on the restart."""
         now = time.time()
+        self._note_resized(now)  # a resize by a restart ends here too
         if self._first_after == "resize":
-            self._note_resized(now)
             return
         ckpt = self.checkpoint
         load_s = getattr(ckpt, "last_load_s", None)
@@ -135,11 +135,10 @@ class TrainContext:
     def _note_resized(self, now: float) -> None:
         """The first step at a new size: finish the resize's record and event."""
         try:
-            entry = self.store.annotate_resize(self.job_id, {"first_step_at": now})  # type: ignore[union-attr]
-            if not entry or "requested_at" not in entry:
+            entry = self.store.close_resize(self.job_id, now, self.world_size)  # type: ignore[union-attr]
+            if not entry:
                 return
-            took = round(now - entry["requested_at"], 3)
-            self.store.annotate_resize(self.job_id, {"resize_s": took})  # type: ignore[union-attr]
+            took = entry["resize_s"]
             self.store.add_event(self.job_id, {  # type: ignore[union-attr]
                 "type": "resize", "from_world_size": entry.get("from_world_size"),
                 "to_world_size": entry.get("to_world_size"), "from_replicas": entry.get("from"),

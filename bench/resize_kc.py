@@ -1,0 +1,137 @@
+"""The kuangchao half of bench/resize.py: an elastic job of the built-in trainer,
+shrunk by a lost node and grown by a joining one, on a `local_cluster`.
+
+The job is the same as Ray Train's in `bench.resize_rt`: the same model, the
+global batch of GLOBAL_BATCH samples in micro-batches of MICRO_BATCH (so
+accumulation 2 at 3 replicas, 3 at 2), a checkpoint every CKPT_EVERY steps,
+one rank per worker node (`gpus_per_rank` = the node's GPUs). It runs with
+`elastic.resize: live` (the survivors keep their processes and state) or
+`restart` (every resize is a checkpoint, a trip through the queue and a
+restore: a full restart), to keep whichever is faster.
+
+Times come from the job's own resize record: rank 0 stamps `first_step_at`
+on the first optimizer step at the new size, from the clock of the same
+machine as the bench's event times (the kill, just before the signal; the
+join, when `ray.nodes()` first shows the node). `resize_s` in that record is
+measured from the platform's decision instead (the failure detected, or the
+scheduler's grow request).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bench.harness import BenchCluster, connect, log
+from bench.recovery_common import wait_until
+from bench.resize_common import add_node, kill_node, leaf_nodes
+from bench.resize_rt import CKPT_EVERY, GLOBAL_BATCH, MICRO_BATCH, WAIT_S, resize_spec
+from kuangchao.api.client import Client
+from kuangchao.platform.spec import validate_spec
+
+
+def kc_spec(mode: str, gpus_per_node: int) -> dict[str, Any]:
+    doc = resize_spec(100_000)  # stopped by the bench once both resizes are measured
+    doc.pop("entrypoint", None)
+    doc["args"] = {}
+    doc["task"]["name"] = f"bench-resize-{mode}"
+    doc["parallel"].update(data_parallel_size=3, micro_batch_size=MICRO_BATCH,
+                           gradient_accumulation_steps=GLOBAL_BATCH // (MICRO_BATCH * 3),
+                           gpus_per_rank=gpus_per_node)
+    doc["training"].update(log_interval=1000)
+    doc["checkpoint"].update(interval_steps=CKPT_EVERY, keep_last=2)
+    doc["data"]["record_samples"] = True
+    doc["fault_tolerance"] = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5.0,
+                              "hang_timeout_s": 60.0, "max_restarts": 10}
+    doc["elastic"] = {"min_replicas": 1, "max_replicas": 3, "resize": mode}
+    validate_spec(doc)
+    return doc
+
+
+def _entry_to(client: Client, job_id: str, replicas: int, after: float) -> dict | None:
+    """The resize entry to `replicas` opened after `after`, once its first step is stamped."""
+    job = client.job(job_id)
+    if job["state"] in ("FAILED", "CANCELLED", "SUCCEEDED"):
+        raise RuntimeError(f"job {job_id} ended as {job['state']}: {job.get('message')}")
+    for e in job.get("resize_log") or []:
+        if e.get("to") == replicas and e.get("first_step_at") and e["requested_at"] > after - 1:
+            return e
+    return None
+
+
+def _at(client: Client, job_id: str, replicas: int, step: int) -> dict | None:
+    job = client.job(job_id)
+    return job if (job["state"] == "RUNNING" and job["replicas"] == replicas
+                   and job["progress"]["step"] >= step) else None
+
+
+def kc_resize(cluster: BenchCluster, mode: str, warmup_steps: int = CKPT_EVERY + 2) -> dict[str, Any]:
+    """Shrink (kill the node of rank 2) then grow (a node joins); what the job's record says."""
+    connect(cluster)
+    client = Client(cluster.settings.api_url)
+    gpus = int(leaf_nodes()[0]["Resources"].get("GPU", 1))
+    job = client.submit(kc_spec(mode, gpus))
+    jid = job["id"]
+    out: dict[str, Any] = {"mode": mode, "job": jid}
+    try:
+        running = wait_until(lambda: _at(client, jid, 3, warmup_steps), WAIT_S,
+                             f"{warmup_steps} steps at 3 replicas")
+        victim = next(p for p in running["placement"] if p["rank"] == 2)
+        t_kill = kill_node(victim["node_id"])
+        log(f"kc {mode}: SIGKILL raylet of {victim['node']} at step {running['progress']['step']}")
+        shrink = wait_until(lambda: _entry_to(client, jid, 2, t_kill), WAIT_S, "a step at 2 replicas")
+        out["shrink"] = _times(shrink, t_kill)
+        log(f"kc {mode} shrink: {out['shrink']}")
+        step = client.job(jid)["progress"]["step"]
+        wait_until(lambda: _at(client, jid, 2, step + CKPT_EVERY), WAIT_S, "training at 2 replicas")
+        name = f"node-{len(leaf_nodes(alive=False))}"
+        _, t_join = add_node(cluster, name, cpus=int(leaf_nodes()[0]["Resources"]["CPU"]), gpus=gpus)
+        grow = wait_until(lambda: _entry_to(client, jid, 3, t_join), WAIT_S, "a step at 3 replicas")
+        out["grow"] = _times(grow, t_join)
+        log(f"kc {mode} grow: {out['grow']}")
+        step = client.job(jid)["progress"]["step"]
+        wait_until(lambda: _at(client, jid, 3, step + CKPT_EVERY), WAIT_S, "training at 3 replicas")
+        out.update(audit_samples(client, jid))
+        final = client.job(jid)
+        out["restarts"] = final["restarts"]
+        out["paths"] = [e.get("path") for e in final["resize_log"]]
+    finally:
+        client.cancel(jid)
+        wait_until(lambda: client.job(jid)["state"] in ("CANCELLED", "FAILED", "SUCCEEDED"),
+                   WAIT_S, "the job to stop")
+    return out
+
+
+def _times(entry: dict[str, Any], t_event: float) -> dict[str, Any]:
+    return {"resize_s": round(entry["first_step_at"] - t_event, 3),
+            "decision_s": entry.get("resize_s"), "cause": entry.get("cause"),
+            "path": entry.get("path")}
+
+
+def audit_samples(client: Client, job_id: str) -> dict[str, Any]:
+    """Samples missing from, or trained twice in, the steps the job has fully recorded.
+
+    The newest recorded step may still be half written (ranks record it one by
+    one), so the audit covers the steps before it.
+    """
+    record = client.samples(job_id)["samples"]
+    per_step: dict[int, list[int]] = {}
+    layouts: dict[int, set[int]] = {}
+    for field, value in record.items():
+        step, dp, _ = map(int, field.split("/"))
+        layouts.setdefault(step, set()).add(dp)
+        for span in value.split(","):
+            a, b = map(int, span.split(":"))
+            per_step.setdefault(step, []).extend(range(a, b))
+    last = max(per_step) if per_step else 0
+    seen = [i for s in range(last) for i in per_step.get(s, [])]
+    expected = set(range(last * GLOBAL_BATCH))
+    return {"audited_steps": last, "samples_lost": len(expected - set(seen)),
+            "samples_repeated": len(seen) - len(set(seen)),
+            "steps_at_two_sizes": sum(1 for s in range(last) if len(layouts.get(s, ())) > 1),
+            "sizes": sorted({d for s in range(last) for d in layouts.get(s, ())})}
+
+
+def timed(fn, *args: Any, **kw: Any) -> tuple[Any, float]:
+    t0 = time.monotonic()
+    return fn(*args, **kw), time.monotonic() - t0
