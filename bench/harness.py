@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -52,13 +52,29 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
-def emit(bench: str, metric: str, unit: str, ours: float, baseline: float, target: float) -> None:
+_results: TextIO | None = None  # where result lines go once keep_stdout_for_results() ran
+
+
+def keep_stdout_for_results() -> None:
+    """Keep stdout for the JSON result lines alone; everything else goes to stderr.
+
+    Ray's driver prints what raylets report (a killed raylet's last log lines,
+    say) on file descriptor 1, which would mix with the results.
+    """
+    global _results
+    _results = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+
+def emit(bench: str, metric: str, unit: str, ours: float, baseline: float,
+         target: float | None) -> None:
     """Print one result line; `ratio` is ours over baseline (lower is better)."""
     # A zero baseline (samples_lost) gives ratio 0 when ours is zero too.
     ratio = ours / baseline if baseline else (0.0 if ours == 0 else float("inf"))
     print(json.dumps({"bench": bench, "metric": metric, "unit": unit, "ours": round(ours, 6),
                       "baseline": round(baseline, 6), "ratio": round(ratio, 4),
-                      "target": target}), flush=True)
+                      "target": target}), file=_results or sys.stdout, flush=True)
 
 
 def log(msg: str) -> None:

@@ -132,6 +132,20 @@ def kc_entry(ctx: Any) -> dict[str, Any]:
 
 # -- Ray Train -------------------------------------------------------------------
 
+def ray_restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load Ray Train's latest checkpoint (`state.pt`), if any; the step to continue from."""
+    import ray.train
+
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is None:
+        return 0
+    with ckpt.as_directory() as d:
+        state = torch.load(Path(d) / "state.pt", weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optim"])
+    return int(state["step"])
+
+
 def ray_train_loop(config: dict[str, Any]) -> None:
     """Ray Train's `train_loop_per_worker`. config: {"spec": spec document, "trace": folder}."""
     import ray.train
@@ -139,16 +153,6 @@ def ray_train_loop(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     trace = Trace(config["trace"], rank)
-
-    def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-        ckpt = ray.train.get_checkpoint()
-        if ckpt is None:
-            return 0
-        with ckpt.as_directory() as d:
-            state = torch.load(Path(d) / "state.pt", weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])
-        return int(state["step"])
 
     def save(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         # Ray Train's idiom: every rank reports (it is a barrier), rank 0 with the
@@ -163,7 +167,7 @@ def ray_train_loop(config: dict[str, Any]) -> None:
 
     try:
         resumable_loop(validate_spec(config["spec"]), rank, ctx.get_world_size(), trace,
-                       restore, save)
+                       ray_restore, save)
     finally:
         trace.close()
 

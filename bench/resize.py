@@ -47,7 +47,14 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
 
-from bench.harness import emit, local_cluster, log, median, wait_for_quiet  # noqa: E402
+from bench.harness import (  # noqa: E402
+    emit,
+    keep_stdout_for_results,
+    local_cluster,
+    log,
+    median,
+    wait_for_quiet,
+)
 from bench.resize_kc import kc_resize  # noqa: E402
 from bench.resize_rt import ray_resize  # noqa: E402
 
@@ -80,6 +87,7 @@ def main() -> None:
     ap.add_argument("--no-restart", action="store_true",
                     help="skip our full-restart path (live_vs_restart_s)")
     args = ap.parse_args()
+    keep_stdout_for_results()  # killed raylets make Ray's driver print on stdout
     live, restart, rt = [], [], []
     for _ in range(args.repeats):
         live.append(run_kc("live"))
@@ -100,7 +108,7 @@ def main() -> None:
     decided = [r[k]["decision_s"] for r in live for k in ("shrink", "grow")]
     rt_decided = theirs("shrink", "decision_s") + theirs("grow", "decision_s")
     if rt_decided:
-        emit("resize", "resize_decision_s", "s", median(decided), median(rt_decided), float("nan"))
+        emit("resize", "resize_decision_s", "s", median(decided), median(rt_decided), None)
     if restart:
         emit("resize", "live_vs_restart_s", "s", median(both),
              median(ours("shrink", restart) + ours("grow", restart)), 1.0)

@@ -102,7 +102,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback  # noqa
 
 from bench.harness import BenchCluster, _env, build_loop_parts, connect, log, tiny_spec  # noqa: E402
 from bench.recovery_common import Background, wait_until  # noqa: E402
-from bench.recovery_ray import Trace  # noqa: E402
+from bench.recovery_ray import Trace, ray_restore  # noqa: E402
 from bench.resize_common import add_node, kill_node, leaf_nodes, node_of_pid  # noqa: E402
 from kuangchao.platform.spec import validate_spec  # noqa: E402
 from kuangchao.workers.data import batch_indices  # noqa: E402
@@ -155,7 +155,7 @@ def rt_loop(config: dict[str, Any]) -> None:
         t_start = time.time()
         model, ddp, optimizer, source = build_loop_parts(spec, world)
         t_built = time.time()
-        start = _restore(model, optimizer)
+        start = ray_restore(model, optimizer)
         trace.write("start", step=start, world=world, accum=accum, t=t_start, built=t_built,
                     restored=time.time())
         steps = spec.training.steps
@@ -176,20 +176,6 @@ def rt_loop(config: dict[str, Any]) -> None:
                 trace.write("ckpt", step=step + 1, world=world, save_s=time.time() - t0)
     finally:
         trace.close()
-
-
-def _restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Load Ray Train's latest checkpoint, if any; the step to continue from."""
-    import ray.train
-
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is None:
-        return 0
-    with ckpt.as_directory() as d:
-        state = torch.load(Path(d) / "state.pt", weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optim"])
-    return int(state["step"])
 
 
 def _save(rank: int, next_step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

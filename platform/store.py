@@ -236,30 +236,23 @@ class JobStore:
         A no-op when the job has no restart or the newest one already has
         every field (a preemption's resume, say, must not touch it).
         """
+        return self._annotate_last(job_id, "restart_log", fields)
+
+    def annotate_resize(self, job_id: str, fields: dict[str, Any]) -> JobRecord | None:
+        """Add fields to the newest resize entry, keeping those already set."""
+        return self._annotate_last(job_id, "resize_log", fields)
+
+    def _annotate_last(self, job_id: str, log: str, fields: dict[str, Any]) -> JobRecord | None:
         def add(j: JobRecord):
-            if not j.restart_log:
+            entries = getattr(j, log)
+            if not entries:
                 return None
-            last = j.restart_log[-1]
+            last = entries[-1]
             new = {k: v for k, v in fields.items() if k not in last and v is not None}
             if not new:
                 return None
-            return dataclasses.replace(j, restart_log=(*j.restart_log[:-1], {**last, **new})), None
+            return dataclasses.replace(j, **{log: (*entries[:-1], {**last, **new})}), None
         return self.update(job_id, add)
-
-    def annotate_resize(self, job_id: str, fields: dict[str, Any]) -> dict[str, Any] | None:
-        """Add fields to the newest resize entry, keeping those already set; returns it."""
-        out: dict[str, Any] = {}
-
-        def add(j: JobRecord):
-            if not j.resize_log:
-                return None
-            last = j.resize_log[-1]
-            new = {k: v for k, v in fields.items() if k not in last and v is not None}
-            if not new:
-                return None
-            out.update({**last, **new})
-            return dataclasses.replace(j, resize_log=(*j.resize_log[:-1], {**last, **new})), None
-        return out if self.update(job_id, add) is not None else None
 
     def close_resize(self, job_id: str, first_step_at: float, world_size: int) -> dict[str, Any] | None:
         """Stamp the open resize entry to `world_size` ranks with its first step and

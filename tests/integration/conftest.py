@@ -52,6 +52,17 @@ def wait_for(fn, timeout: float, what: str, interval: float = 0.5) -> Any:
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
 
 
+def raylet_of(node_id: str) -> int:
+    """The pid of the raylet Ray started for a node (its command line names the node id)."""
+    from kuangchao.platform import procs
+
+    needle = f"--node_id={node_id}"
+    pids = [p for p in procs._all_pids()
+            if "/raylet/raylet " in procs._cmdline(p) and needle in procs._cmdline(p)]
+    assert len(pids) == 1, f"expected one raylet with {needle}, found {pids}"
+    return pids[0]
+
+
 class Stack:
     def __init__(self, env: dict[str, str], state: dict[str, Any]) -> None:
         self.env, self.state = env, state

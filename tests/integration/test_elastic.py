@@ -25,7 +25,7 @@ import redis
 from kuangchao.api.client import ApiError, Client
 from kuangchao.platform import procs
 
-from .conftest import HERE, Stack, kc, shared_redis_url, wait_for
+from .conftest import HERE, Stack, kc, raylet_of, shared_redis_url, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -168,14 +168,6 @@ def test_priority_job_shrinks_an_elastic_job_which_grows_back(elastic):
     assert elastic.wait_state(low["id"], DONE, timeout=120)["state"] == "CANCELLED"
 
 
-def _raylet_of(node_id: str) -> int:
-    needle = f"--node_id={node_id}"
-    pids = [p for p in procs._all_pids()
-            if "/raylet/raylet " in procs._cmdline(p) and needle in procs._cmdline(p)]
-    assert len(pids) == 1, f"expected one raylet with {needle}, found {pids}"
-    return pids[0]
-
-
 def test_node_loss_shrinks_and_a_new_node_grows_without_losing_a_sample(elastic):
     client: Client = elastic.client
     steps = 1500
@@ -184,7 +176,7 @@ def test_node_loss_shrinks_and_a_new_node_grows_without_losing_a_sample(elastic)
     running = wait_for(lambda: at(elastic, job["id"], 3, after_step=30), 300,
                        "the elastic job at 3 replicas")
     victim = next(p for p in running["placement"] if p["rank"] == 2)
-    os.kill(_raylet_of(victim["node_id"]), signal.SIGKILL)
+    os.kill(raylet_of(victim["node_id"]), signal.SIGKILL)
     shrunk = wait_for(lambda: at(elastic, job["id"], 2), 300, "the job shrunk to 2 replicas")
     assert victim["node"] not in {p["node"] for p in shrunk["placement"]}
     wait_for(lambda: at(elastic, job["id"], 2, after_step=shrunk["progress"]["step"] + 5), 120,

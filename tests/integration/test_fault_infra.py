@@ -21,10 +21,9 @@ import pytest
 import redis
 
 from kuangchao.api.client import Client
-from kuangchao.platform import procs
 from kuangchao.platform.procs import free_port
 
-from .conftest import HERE, Stack, kc, wait_for
+from .conftest import HERE, Stack, kc, raylet_of, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -161,21 +160,12 @@ def test_a_node_failing_twice_is_quarantined_and_the_job_moves(infra):
     assert out.returncode == 2 and "not quarantined" in out.stderr
 
 
-def _raylet_of(node_id: str) -> int:
-    """The pid of the raylet Ray started for a node (its command line names the node id)."""
-    needle = f"--node_id={node_id}"
-    pids = [p for p in procs._all_pids()
-            if "/raylet/raylet " in procs._cmdline(p) and needle in procs._cmdline(p)]
-    assert len(pids) == 1, f"expected one raylet with {needle}, found {pids}"
-    return pids[0]
-
-
 def test_lost_node_job_is_placed_elsewhere(infra):
     client: Client = infra.client
     job, placement = past_first_checkpoint(infra, "infra-node", steps=600)
     lost = placement[0]["node"]
     assert {p["node"] for p in placement} == {lost}, "the job should be packed on one node"
-    os.kill(_raylet_of(placement[0]["node_id"]), signal.SIGKILL)
+    os.kill(raylet_of(placement[0]["node_id"]), signal.SIGKILL)
 
     done = infra.wait_state(job["id"], DONE, timeout=600)
     assert done["state"] == "SUCCEEDED", done["message"]

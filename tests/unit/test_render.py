@@ -12,3 +12,19 @@ def test_restart_line_names_the_path_and_each_timing_it_has():
 
 def test_restart_line_without_timings_yet():
     assert restart_timings({"path": "requeue"}) == "path requeue; "
+
+
+def test_status_of_an_elastic_job_shows_its_size_samples_and_resizes(capsys):
+    from kuangchao.api.render import print_job
+
+    print_job({"id": "e", "name": "e", "state": "RUNNING", "world_size": 2, "restarts": 1,
+               "replicas": 2, "min_replicas": 1, "max_replicas": 3, "desired_replicas": None,
+               "samples_seen": 480, "global_batch": 24, "progress": {"step": 20},
+               "resize_log": [{"from": 3, "to": 2, "cause": "node_lost", "path": "live",
+                               "resize_s": 0.41},
+                              {"from": 2, "to": 3, "cause": "grow", "path": "live"}]})
+    out = capsys.readouterr().out
+    assert "replicas     2 (elastic 1..3)" in out
+    assert "samples      480 (global batch 24)" in out
+    assert "resize       3 -> 2 replicas (node_lost, live): 0.41s to the first step" in out
+    assert "resize       2 -> 3 replicas (grow, live): in progress" in out

@@ -121,3 +121,23 @@ def test_every_example_job_validates():
 def test_spec_rejects_odd_llama_head_size():
     errs = errors_of({"model": {"type": "llama", "d_model": 36, "n_heads": 4}})
     assert "even head size" in errs["model.d_model"]
+
+
+def test_spec_refuses_an_elastic_range_that_cannot_keep_the_global_batch():
+    errs = errors_of({"parallel": {"data_parallel_size": 2, "micro_batch_size": 4},
+                      "elastic": {"min_replicas": 1, "max_replicas": 3}})
+    assert "does not split evenly into 3 replica(s)" in errs["elastic.max_replicas"]
+    assert "elastic.min_replicas" not in errs
+    errs = errors_of({"elastic": {"min_replicas": 4, "max_replicas": 2}})
+    assert errs["elastic.min_replicas"] == "4 exceeds elastic.max_replicas (2)"
+    errs = errors_of({"elastic": {"resize": "sometimes"}})
+    assert "elastic.resize" in errs
+
+
+def test_live_resizing_is_the_default_only_for_the_built_in_trainer():
+    spec = validate_spec({"parallel": {"data_parallel_size": 2, "gradient_accumulation_steps": 2},
+                          "elastic": {"min_replicas": 1, "max_replicas": 4}})
+    assert spec.live_resize and spec.elastic_range.sizes() == [4, 2, 1]
+    custom = validate_spec({"entrypoint": "pkg.mod:fn"})
+    assert not custom.live_resize
+    assert validate_spec({"entrypoint": "pkg.mod:fn", "elastic": {"resize": "live"}}).live_resize
