@@ -33,11 +33,12 @@ DONE = {"SUCCEEDED", "FAILED", "CANCELLED"}
 JOINED = "node-d"
 # Final loss of an elastic run against a fixed-size run: the same samples in every
 # step, but gradients summed in another order (2 replicas x 3 micro-batches against
-# 3 x 2), so float32 rounding differs from step to step. Measured differences over
-# this run are around 1e-5 relative; 1e-3 leaves room for other machines' kernels
-# while still catching a skipped, repeated or mis-weighted batch, which moves the
-# loss by more than 1e-2 here.
-LOSS_RTOL = 1e-3
+# 3 x 2), so float32 rounding differs from step to step. Measured: 2e-8 relative after
+# 4000 steps and two resizes. 1e-4 leaves room for other machines' kernels and thread
+# counts, and still catches state lost on the way (an optimizer that restarts cold
+# moves the loss by far more); skipped or repeated samples are caught by the sample
+# record itself.
+LOSS_RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
