@@ -35,9 +35,7 @@ JOINED = "node-d"
 # step, but gradients summed in another order (2 replicas x 3 micro-batches against
 # 3 x 2), so float32 rounding differs from step to step. Measured: 2e-8 relative after
 # 4000 steps and two resizes. 1e-4 leaves room for other machines' kernels and thread
-# counts, and still catches state lost on the way (an optimizer that restarts cold
-# moves the loss by far more); skipped or repeated samples are caught by the sample
-# record itself.
+# counts; skipped or repeated samples are caught by the sample record itself.
 LOSS_RTOL = 1e-4
 
 
