@@ -19,12 +19,13 @@ from typing import Any
 
 import ray
 import redis
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 from torch.distributed import TCPStore
 
+from kuangchao.platform.bundles import pinned_nodes, rank_resources, replica_pg
 from kuangchao.platform.elastic import ElasticRange
 from kuangchao.platform.errors import KuangchaoError
 from kuangchao.platform.inplace import InPlaceRecovery, node_lost
@@ -37,13 +38,11 @@ from kuangchao.platform.recovery import (
     record_failure,
     requeue_for_recovery,
 )
-from kuangchao.platform.registry import nodes_from_ray
 from kuangchao.platform.resize_ctl import LiveResize
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec import JobSpec, validate_spec
 from kuangchao.platform.state import JobRecord, JobState, PlacedRank, transition
 from kuangchao.platform.store import JobStore
-from kuangchao.platform.topology import gpu_resource
 from kuangchao.platform.watch import RankHost, RankWatch
 from kuangchao.workers.checkpoint import verify
 from kuangchao.workers.elastic import Generation
@@ -53,22 +52,6 @@ from kuangchao.workers.worker import TrainWorker
 PG_READY_TIMEOUT_S = 180.0
 RENDEZVOUS_TIMEOUT_S = 300.0
 PREEMPT_GRACE_S = 120.0
-
-
-def _pinned_nodes() -> set[str]:
-    """Ray node ids whose GPUs carry one `kc_gpu_N` resource each."""
-    return {n.node_id for n in nodes_from_ray(ray.nodes()) if n.pinned_gpus}
-
-
-def _rank_resources(spec: JobSpec, slot: PlacedRank, pinned: set[str]) -> dict[str, float]:
-    """The bundle of one rank: CPUs, GPUs and, on pinned nodes, the exact GPU ids."""
-    par = spec.parallel
-    bundle: dict[str, float] = {"CPU": par.cpus_per_rank}
-    if par.gpus_per_rank:
-        bundle["GPU"] = par.gpus_per_rank
-        if slot.node_id in pinned:
-            bundle.update({gpu_resource(g): 1 for g in slot.gpus})
-    return bundle
 
 
 def _cause(exc: BaseException) -> str:
@@ -189,8 +172,8 @@ class JobController(InPlaceRecovery, LiveResize):
         self.rpr = self.spec_range.ranks_per_replica
         self.gen = max(self.gen, int((self.store.generation(self.job_id) or {}).get("gen", 0)))
         self.world = len(job.placement)
-        pinned = _pinned_nodes()
-        self.bundles = [_rank_resources(spec, p, pinned) for p in job.placement]
+        pinned = pinned_nodes()
+        self.bundles = [rank_resources(spec, p, pinned) for p in job.placement]
         self.planned = [p.gpus if p.node_id in pinned else None for p in job.placement]
         self.pgs = [self._replica_pg(list(job.placement[r:r + self.rpr]), self.bundles[r:r + self.rpr])
                     for r in range(0, self.world, self.rpr)]
@@ -205,10 +188,7 @@ class JobController(InPlaceRecovery, LiveResize):
         self._start_spares(spec)
 
     def _replica_pg(self, slots: list[PlacedRank], bundles: list[dict[str, float]]) -> Any:
-        """The placement group of one replica, its bundles pinned to the planned nodes."""
-        selectors = [{"ray.io/node-id": p.node_id} for p in slots]
-        return placement_group(bundles, strategy="PACK", name=f"kc-{self.job_id}-r{slots[0].rank}",
-                               bundle_label_selector=selectors)
+        return replica_pg(self.job_id, slots, bundles)
 
     def _await_pgs(self, pgs: list[Any], timeout_s: float = PG_READY_TIMEOUT_S) -> None:
         if not pgs:

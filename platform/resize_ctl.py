@@ -27,6 +27,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from kuangchao.platform import quarantine
+from kuangchao.platform.bundles import pinned_nodes, rank_resources
 from kuangchao.platform.elastic import Membership, plan_membership
 from kuangchao.platform.errors import KuangchaoError
 from kuangchao.platform.recovery import Cancelled, Failure, WorkerLost, record_failure
@@ -180,15 +181,13 @@ class LiveResize:
         workers, refs, pgs, bundles, planned, infos = old
         order = sorted(m.ranks, key=m.ranks.__getitem__)  # old ranks in their new order
         kept = [order[i] // self.rpr for i in range(0, len(order), self.rpr)]
-        from kuangchao.platform.controller import _pinned_nodes, _rank_resources
-
-        pinned = _pinned_nodes()
+        pinned = pinned_nodes()
         fresh = [j for j in joiners if j.pg is None]
         for j in fresh:
-            j.pg = self._replica_pg(j.slots, [_rank_resources(spec, p, pinned) for p in j.slots])
+            j.pg = self._replica_pg(j.slots, [rank_resources(spec, p, pinned) for p in j.slots])
         self.pgs = [pgs[i] for i in kept] + [j.pg for j in joiners]
         slots = [s for j in joiners for s in j.slots]
-        self.bundles = [bundles[r] for r in order] + [_rank_resources(spec, s, pinned) for s in slots]
+        self.bundles = [bundles[r] for r in order] + [rank_resources(spec, s, pinned) for s in slots]
         self.planned = [planned[r] for r in order] + [s.gpus if s.node_id in pinned else None
                                                       for s in slots]
         self.world = m.world_size

@@ -55,19 +55,19 @@ from kuangchao.workers.checkpoint_format import (
     CHECKSUM,
     FORMAT_VERSION,
     MANIFEST,
-    RESERVED_KEYS,
     CheckpointInfo,
+    check_extra,
     fsync_path,
     read_manifest,
     step_dir_name,
     verify,
 )
 from kuangchao.workers.checkpoint_io import (
-    TRASH,
     ChecksummingWriter,
     ChecksumStream,
     file_entry,
     retire,
+    retire_leftovers,
     start_reaper,
 )
 from kuangchao.workers.checkpoint_state import StateDictReader
@@ -182,7 +182,7 @@ class CheckpointManager:
             CheckpointError: This write failed, or the previous async one did.
         """
         t0 = time.perf_counter()
-        _check_extra(extra)
+        check_extra(extra)
         self.wait()
         if self._already_committed(step):
             return self.last_committed  # type: ignore[return-value]
@@ -223,7 +223,7 @@ class CheckpointManager:
             manager's next `wait`, `save` or `save_async` call.
         """
         t0 = time.perf_counter()
-        _check_extra(extra)
+        check_extra(extra)
         self.wait()
         if self._already_committed(step):
             return PendingCheckpoint.completed(self.last_committed)  # type: ignore[arg-type]
@@ -274,9 +274,8 @@ class CheckpointManager:
     # -- the write, shared by save and save_async -----------------------------
 
     def _already_committed(self, step: int) -> bool:
-        # The step number names the state (optimizer steps completed), so a
-        # second save of it (a periodic and a preemption checkpoint at the same
-        # step) would write the same bytes again.
+        # The step names the state, so a second save of it (periodic and preemption
+        # checkpoints at one step) would write the same bytes again.
         last = self.last_committed
         return last is not None and last.step == step and Path(last.path).exists()
 
@@ -287,8 +286,7 @@ class CheckpointManager:
                         final=self.dir / step_dir_name(step))
 
     def settle(self, grace_s: float) -> None:
-        """Before the process group changes: let the write in flight end, or abandon it
-        after `grace_s` (its folder never commits; a lost peer can leave it stuck)."""
+        """Before the process group changes: end the write in flight, or drop it after `grace_s`."""
         try:
             self.wait(timeout=grace_s)
         except CheckpointError:
@@ -459,13 +457,9 @@ class CheckpointManager:
             for path in old:
                 with contextlib.suppress(OSError):  # gone already: nothing to do
                     retire(path)
-        # Temporary folders of writes that died with their process. Only one
-        # save is ever in flight, and it has just been renamed, so none is live.
-        for stale in self.dir.glob(".step_*.tmp"):
-            with contextlib.suppress(OSError):
-                retire(stale)
-        # Everything retired, including what a process that died mid-deletion left.
-        doomed = list(self.dir.glob(f".step_*{TRASH}"))
+        # Only one save is ever in flight, and it has just been renamed, so no
+        # temporary folder left is live.
+        doomed = retire_leftovers(self.dir)
         if doomed:
             self._reaper = start_reaper(doomed)
 
@@ -504,8 +498,3 @@ class CheckpointManager:
         self.last_load_s, self.last_load_end = time.perf_counter() - t0, time.time()
         return rank_state
 
-
-def _check_extra(extra: dict[str, Any] | None) -> None:
-    clash = RESERVED_KEYS & set(extra or {})
-    if clash:
-        raise ValueError(f"extra may not set {sorted(clash)}: the checkpoint manager writes them")

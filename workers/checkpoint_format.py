@@ -178,3 +178,10 @@ def verify(path: str | Path) -> dict[str, Any]:
         if checksum_file(f, algorithm) != expected_digest:
             raise CheckpointError(f"{path}: {name} fails its checksum")
     return manifest
+
+
+def check_extra(extra: dict[str, Any] | None) -> None:
+    """Refuse `extra` manifest fields that would overwrite the manager's own."""
+    clash = RESERVED_KEYS & set(extra or {})
+    if clash:
+        raise ValueError(f"extra may not set {sorted(clash)}: the checkpoint manager writes them")

@@ -205,3 +205,12 @@ def start_reaper(paths: list[Path]) -> threading.Thread:
     reaper = threading.Thread(target=reap, name="kc-checkpoint-prune", daemon=True)
     reaper.start()
     return reaper
+
+
+def retire_leftovers(folder: Path) -> list[Path]:
+    """Retire the temporary folders of writes that died with their process; return
+    every retired folder there, including what a process that died mid-deletion left."""
+    for stale in folder.glob(".step_*.tmp"):
+        with contextlib.suppress(OSError):
+            retire(stale)
+    return list(folder.glob(f".step_*{TRASH}"))
