@@ -103,6 +103,11 @@ class LiveResize:
         by_rank = {p.rank: p for p in job.placement if p.rank < self.world}
         lost = self._lost_nodes({p.node_id for p in by_rank.values()})
         dead = {failure.rank} | {r for r, p in by_rank.items() if p.node_id in lost}
+        if not record_failure(self.store, self.job_id, failure, spec.fault_tolerance.max_restarts,
+                              self.settings.quarantine):
+            from kuangchao.platform.inplace import GaveUp
+            raise GaveUp(failure.message)
+        # After the failure is counted: it may just have put its node in quarantine.
         blocked = quarantine.active(self.store.quarantine(), time.time())
         rng, cur = self.spec_range, self.world // self.rpr
         hit = sorted({r // self.rpr for r in dead})
@@ -111,11 +116,7 @@ class LiveResize:
             for r in rng.replica_ranks(i))]
         sizes = rng.sizes(upto=cur - len(hit) + len(replaceable))
         if not sizes:
-            return False
-        if not record_failure(self.store, self.job_id, failure, spec.fault_tolerance.max_restarts,
-                              self.settings.quarantine):
-            from kuangchao.platform.inplace import GaveUp
-            raise GaveUp(failure.message)
+            return False  # below min_replicas: the job, RECOVERING, goes back to the queue
         if failure.kind != "died" and self.watch is not None:
             kill_process(self.watch.hosts.get(failure.rank), by_rank[failure.rank].node_id)
         for r in dead:

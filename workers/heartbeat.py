@@ -133,10 +133,14 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, delete: bool = True) -> None:
+        """End the beats. `delete=False` leaves the key to expire: a rank that left a
+        resized job no longer owns its old number, which a survivor may now beat under."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 5)
+        if not delete:
+            return
         try:  # a clean exit is not a death: take the key away at once
             self.client.delete(beat_key(self.prefix, self.job_id, self.rank))
         except redis.RedisError:

@@ -154,6 +154,9 @@ class TrainWorker:
                 ctx = self._context(spec)
                 fn = resolve_entrypoint(spec.entrypoint)
                 result = fn(ctx)
+                if isinstance(result, dict) and result.get("left") and self.heartbeat is not None:
+                    self.heartbeat.stop(delete=False)  # this rank is out of the job
+                    self.heartbeat = None
                 return result if isinstance(result, dict) else {"result": result}
             except Exception as exc:
                 tb = traceback.format_exc()
