@@ -1,0 +1,82 @@
+"""The audit trail: one structured record per allow or deny of a privileged action.
+
+Every record says when, who (a principal, or a module id from a token), what
+action on which resource, the decision and why. Records go to a Redis stream
+(capped, newest kept) for `kc audit` and `GET /v1/audit`, and to a JSONL file
+that outlives Redis. A record that cannot reach one sink still reaches the
+other; a failure to audit is logged, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+STREAM_MAXLEN = 200_000
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    principal: str
+    action: str
+    resource: str
+    decision: Literal["allow", "deny"]
+    reason: str = ""
+    job: str | None = None
+    ts: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class AuditLog:
+    """Writes records to a Redis stream and a JSONL file, and reads them back.
+
+    Args:
+        client: A redis-py client, or None for the file alone.
+        stream: The stream key (with the deployment's prefix).
+        path: The JSONL file, or None for the stream alone.
+    """
+
+    def __init__(self, client: Any, stream: str, path: Path | None) -> None:
+        self.client, self.stream, self.path = client, stream, path
+        self._lock = threading.Lock()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(self, rec: AuditRecord) -> None:
+        line = json.dumps(rec.to_json(), sort_keys=True)
+        if self.path is not None:
+            try:
+                with self._lock, self.path.open("a") as f:
+                    f.write(line + "\n")
+            except OSError as exc:
+                log.error("audit file %s not written: %s; record: %s", self.path, exc, line)
+        if self.client is not None:
+            try:
+                self.client.xadd(self.stream, {"r": line}, maxlen=STREAM_MAXLEN, approximate=True)
+            except Exception as exc:  # Redis away: the file still has it
+                log.error("audit stream not written: %s; record: %s", exc, line)
+
+    def read(self, job: str | None = None, since: float | None = None,
+             decision: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+        """The newest matching records, oldest first."""
+        start = f"{int(since * 1000)}-0" if since is not None else "-"
+        out: list[dict[str, Any]] = []
+        for _, fields in self.client.xrevrange(self.stream, max="+", min=start):
+            rec = json.loads(fields["r"])
+            if job is not None and rec.get("job") != job:
+                continue
+            if decision is not None and rec.get("decision") != decision:
+                continue
+            out.append(rec)
+            if len(out) >= limit:
+                break
+        return out[::-1]
