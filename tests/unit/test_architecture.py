@@ -9,7 +9,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PURE = ["platform/spec.py", "platform/state.py", "platform/placement.py", "platform/policies.py",
         "platform/queues.py", "platform/placement_score.py",
         "platform/topology.py", "platform/scheduler.py", "platform/errors.py",
-        "platform/elastic.py", "platform/elastic_policy.py", "platform/tokens.py"]
+        "platform/elastic.py", "platform/elastic_policy.py", "platform/tokens.py",
+        "platform/apikeys.py"]
 
 
 def imports(path: Path) -> set[str]:
