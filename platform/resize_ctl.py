@@ -209,14 +209,13 @@ class LiveResize:
     def _go(self, spec: JobSpec, m: Membership, dead: set[int],
             old: tuple) -> tuple[Any, list[int]]:
         """Publish the generation, start the joiners' training, wait until the group is whole."""
-        refs = old[1]
         gen = self._publish(m.world_size, m.ranks, m.joining, self._cause, signal=True)
         doc = spec.model_dump(mode="json")
         for rank in m.joining:
             self.workers[rank].join.remote(gen.to_json(), rank, GENERATION_READY_S)
             self.refs.append(self.workers[rank].run.remote(doc))
         leaving = [r for r in range(len(old[0])) if r not in m.ranks and r not in dead]
-        self._await_generation(gen, [refs[r] for r in leaving])
+        self._await_generation(gen)
         return gen, leaving
 
     def _call_off(self, old: tuple, m: Membership, joiners: list[_Joiner], exc: BaseException) -> None:
@@ -243,8 +242,12 @@ class LiveResize:
         self.store.update(self.job_id, back)
         self.store.wake_scheduler(self.job_id)
 
-    def _await_generation(self, gen: Any, leaving_refs: list[Any]) -> None:
-        """Until every rank of `gen` is in and holds the state; fail on a rank's error."""
+    def _await_generation(self, gen: Any) -> None:
+        """Until every rank of `gen` is in and holds the state; fail on a rank's error.
+
+        Leaving ranks are not watched here: they return once they read the
+        generation, and `_release` waits for them.
+        """
         keys = [gen.ready_key(r) for r in range(gen.world_size)]
         deadline = time.monotonic() + GENERATION_READY_S
         while not self.kv.check(keys):
