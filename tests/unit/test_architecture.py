@@ -10,7 +10,7 @@ PURE = ["platform/spec.py", "platform/state.py", "platform/placement.py", "platf
         "platform/queues.py", "platform/placement_score.py",
         "platform/topology.py", "platform/scheduler.py", "platform/errors.py",
         "platform/elastic.py", "platform/elastic_policy.py", "platform/tokens.py",
-        "platform/apikeys.py"]
+        "platform/apikeys.py", "platform/redis_acl.py", "platform/audit.py"]
 
 
 def imports(path: Path) -> set[str]:

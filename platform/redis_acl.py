@@ -1,0 +1,46 @@
+"""A Redis ACL user per job: its workers reach their own job's keys and nothing else.
+
+The user may read and write `{prefix}job:{id}` and `{prefix}job:{id}:*`
+(two patterns: a bare `job:{id}*` would also match a job whose id merely
+starts with this one), run the store's compare-and-set script and
+transactions, and nothing that lists, flushes or administers the server. Its
+password is random and lives only in the job's worker environment; workers
+never see the admin credentials.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
+
+# Categories first, then the exceptions: later ACL rules win.
+_RULES = ("resetchannels", "-@all", "+@read", "+@write", "+@connection", "+@transaction",
+          "+@scripting", "-@dangerous", "-@admin", "-scan", "-keys", "-randomkey",
+          "-script|flush", "-script|kill", "-function")
+
+
+def job_user(job_id: str) -> str:
+    return f"kc-job-{job_id}"
+
+
+def grant_job_user(admin: Any, prefix: str, job_id: str) -> tuple[str, str]:
+    """Create (or reset) the job's ACL user; returns its name and new password."""
+    name, password = job_user(job_id), secrets.token_urlsafe(32)
+    admin.execute_command("ACL", "SETUSER", name, "reset", "on", f">{password}",
+                          f"~{prefix}job:{job_id}", f"~{prefix}job:{job_id}:*", *_RULES)
+    return name, password
+
+
+def revoke_job_user(admin: Any, job_id: str) -> None:
+    admin.execute_command("ACL", "DELUSER", job_user(job_id))
+
+
+def url_for(admin_url: str, user: str, password: str) -> str:
+    """The admin URL with the job user's credentials in place of the admin's."""
+    parts = urlsplit(admin_url)
+    host = parts.hostname or "127.0.0.1"
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))

@@ -1,0 +1,77 @@
+"""Per-job Redis ACL users on a password-protected redis-server of the test's own:
+one job's worker credentials reach its own keys and no other job's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import redis
+
+from kuangchao.platform.redis_acl import grant_job_user, revoke_job_user, url_for
+from kuangchao.platform.state import JobRecord
+from kuangchao.platform.store import JobStore
+
+from .private_redis import PrivateRedis
+
+pytestmark = pytest.mark.integration
+PREFIX = "kc:"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = PrivateRedis(tmp_path_factory.mktemp("acl"), password="admin-secret-for-this-test")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_a_job_user_reaches_its_own_keys_and_no_one_elses(server):
+    admin = redis.Redis.from_url(server.url, decode_responses=True)
+    admin.set(f"{PREFIX}job:b-2222:progress", "theirs")
+    admin.set(f"{PREFIX}job:a-1111-x-3333", "a job whose id starts with a-1111")
+    user, password = grant_job_user(admin, PREFIX, "a-1111")
+    mine = redis.Redis.from_url(url_for(server.url, user, password), decode_responses=True)
+
+    for jid in ("a-1111", "b-2222"):
+        JobStore(admin, PREFIX).create(JobRecord(id=jid, name=jid, spec={}))
+    store = JobStore(mine, PREFIX)
+    # What a worker does: progress, logs, and the record through the compare-and-set script.
+    store.set_progress("a-1111", {"step": 3})
+    store.add_logs("a-1111", [{"message": "a line"}])
+    store.update("a-1111", lambda j: (dataclasses.replace(j, message="from the worker"), None))
+    assert store.get("a-1111").message == "from the worker" and store.progress("a-1111")["step"]
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        store.update("b-2222", lambda j: (dataclasses.replace(j, message="hijacked"), None))
+
+    denied = [
+        lambda: mine.get(f"{PREFIX}job:b-2222:progress"),
+        lambda: mine.set(f"{PREFIX}job:b-2222:progress", "overwritten"),
+        lambda: mine.get(f"{PREFIX}job:a-1111-x-3333"),
+        lambda: mine.get(f"{PREFIX}quarantine"),
+        lambda: mine.eval("return redis.call('GET', KEYS[1])", 1, f"{PREFIX}job:b-2222:progress"),
+        lambda: mine.scan(),
+        lambda: mine.keys("*"),
+        lambda: mine.flushall(),
+        lambda: mine.execute_command("ACL", "LIST"),
+        lambda: mine.config_get("requirepass"),
+    ]
+    for attempt in denied:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attempt()
+    assert admin.get(f"{PREFIX}job:b-2222:progress") == "theirs"
+    assert JobStore(admin, PREFIX).get("b-2222").message is None
+
+    revoke_job_user(admin, "a-1111")
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis.from_url(url_for(server.url, user, password)).ping()
+
+
+def test_a_wrong_password_is_refused(server):
+    admin = redis.Redis.from_url(server.url, decode_responses=True)
+    user, _ = grant_job_user(admin, PREFIX, "c-4444")
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis.from_url(url_for(server.url, user, "guess")).ping()
+    revoke_job_user(admin, "c-4444")
