@@ -126,10 +126,6 @@ class Membership:
     joining: tuple[int, ...]
     world_size: int
 
-    @property
-    def replicas_kept(self) -> int:
-        return len(self.ranks)
-
 
 def plan_membership(world_size: int, rng: ElasticRange, to_replicas: int,
                     drop_ranks: frozenset[int] | set[int] = frozenset()) -> Membership:

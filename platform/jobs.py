@@ -136,8 +136,7 @@ def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None =
     rng = elastic_range(job.spec)
     d["min_replicas"], d["max_replicas"] = rng.min_replicas, rng.max_replicas
     d["global_batch"] = rng.global_batch
-    d["samples_seen"] = prog.get("samples_seen", samples_seen(d["progress"]["step"] or 0,
-                                                              rng.global_batch))
+    d["samples_seen"] = samples_seen(d["progress"]["step"] or 0, rng.global_batch)
     d["checkpoints"] = store.checkpoints(job.id)
     d["queue_position"] = (queue_position(store, job, all_jobs) if job.state is JobState.QUEUED
                            else None)

@@ -28,7 +28,7 @@ from ray.util.placement_group import remove_placement_group
 
 from kuangchao.platform import quarantine
 from kuangchao.platform.bundles import pinned_nodes, rank_resources
-from kuangchao.platform.elastic import Membership, plan_membership
+from kuangchao.platform.elastic import Membership, plan_membership, replicas_left
 from kuangchao.platform.errors import KuangchaoError
 from kuangchao.platform.recovery import Cancelled, Failure, WorkerLost, record_failure
 from kuangchao.platform.spec import JobSpec
@@ -114,7 +114,7 @@ class LiveResize:
         replaceable = [i for i in hit if all(
             by_rank[r].node_id not in lost and by_rank[r].node not in blocked
             for r in rng.replica_ranks(i))]
-        sizes = rng.sizes(upto=cur - len(hit) + len(replaceable))
+        sizes = rng.sizes(upto=replicas_left(self.world, rng, dead) + len(replaceable))
         if not sizes:
             return False  # below min_replicas: the job, RECOVERING, goes back to the queue
         if failure.kind != "died" and self.watch is not None:
@@ -167,7 +167,7 @@ class LiveResize:
         except (KuangchaoError, ray.exceptions.RayError) as exc:
             self._fail_resize(exc, m)
         formed_s = time.monotonic() - t0
-        self._release(leaving, old, m, joiners)
+        self._release(leaving, old, m)
         self._commit(spec, m, joiners, gen, formed_s)
 
     def _fail_resize(self, exc: BaseException, m: Membership) -> None:
@@ -273,8 +273,7 @@ class LiveResize:
         self.world = len(self.workers)
         self.store.clear_rejoin(self.job_id)
 
-    def _release(self, leaving: list[int], old: tuple, m: Membership,
-                 joiners: list[_Joiner]) -> None:
+    def _release(self, leaving: list[int], old: tuple, m: Membership) -> None:
         """Let the leaving ranks finish, stop them and free their replicas' GPUs."""
         workers, refs, pgs = old[0], old[1], old[2]
         if leaving:

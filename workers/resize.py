@@ -14,7 +14,6 @@ import torch.distributed as dist
 from kuangchao.workers.context import TrainContext
 from kuangchao.workers.data import batch_indices
 from kuangchao.workers.elastic import (
-    Generation,
     await_generation,
     broadcast_state,
     gather_steps,
@@ -146,6 +145,3 @@ def wrap_ddp(model: torch.nn.Module, ctx: TrainContext) -> torch.nn.Module:
         return DistributedDataParallel(model)
     return model
 
-
-__all__ = ["Generation", "forget_samples_from", "record_samples", "rejoin", "sync_state",
-           "wrap_ddp"]

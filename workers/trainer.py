@@ -22,13 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from kuangchao.platform.elastic import samples_seen
 from kuangchao.platform.spec import JobSpec
 from kuangchao.workers import resize
 from kuangchao.workers.checkpoint import CheckpointInfo, PendingCheckpoint
 from kuangchao.workers.context import TrainContext
 from kuangchao.workers.data import BatchSource, Prefetcher, batch_indices, load_corpus
-from kuangchao.workers.elastic import ResizeNow, is_collective_failure
+from kuangchao.workers.elastic import ResizeNow, is_collective_failure, mark_ready
 from kuangchao.workers.errors import CheckpointError, TrainingError
 from kuangchao.workers.model import ModelConfig, build_model
 from kuangchao.workers.numerics import GradNormGuard, NumericFault, data_index, data_position
@@ -149,7 +148,7 @@ def train(ctx: TrainContext) -> dict[str, Any]:
     if ctx.joining:  # a rank added to a running job: its peers hand it the state
         pos = resize.sync_state(ctx, model, optimizer, guard, None)
         ctx.generation_start = pos.step
-        resize.mark_ready(ctx.group_store, ctx.rank)
+        mark_ready(ctx.group_store, ctx.rank)
         ctx.expect_first_step("resize")
     else:
         pos = restore_latest(ctx, model, optimizer, guard) or Position()
@@ -206,8 +205,7 @@ def _train_from(ctx: TrainContext, pos: Position, ddp: torch.nn.Module, model: t
             if done % t.log_interval == 0 or done == t.steps or done == first + 1:
                 global_loss = _global_mean(loss_value, ctx)
                 rate = meter.rate()
-                ctx.report(done, loss=global_loss, tokens_per_s=rate,
-                           samples_seen=samples_seen(done, global_batch), world_size=ctx.world_size)
+                ctx.report(done, loss=global_loss, tokens_per_s=rate)
                 if ctx.is_chief:
                     ctx.log(f"step {done}/{t.steps} loss {global_loss:.4f} tokens/s {rate:.0f}",
                             step=done, loss=global_loss)
