@@ -157,8 +157,11 @@ def test_truncated_newest_checkpoint_is_skipped_on_restore(stack):
     job = stack.client.submit(d)
     wait_for(lambda: stack.client.job(job["id"])["progress"]["step"] >= 160, 400,
              "three checkpoints")
-    rank1 = next(p for p in stack.client.job(job["id"])["placement"] if p["rank"] == 1)
-    os.kill(rank1["pid"], signal.SIGSTOP)  # freeze training: no newer checkpoint appears
+    pids = [p["pid"] for p in stack.client.job(job["id"])["placement"]]
+    # Freeze every rank: rank 0 alone could still commit a background write that
+    # rank 1 had already done its part of, after the listing below.
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
     try:
         folder = Path(d["checkpoint"]["path"]) / job["id"]
         committed = sorted(p for p in folder.glob("step_*") if (p / "manifest.json").exists())
@@ -167,7 +170,8 @@ def test_truncated_newest_checkpoint_is_skipped_on_restore(stack):
         with shard.open("r+b") as f:
             f.truncate(shard.stat().st_size // 2)
     finally:
-        os.kill(rank1["pid"], signal.SIGKILL)
+        for pid in pids:  # killed while frozen: no write of theirs ever lands
+            os.kill(pid, signal.SIGKILL)
     done = stack.wait_state(job["id"], DONE, timeout=600)
     assert done["state"] == "SUCCEEDED", done["message"]
     assert done["restart_log"][0]["resumed_step"] == int(previous.name.split("_")[1])
