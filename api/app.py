@@ -7,19 +7,26 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from kuangchao.api.routers import health, jobs, nodes, queues
+from kuangchao.api import metrics
+from kuangchao.api.auth import Caller
+from kuangchao.api.routers import admin, audit, health, jobs, nodes, queues
 from kuangchao.platform.errors import StoreUnavailable
 from kuangchao.platform.version import __version__
 
 
 def create_app() -> FastAPI:
     # /docs and /redoc would load their assets from a CDN, which an offline
-    # cluster cannot reach; they are off, and /openapi.json is served.
-    app = FastAPI(title="kuangchao", version=__version__, docs_url=None, redoc_url=None)
-    app.include_router(health.router)
-    app.include_router(jobs.router)
-    app.include_router(queues.router)
-    app.include_router(nodes.router)
+    # cluster cannot reach; they are off. /openapi.json is served to callers
+    # with a key, like every route but /healthz.
+    app = FastAPI(title="kuangchao", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    for module in (health, jobs, queues, nodes, admin, audit):
+        app.include_router(module.router)
+    metrics.install(app)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi(_: Caller) -> dict:
+        return app.openapi()
 
     @app.exception_handler(StoreUnavailable)
     async def _store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:

@@ -10,12 +10,14 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 
+from kuangchao.api.admin_cli import admin_app, audit, whoami
 from kuangchao.api.checkpoint_cli import checkpoint_app
-from kuangchao.api.client import ApiError, Client
+from kuangchao.api.cli_common import Json, call, client, fail
+from kuangchao.api.client import Client
 from kuangchao.api.render import (
     print_events,
     print_job,
@@ -33,18 +35,8 @@ from kuangchao.platform.spec import load_spec_document, validate_spec
 app = typer.Typer(help="kuangchao: elastic, topology-aware training on Ray.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
-Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 Sets = Annotated[list[str] | None, typer.Option("--set", help="Override a field: a.b=value.")]
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
-
-
-def fail(message: str, code: int = 2) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
-
-
-def client() -> Client:
-    return Client(Settings.from_env().api_url)
 
 
 def load_job_doc(path: Path, sets: list[str] | None) -> dict[str, Any]:
@@ -61,19 +53,12 @@ def load_job_doc(path: Path, sets: list[str] | None) -> dict[str, Any]:
     return doc
 
 
-def _api(fn, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except ApiError as exc:
-        fail(exc.describe(), 2 if exc.is_user_error else 1)
-
-
 def follow(c: Client, job_id: str, as_json: bool) -> dict[str, Any]:
     """Poll a job until it ends, showing step/total and loss on a terminal."""
     out = sys.stderr if as_json else sys.stdout
     last = ""
     while True:
-        job = _api(c.job, job_id)
+        job = call(c.job, job_id)
         line = progress_line(job)
         if line != last:
             if out.isatty():
@@ -96,7 +81,7 @@ def submit(spec: Annotated[Path, typer.Argument(help="Job YAML.")], set_: Sets =
     """Submit a job to the control plane."""
     doc = load_job_doc(spec, set_)
     c = client()
-    job = _api(c.submit, doc)
+    job = call(c.submit, doc)
     if wait:
         job = follow(c, job["id"], as_json)
     if as_json:
@@ -112,21 +97,21 @@ def submit(spec: Annotated[Path, typer.Argument(help="Job YAML.")], set_: Sets =
 @app.command()
 def status(job_id: str, as_json: Json = False) -> None:
     """Show one job."""
-    job = _api(client().job, job_id)
+    job = call(client().job, job_id)
     typer.echo(json.dumps(job)) if as_json else print_job(job)
 
 
 @app.command("list")
 def list_(as_json: Json = False) -> None:
     """List jobs."""
-    jobs = _api(client().jobs)
+    jobs = call(client().jobs)
     typer.echo(json.dumps(jobs)) if as_json else print_jobs(jobs)
 
 
 @app.command()
 def cancel(job_id: str, as_json: Json = False) -> None:
     """Cancel a job."""
-    job = _api(client().cancel, job_id)
+    job = call(client().cancel, job_id)
     typer.echo(json.dumps(job)) if as_json else typer.echo(f"{job_id}: cancel requested "
                                                            f"(state {job['state']})")
 
@@ -137,7 +122,7 @@ def scale(job_id: str,
                                        help="data-parallel replicas to run at"),
           as_json: Json = False) -> None:
     """Resize an elastic job (within its elastic.min_replicas..max_replicas)."""
-    job = _api(client().scale, job_id, replicas)
+    job = call(client().scale, job_id, replicas)
     if as_json:
         typer.echo(json.dumps(job))
         return
@@ -148,7 +133,7 @@ def scale(job_id: str,
 @app.command()
 def events(job_id: str, as_json: Json = False) -> None:
     """Show a job's events."""
-    evs = _api(client().events, job_id)["events"]
+    evs = call(client().events, job_id)["events"]
     typer.echo(json.dumps(evs)) if as_json else print_events(evs)
 
 
@@ -159,13 +144,13 @@ def logs(job_id: str,
     """Print a job's logs from every rank."""
     c, start = client(), 0
     while True:
-        page = _api(c.logs, job_id, start)
+        page = call(c.logs, job_id, start)
         print_log_lines(page["logs"], as_json)
         start = page["next"]
         if not follow_:
             return
-        if not page["logs"] and _api(c.job, job_id)["state"] in TERMINAL:
-            if not _api(c.logs, job_id, start)["logs"]:
+        if not page["logs"] and call(c.job, job_id)["state"] in TERMINAL:
+            if not call(c.logs, job_id, start)["logs"]:
                 return
         time.sleep(1.0)
 
@@ -177,6 +162,9 @@ app.add_typer(node_app, name="node")
 topology_app = typer.Typer(help="Measure the cluster's network.", no_args_is_help=True)
 app.add_typer(topology_app, name="topology")
 app.add_typer(checkpoint_app, name="checkpoint")
+app.add_typer(admin_app, name="admin")
+app.command()(audit)
+app.command()(whoami)
 
 
 @topology_app.command("probe")
@@ -212,7 +200,7 @@ def topology_probe(size_mb: Annotated[float, typer.Option(help="Payload per tran
 @app.command()
 def nodes(as_json: Json = False) -> None:
     """Show the nodes: topology, liveness, and the GPUs jobs hold on each."""
-    data = _api(client().nodes)
+    data = call(client().nodes)
     typer.echo(json.dumps(data)) if as_json else print_nodes(data)
 
 
@@ -245,14 +233,14 @@ def node_join(address: Annotated[str, typer.Option(help="Ray head address, host:
 def node_release(name: Annotated[str, typer.Argument(help="The quarantined node.")],
                  as_json: Json = False) -> None:
     """End a node's quarantine early, once it has been repaired."""
-    out = _api(client().release_node, name)
+    out = call(client().release_node, name)
     typer.echo(json.dumps(out) if as_json else f"{name} released from quarantine")
 
 
 @app.command()
 def queues(as_json: Json = False) -> None:
     """Show the queues, their quotas, and the GPUs each holds and waits for."""
-    data = _api(client().queues)
+    data = call(client().queues)
     typer.echo(json.dumps(data)) if as_json else print_queues(data)
 
 

@@ -34,10 +34,10 @@ class ApiError(Exception):
 
 
 class Client:
-    """Talks to the API at `base_url` (e.g. http://127.0.0.1:8000)."""
+    """Talks to the API at `base_url` (e.g. http://127.0.0.1:8000) with API key `key`."""
 
-    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+    def __init__(self, base_url: str, key: str | None = None, timeout: float = 30.0) -> None:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.base_url = base_url
         self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=headers)
 
@@ -92,5 +92,29 @@ class Client:
     def queues(self) -> dict[str, Any]:
         return self._call("GET", "/v1/queues")
 
+    def put_queues(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return self._call("PUT", "/v1/queues", json=doc)
+
     def health(self) -> dict[str, Any]:
         return self._call("GET", "/healthz")
+
+    def whoami(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/whoami")
+
+    def create_key(self, name: str, tenant: str, role: str,
+                   ttl_s: float | None = None) -> dict[str, Any]:
+        return self._call("POST", "/v1/admin/keys", json={"name": name, "tenant": tenant,
+                                                          "role": role, "ttl_s": ttl_s})
+
+    def keys(self, include_revoked: bool = False) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/admin/keys",
+                          params={"include_revoked": include_revoked})["keys"]
+
+    def revoke_key(self, key_id: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/v1/admin/keys/{key_id}")
+
+    def audit(self, job: str | None = None, since: float | None = None,
+              action: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+        params = {k: v for k, v in {"job": job, "since": since, "action": action,
+                                    "limit": limit}.items() if v is not None}
+        return self._call("GET", "/v1/audit", params=params)["records"]

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException
 
-from kuangchao.platform.errors import StoreUnavailable
+from kuangchao.platform.errors import SpecError, StoreUnavailable
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.store import JobStore
 
@@ -26,3 +26,10 @@ def get_store() -> JobStore:
 
 
 Store = Annotated[JobStore, Depends(get_store)]
+
+
+def spec_422(exc: SpecError) -> HTTPException:
+    """A `SpecError` as 422, one `{loc, msg, field}` per problem, like pydantic's own."""
+    return HTTPException(status_code=422, detail=[
+        {"loc": path.split(".") if path else [], "msg": msg, "field": path}
+        for path, msg in exc.errors])

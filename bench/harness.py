@@ -35,7 +35,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from kuangchao.platform import localcluster
-from kuangchao.platform.settings import RAY_NAMESPACE, Settings
+from kuangchao.platform.settings import RAY_NAMESPACE, Settings, read_credentials
 from kuangchao.platform.spec import JobSpec, load_spec_document, validate_spec
 from kuangchao.workers.context import TrainContext
 from kuangchao.workers.data import BatchSource, batch_indices, load_corpus
@@ -183,7 +183,8 @@ def local_cluster(nodes: int = 2, gpus: int = 4, cpus: int = 4) -> Iterator[Benc
             state = localcluster.up(opts)
             log(f"cluster up in {time.monotonic() - t0:.1f}s ({state['ray_address']})")
             settings = Settings(redis_url=state["redis_url"], redis_prefix=prefix,
-                                ray_address=state["ray_address"], api_url=state.get("api_url", ""))
+                                ray_address=state["ray_address"], api_url=state.get("api_url", ""),
+                                api_key=read_credentials().get("api_key"))
             yield BenchCluster(state=state, settings=settings, tmp=tmp)
         except BaseException:
             failed = True

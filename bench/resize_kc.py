@@ -68,7 +68,7 @@ def _at(client: Client, job_id: str, replicas: int, step: int) -> dict | None:
 def kc_resize(cluster: BenchCluster, mode: str, warmup_steps: int = CKPT_EVERY + 2) -> dict[str, Any]:
     """Shrink (kill the node of rank 2) then grow (a node joins); what the job's record says."""
     connect(cluster)
-    client = Client(cluster.settings.api_url)
+    client = Client(cluster.settings.api_url, cluster.settings.api_key)
     gpus = int(leaf_nodes()[0]["Resources"].get("GPU", 1))
     job = client.submit(kc_spec(mode, gpus))
     jid = job["id"]

@@ -25,9 +25,10 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "viewer": frozenset({"job.read"}),
     "submitter": frozenset({"job.read", "job.submit", "job.cancel", "job.scale"}),
     "operator": frozenset({"job.read", "job.submit", "job.cancel", "job.scale", "queue.manage",
-                           "node.manage", "audit.read", "jobs.all_tenants"}),
+                           "node.manage", "audit.read", "jobs.all_tenants", "metrics.read"}),
     "admin": frozenset({"job.read", "job.submit", "job.cancel", "job.scale", "queue.manage",
-                        "node.manage", "audit.read", "jobs.all_tenants", "key.manage"}),
+                        "node.manage", "audit.read", "jobs.all_tenants", "metrics.read",
+                        "key.manage"}),
 }
 _KEY = re.compile(r"^kc_([0-9a-f]{16})_([A-Za-z0-9_-]{43})$")
 
@@ -42,6 +43,7 @@ class Principal:
     role: str
     created_at: float = field(default_factory=time.time)
     revoked_at: float | None = None
+    expires_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,19 +62,25 @@ class StoredKey:
     digest: str  # sha256 hex of the whole key
 
 
-def new_key(name: str, tenant: str, role: str) -> tuple[str, StoredKey]:
-    """A fresh key (to show once) and what to store.
+def new_key(name: str, tenant: str, role: str,
+            ttl_s: float | None = None) -> tuple[str, StoredKey]:
+    """A fresh key (to show once) and what to store; with `ttl_s`, it expires.
 
     Raises:
-        ValueError: For an unknown role or an empty name or tenant.
+        ValueError: For an unknown role, an empty name or tenant, or a ttl <= 0.
     """
+    if ttl_s is not None and ttl_s <= 0:
+        raise ValueError(f"a key's lifetime must be positive, not {ttl_s}")
     if role not in ROLES:
         raise ValueError(f"role {role!r} is unknown; use one of {', '.join(ROLES)}")
     if not name or not tenant:
         raise ValueError("a key needs a name and a tenant")
     key_id = secrets.token_hex(8)
     key = f"kc_{key_id}_{secrets.token_urlsafe(32)}"
-    return key, StoredKey(Principal(key_id, name, tenant, role), _digest(key))
+    now = time.time()
+    principal = Principal(key_id, name, tenant, role, created_at=now,
+                          expires_at=None if ttl_s is None else now + ttl_s)
+    return key, StoredKey(principal, _digest(key))
 
 
 def key_id_of(key: str | None) -> str | None:
@@ -92,12 +100,20 @@ def authenticate(key: str | None, stored: StoredKey | None, now: float | None = 
         raise PermissionError("missing: send the API key as `Authorization: Bearer kc_...`")
     if key_id_of(key) is None:
         raise PermissionError("malformed: an API key looks like kc_<16 hex>_<43 characters>")
-    if stored is None or not hmac.compare_digest(stored.digest, _digest(key)):
+    if stored is None:
         raise PermissionError("unknown: no such API key; ask an admin for one "
                               "(`kc admin key create`)")
-    if stored.principal.revoked_at is not None:
-        raise PermissionError(f"revoked: key {stored.principal.key_id} was revoked")
-    return stored.principal
+    p = stored.principal
+    if not hmac.compare_digest(stored.digest, _digest(key)):
+        raise PermissionError(f"tampered: the secret does not match key {p.key_id}")
+    if p.revoked_at is not None:
+        raise PermissionError(f"revoked: key {p.key_id} was revoked; ask an admin for a new one")
+    now = time.time() if now is None else now
+    if p.expires_at is not None and now >= p.expires_at:
+        raise PermissionError(f"expired: key {p.key_id} expired at "
+                              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(p.expires_at))}; "
+                              "ask an admin for a new one")
+    return p
 
 
 def _digest(key: str) -> str:

@@ -66,8 +66,15 @@ class AuditLog:
                 log.error("audit stream not written: %s; record: %s", exc, line)
 
     def read(self, job: str | None = None, since: float | None = None,
-             decision: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
-        """The newest matching records, oldest first."""
+             decision: str | None = None, limit: int = 1000,
+             action: str | None = None) -> list[dict[str, Any]]:
+        """The newest matching records, oldest first.
+
+        `action` is `allow` or `deny` (the decision), else an action name
+        (`job.cancel`) or its family (`job`).
+        """
+        if action in ("allow", "deny"):
+            decision, action = action, None
         start = f"{int(since * 1000)}-0" if since is not None else "-"
         out: list[dict[str, Any]] = []
         for _, fields in self.client.xrevrange(self.stream, max="+", min=start):
@@ -75,6 +82,9 @@ class AuditLog:
             if job is not None and rec.get("job") != job:
                 continue
             if decision is not None and rec.get("decision") != decision:
+                continue
+            name = rec.get("action", "")
+            if action is not None and name != action and not name.startswith(action + "."):
                 continue
             out.append(rec)
             if len(out) >= limit:

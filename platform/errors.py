@@ -48,6 +48,10 @@ class StoreUnavailable(KuangchaoError):
 class JobNotFound(KuangchaoError):
     """No job with this id exists in the store."""
 
+    @classmethod
+    def for_id(cls, job_id: str) -> JobNotFound:
+        return cls(f"no job with id {job_id!r}; `kc list` shows the known jobs")
+
 
 class InvalidTransition(KuangchaoError):
     """A job state change the state machine forbids."""

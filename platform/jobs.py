@@ -49,7 +49,7 @@ def check_queue(store: JobStore, spec: JobSpec) -> None:
 
 
 def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
-           owner: str | None = None) -> JobRecord:
+           owner: str | None = None, tenant: str = "default") -> JobRecord:
     """Record a validated job as QUEUED and wake the scheduler.
 
     Raises:
@@ -62,7 +62,8 @@ def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
     job = JobRecord(
         id=new_job_id(spec.task.name), name=spec.task.name, spec=spec.model_dump(mode="json"),
         queue=spec.task.queue, priority=spec.task.priority_value, world_size=world,
-        gpus=world * spec.parallel.gpus_per_rank, driver=driver, owner=owner)
+        gpus=world * spec.parallel.gpus_per_rank, driver=driver, owner=owner,
+        tenant=tenant)
     return store.create(job)
 
 

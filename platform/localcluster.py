@@ -29,6 +29,7 @@ from kuangchao.platform.settings import (
     DEFAULT_DASHBOARD_PORT,
     RAY_NAMESPACE,
     Settings,
+    credentials_file,
     kc_home,
     read_cluster_state,
     state_file,
@@ -85,8 +86,9 @@ def up(opts: UpOptions) -> dict[str, Any]:
                              "home": str(home), "temp_dir": f"/tmp/kc-{secrets.token_hex(4)}"}
     try:
         _start_redis(state, opts)
-        JobStore.from_url(state["redis_url"], state["redis_prefix"]).set_info(
-            "queues", queues.to_json())
+        store = JobStore.from_url(state["redis_url"], state["redis_prefix"])
+        store.set_info("queues", queues.to_json())
+        _bootstrap_secrets(state, store)
         _start_ray(state, topo, opts)
         _write_state(state)
         settings = _settings(state)
@@ -100,20 +102,54 @@ def up(opts: UpOptions) -> dict[str, Any]:
     return state
 
 
-def _write_state(state: dict[str, Any]) -> None:
-    path = state_file()
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner may read, even for a moment."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    # The file holds the Redis password: readable by its owner only.
+    tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(state, f, indent=1)
+        f.write(text)
+    os.chmod(tmp, 0o600)
     os.replace(tmp, path)
+
+
+def _bootstrap_secrets(state: dict[str, Any], store: JobStore) -> None:
+    """The local stack's secrets, none of them a default:
+
+    - the token authority's signing key: `KC_SIGNING_KEY_FILE` when given, else
+      a fresh Ed25519 key in `$KC_HOME/signing-key.pem`, and local dev mode;
+    - a scrape token for `/metrics` in `$KC_HOME/metrics-token`;
+    - an admin API key in the credentials file, which `kc` reads.
+    """
+    from kuangchao.platform.keystore import KeyStore
+    from kuangchao.platform.tokens import generate_key, private_pem
+
+    home = kc_home()
+    given = os.environ.get("KC_SIGNING_KEY_FILE")
+    if given:
+        state.update(signing_key_file=str(Path(given).expanduser().resolve()), dev_mode=False)
+    else:
+        path = home / "signing-key.pem"
+        _write_private(path, private_pem(generate_key()).decode())
+        state.update(signing_key_file=str(path), dev_mode=True)
+    state["metrics_token_file"] = str(home / "metrics-token")
+    _write_private(home / "metrics-token", secrets.token_urlsafe(32) + "\n")
+    key = KeyStore(store.r, store.p).bootstrap_admin()
+    _write_private(credentials_file(), "# kuangchao credentials, written by `kc up`. Keep private.\n"
+                   f"[default]\napi_key = {key}\n")
+    _log(f"admin key  in {credentials_file()} (kc uses it; `kc admin key create` makes more)")
+
+
+def _write_state(state: dict[str, Any]) -> None:
+    # The file holds the Redis password: readable by its owner only.
+    _write_private(state_file(), json.dumps(state, indent=1))
 
 
 def _settings(state: dict[str, Any]) -> Settings:
     return Settings(redis_url=state["redis_url"], redis_prefix=state["redis_prefix"],
-                    ray_address=state["ray_address"], api_url=state.get("api_url", ""))
+                    ray_address=state["ray_address"], api_url=state.get("api_url", ""),
+                    signing_key_file=state.get("signing_key_file"),
+                    dev=bool(state.get("dev_mode")))
 
 
 def _start_redis(state: dict[str, Any], opts: UpOptions) -> None:
@@ -215,7 +251,8 @@ def _start_control_plane(state: dict[str, Any], settings: Settings) -> None:
     )
     topo_nodes = len(load_topology(state["cluster"]).nodes) + 1
     args = json.dumps({"redis_url": settings.redis_url, "redis_prefix": settings.redis_prefix,
-                       "ray_address": settings.ray_address, "api_url": settings.api_url})
+                       "ray_address": settings.ray_address, "api_url": settings.api_url,
+                       "signing_key_file": settings.signing_key_file, "dev": settings.dev})
     out = subprocess.run([sys.executable, "-c", code, args, str(topo_nodes)],
                          env=_ray_env(state), capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
@@ -228,6 +265,7 @@ def _start_api(state: dict[str, Any], settings: Settings, port: int) -> None:
     (Ray's many processes take ports while the cluster starts)."""
     env = _ray_env(state)
     env["KC_RAY_ADDRESS"] = state["ray_address"]
+    env["KC_METRICS_TOKEN_FILE"] = state["metrics_token_file"]
     for _ in range(3 if port == 0 else 1):
         use = port or procs.free_port()
         log = open(kc_home() / "logs" / "api.log", "ab")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kuangchao.platform.elastic import ElasticRange, elastic_range, range_errors
 from kuangchao.platform.errors import SpecError
@@ -134,10 +134,23 @@ class ElasticSection(_Section):
 
 
 class PermissionSection(_Section):
+    # The collectives the job's capability tokens whitelist; any other is denied.
     collectives: list[str] = Field(
         default_factory=lambda: ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"]
     )
-    token_ttl_s: int = Field(86400, ge=60)
+    # Tokens are renewed at 80% of this, so a stolen one is good for at most this long.
+    token_ttl_seconds: int = Field(3600, ge=60, le=7 * 86400)
+
+    @field_validator("collectives")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        from kuangchao.platform.tokens import COLLECTIVES
+
+        unknown = sorted(set(v) - COLLECTIVES)
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)} not a collective; choose from "
+                             f"{', '.join(sorted(COLLECTIVES))}")
+        return sorted(set(v))
 
 
 class JobSpec(_Section):
@@ -208,6 +221,15 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
     if spec.entrypoint is not None and not _IMPORT_REF.match(spec.entrypoint):
         errs.append(("entrypoint", f"{spec.entrypoint!r} is not of the form 'package.module:function'"))
     errs.extend(range_errors(spec.model_dump(mode="json")))
+    if ".." in Path(spec.checkpoint.path).parts:
+        errs.append(("checkpoint.path", f"{spec.checkpoint.path!r} contains '..'; give a path "
+                                        "without it (absolute, or relative to $KC_HOME)"))
+    if spec.entrypoint is None:
+        # The built-in trainer's own collectives go through the token guard.
+        needed = sorted({"all_reduce", "broadcast", "all_gather"} - set(spec.permission.collectives))
+        if needed:
+            errs.append(("permission.collectives", f"the built-in trainer needs {', '.join(needed)}; "
+                                                   "add them, or run your own entrypoint"))
     ft = spec.fault_tolerance
     if ft.heartbeat_timeout_s < 2 * ft.heartbeat_interval_s:
         errs.append((

@@ -121,7 +121,10 @@ class JobRecord:
     waiting_for: str | None = None
     message: str | None = None
     driver: str = "scheduler"
+    # Who submitted it (the API key's principal name) and for which tenant;
+    # only that tenant's principals (and operators, admins) may see the job.
     owner: str | None = None
+    tenant: str = "default"
     version: int = 0
 
     def to_json(self) -> dict[str, Any]:

@@ -125,7 +125,7 @@ class JobStore:
     def get(self, job_id: str) -> JobRecord:
         raw = self.r.get(self.key("job", job_id))
         if raw is None:
-            raise JobNotFound(f"no job with id {job_id!r}; `kc list` shows the known jobs")
+            raise JobNotFound.for_id(job_id)
         return JobRecord.from_json(json.loads(raw))
 
     def list(self, limit: int = 1000) -> list[JobRecord]:

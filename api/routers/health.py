@@ -1,4 +1,4 @@
-"""`/healthz`: the API is up and can reach Redis."""
+"""`/healthz` (no key needed): the API is up and can reach Redis; `/v1/whoami`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from kuangchao.api.auth import Caller
 from kuangchao.api.deps import Store
+from kuangchao.platform.apikeys import PERMISSIONS
 from kuangchao.platform.version import __version__
 
 router = APIRouter(tags=["health"])
@@ -16,3 +18,8 @@ router = APIRouter(tags=["health"])
 def healthz(store: Store) -> dict[str, Any]:
     store.r.ping()
     return {"status": "ok", "version": __version__}
+
+
+@router.get("/v1/whoami", summary="The principal the presented API key speaks for")
+def whoami(who: Caller) -> dict[str, Any]:
+    return {**who.to_json(), "permissions": sorted(PERMISSIONS[who.role])}

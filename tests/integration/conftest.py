@@ -63,10 +63,21 @@ def raylet_of(node_id: str) -> int:
     return pids[0]
 
 
+def admin_key(home: str | Path) -> str:
+    """The admin key `kc up` wrote to the stack's credentials file."""
+    import configparser
+
+    parser = configparser.ConfigParser()
+    parser.read(Path(home) / "credentials")
+    return parser["default"]["api_key"]
+
+
 class Stack:
     def __init__(self, env: dict[str, str], state: dict[str, Any]) -> None:
         self.env, self.state = env, state
-        self.client = Client(state["api_url"])
+        self.key = admin_key(env["KC_HOME"])
+        self.headers = {"Authorization": f"Bearer {self.key}"}
+        self.client = Client(state["api_url"], self.key)
 
     def job_doc(self, **overrides: Any) -> dict[str, Any]:
         doc: dict[str, Any] = {

@@ -75,23 +75,23 @@ def test_cancel_mid_run_removes_workers_and_placement_group(stack, ray_driver):
 def test_malformed_spec_gets_422_with_field_paths(stack):
     resp = httpx.post(f"{stack.state['api_url']}/v1/jobs", json={
         "model": {"n_heads": 12, "d_model": 96, "type": "bert"},
-        "parallel": {"tensor_parallel_size": 5}, "optimizer": {"lr": "fast"}})
+        "parallel": {"tensor_parallel_size": 5}, "optimizer": {"lr": "fast"}}, headers=stack.headers)
     assert resp.status_code == 422
     fields = {d["field"]: d["msg"] for d in resp.json()["detail"]}
     assert "optimizer.lr" in fields
     resp = httpx.post(f"{stack.state['api_url']}/v1/jobs", json={
         "model": {"n_heads": 12, "d_model": 96, "type": "bert"},
-        "parallel": {"tensor_parallel_size": 5}})
+        "parallel": {"tensor_parallel_size": 5}}, headers=stack.headers)
     fields = {d["field"]: d["msg"] for d in resp.json()["detail"]}
     assert fields["parallel.tensor_parallel_size"] == "5 does not divide model.n_heads (12)"
     assert "not a built-in model" in fields["model.type"]
     resp = httpx.post(f"{stack.state['api_url']}/v1/jobs", content="training: {steps: [1, 2\n",
-                      headers={"Content-Type": "application/yaml"})
+                      headers={"Content-Type": "application/yaml", **stack.headers})
     assert resp.status_code == 422 and "YAML" in json.dumps(resp.json())
 
 
 def test_unknown_job_gets_404(stack):
-    resp = httpx.get(f"{stack.state['api_url']}/v1/jobs/no-such-job")
+    resp = httpx.get(f"{stack.state['api_url']}/v1/jobs/no-such-job", headers=stack.headers)
     assert resp.status_code == 404 and "kc list" in resp.json()["detail"]
 
 

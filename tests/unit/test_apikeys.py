@@ -20,13 +20,21 @@ def test_a_key_is_shown_once_and_kept_only_as_a_hash():
     assert authenticate(key, stored).name == "alice"
 
 
-def test_missing_malformed_wrong_and_revoked_keys_are_refused():
+def test_missing_malformed_tampered_unknown_expired_and_revoked_keys_are_refused():
     key, stored = new_key("alice", "team-a", "viewer")
     other, _ = new_key("bob", "team-b", "viewer")
     assert refused(None, stored) == "missing"
     assert refused("letmein", stored) == "malformed"
-    assert refused(other, stored) == "unknown"  # well-formed, but not this record's key
-    assert refused(key, None) == "unknown"
+    # The right id with another secret: someone edited the key.
+    tampered = key[:-4] + ("AAAA" if not key.endswith("AAAA") else "BBBB")
+    assert refused(tampered, stored) == "tampered"
+    assert refused(other, None) == "unknown"
+    short, brief = new_key("carol", "team-a", "viewer", ttl_s=60)
+    assert authenticate(short, brief, now=brief.principal.created_at + 59).name == "carol"
+    with pytest.raises(PermissionError, match="^expired"):
+        authenticate(short, brief, now=brief.principal.created_at + 60)
+    with pytest.raises(ValueError, match="positive"):
+        new_key("dave", "team-a", "viewer", ttl_s=0)
     revoked = dataclasses.replace(stored, principal=dataclasses.replace(stored.principal,
                                                                         revoked_at=1.0))
     assert refused(key, revoked) == "revoked"
