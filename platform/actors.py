@@ -3,9 +3,10 @@
 All are detached and live in the `kuangchao` namespace, pinned to the head
 node when one is labelled `kc.io/role=head`:
 
-    kc-registry     Registry: node view from Ray, published to Redis
-    kc-scheduler    SchedulerService: the scheduling loop
-    kc-job-{id}     JobControllerActor: one per scheduled job
+    kc-registry         Registry: node view from Ray, published to Redis
+    kc-token-authority  TokenAuthority: capability tokens and job Redis users
+    kc-scheduler        SchedulerService: the scheduling loop
+    kc-job-{id}         JobControllerActor: one per scheduled job
 """
 
 from __future__ import annotations
@@ -21,17 +22,22 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from kuangchao.platform.audit import AuditLog
+from kuangchao.platform.authority import AUTHORITY_NAME, TokenAuthority, load_signing_key
 from kuangchao.platform.controller import JobController
 from kuangchao.platform.orphans import LAUNCHING, RECONCILE_S, OrphanCheck
 from kuangchao.platform.registry import Registry, head_node_id
 from kuangchao.platform.scheduler import Scheduler
-from kuangchao.platform.settings import RAY_NAMESPACE, Settings
+from kuangchao.platform.settings import RAY_NAMESPACE, Settings, audit_file
 from kuangchao.platform.store import JobStore
+from kuangchao.platform.tokens import generate_key
 
 log = logging.getLogger(__name__)
 
 REGISTRY_NAME = "kc-registry"
 SCHEDULER_NAME = "kc-scheduler"
+# How often the authority retires the credentials of jobs that have ended.
+SWEEP_S = 30.0
 # How often Ray brings a dead control-plane actor back. They keep their state
 # in Redis, so a restart loses nothing; -1 would hide a crash loop forever.
 CONTROL_RESTARTS = 10
@@ -56,6 +62,59 @@ class RegistryActor:
     def snapshot(self):
         return self.registry.snapshot()
 
+
+
+class TokenAuthorityActor:
+    """Hosts the token authority. With `ephemeral`, a key of its own that dies
+    with it: a `kc train` driver without a control plane makes one for its job."""
+
+    def __init__(self, settings: Settings, ephemeral: bool = False) -> None:
+        store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
+        key, self.key_source = ((generate_key(), "ephemeral") if ephemeral else
+                                load_signing_key(settings.signing_key_file, settings.dev))
+        self.authority = TokenAuthority(store, key, AuditLog(store.r, store.key("audit"),
+                                                             audit_file()),
+                                        settings.redis_url, job_acl=settings.job_acl)
+        self._stop = threading.Event()
+        threading.Thread(target=self._sweep, daemon=True, name="kc-authority-sweep").start()
+
+    def _sweep(self) -> None:
+        while not self._stop.wait(SWEEP_S):
+            try:
+                self.authority.sweep()
+            except Exception:
+                log.exception("retiring the credentials of finished jobs failed; retrying")
+
+    def grant_workers(self, job_id: str, ranks: dict[int, tuple[int, ...]]) -> dict[int, dict]:
+        return {r: g.to_json() for r, g in self.authority.grant_workers(job_id, ranks).items()}
+
+    def renew(self, token: str) -> str:
+        return self.authority.renew(token)
+
+    def revoke_job(self, job_id: str, reason: str) -> int:
+        return self.authority.revoke_job(job_id, reason)
+
+    def report_denial(self, token: str | None, interface: str, resource: str, reason: str) -> None:
+        self.authority.report_denial(token, interface, resource, reason)
+
+    def info(self) -> dict[str, Any]:
+        return {"key": self.key_source, "public_key": self.authority.public_key().decode()}
+
+
+def find_authority() -> Any | None:
+    """The control plane's token authority, or None when no control plane is up."""
+    try:
+        return ray.get_actor(AUTHORITY_NAME, namespace=RAY_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def private_authority(settings: Settings) -> Any:
+    """A token authority owned by the caller, with an ephemeral key (for `kc train`
+    on a Ray cluster without a kuangchao control plane)."""
+    actor = ray.remote(TokenAuthorityActor).options(num_cpus=0).remote(settings, True)
+    ray.get(actor.info.remote(), timeout=120)
+    return actor
 
 
 class JobControllerActor:
@@ -140,11 +199,21 @@ def controller_exists(name: str) -> bool:
 
 
 def start_control_plane(settings: Settings) -> None:
-    """Create the registry and scheduler actors (idempotent) and wait until ready."""
+    """Create the registry, token authority and scheduler actors (idempotent)
+    and wait until ready.
+
+    Raises:
+        ClusterError: Without a usable signing key outside dev mode (checked
+            here first, so the message is not lost in an actor's failure).
+    """
+    load_signing_key(settings.signing_key_file, settings.dev)
     restart = {"max_restarts": CONTROL_RESTARTS, "max_task_retries": CONTROL_RESTARTS}
     registry = ray.remote(RegistryActor).options(
         **_control_options(REGISTRY_NAME), **restart, get_if_exists=True).remote(settings)
     ray.get(registry.snapshot.remote(), timeout=120)
+    authority = ray.remote(TokenAuthorityActor).options(
+        **_control_options(AUTHORITY_NAME), **restart, get_if_exists=True).remote(settings)
+    ray.get(authority.info.remote(), timeout=120)
     scheduler = ray.remote(SchedulerService).options(
         **_control_options(SCHEDULER_NAME), **restart, get_if_exists=True).remote(settings)
     ray.get(scheduler.info.remote(), timeout=120)

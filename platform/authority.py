@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from kuangchao.platform import redis_acl
 from kuangchao.platform.audit import AuditLog, AuditRecord
-from kuangchao.platform.errors import ClusterError
+from kuangchao.platform.errors import ClusterError, JobNotFound
 from kuangchao.platform.spec import JobSpec
 from kuangchao.platform.store import JobStore
 from kuangchao.platform.tokens import (
@@ -39,6 +39,8 @@ from kuangchao.platform.tokens import (
 )
 
 log = logging.getLogger(__name__)
+
+AUTHORITY_NAME = "kc-token-authority"  # the control plane's actor (actors.py)
 
 # What a trainer may do besides the collectives its spec whitelists.
 TRAINER_BASE = frozenset({"checkpoint_read", "checkpoint_write", "heartbeat"})
@@ -159,6 +161,7 @@ class TokenAuthority:
         password) for later ranks: replacements and grown replicas.
         """
         spec = JobSpec.model_validate(self.store.get(job_id).spec)
+        self.store.r.sadd(self.store.key("auth", "jobs"), job_id)
         url = self.job_redis_url(job_id)
         interfaces = TRAINER_BASE | frozenset(spec.permission.collectives)
         out = {}
@@ -211,22 +214,48 @@ class TokenAuthority:
             self._audit("token-authority", "token.revoke", f"token/{token_id}", "allow", reason, job)
 
     def revoke_job(self, job_id: str, reason: str) -> int:
-        """Revoke every token of a job and remove its Redis user; returns the tokens revoked."""
+        """Revoke every token of a job; returns the tokens revoked.
+
+        The job's Redis user goes too once the job has ended. While it runs, the
+        user stays until the job ends (the sweep removes it): its ranks must
+        still read the revocation marks, fail with the reason, and say so.
+        """
         issued = self.store.r.hgetall(self._issued_key(job_id))
         now = self.clock()
         live = {tid: float(exp) for tid, exp in issued.items() if float(exp) > now}
         for tid, exp in live.items():
             self.revoke(tid, reason, exp, job=job_id, quiet=True)
         self.store.r.delete(self._issued_key(job_id))
+        if self._ended(job_id):
+            self.store.r.srem(self.store.key("auth", "jobs"), job_id)
         self._audit("token-authority", "token.revoke", f"job/{job_id}", "allow",
                     f"{reason}: {len(live)} live token(s)", job_id)
-        if self.job_acl and self.admin_url:
+        if self.job_acl and self.admin_url and self._ended(job_id):
             try:
                 redis_acl.revoke_job_user(self.store.r, job_id)
             except Exception as exc:  # never blocks the job's end; the audit says so
                 log.warning("could not delete the Redis user of job %s: %s", job_id, exc)
             self.store.r.delete(self.store.key("auth", "jobuser", job_id))
         return len(live)
+
+    def sweep(self) -> list[str]:
+        """Retire the credentials of jobs that have ended (or vanished); returns their ids.
+
+        The controller retires them when it finishes a job; this catches the
+        rest: a job cancelled while queued after a run, a controller that died.
+        """
+        done = []
+        for job_id in self.store.r.smembers(self.store.key("auth", "jobs")):
+            if self._ended(job_id):
+                self.revoke_job(job_id, "the job ended")
+                done.append(job_id)
+        return done
+
+    def _ended(self, job_id: str) -> bool:
+        try:
+            return self.store.get(job_id).state.is_terminal
+        except JobNotFound:
+            return True
 
     def report_denial(self, token: str | None, interface: str, resource: str,
                       reason: str) -> None:

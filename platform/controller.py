@@ -28,6 +28,7 @@ from torch.distributed import TCPStore
 from kuangchao.platform.bundles import pinned_nodes, rank_resources, replica_pg
 from kuangchao.platform.elastic import ElasticRange
 from kuangchao.platform.errors import KuangchaoError
+from kuangchao.platform.grants import Credentials, worker_settings
 from kuangchao.platform.inplace import InPlaceRecovery, node_lost
 from kuangchao.platform.orphans import LAUNCHING, controller_name
 from kuangchao.platform.recovery import (
@@ -64,7 +65,7 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class JobController(InPlaceRecovery, LiveResize):
+class JobController(InPlaceRecovery, LiveResize, Credentials):
     """Runs one job from PLACING to a terminal state.
 
     Args:
@@ -74,10 +75,11 @@ class JobController(InPlaceRecovery, LiveResize):
         poll_s: How often the watch loop checks heartbeats and requests.
         name: This controller's name (its Ray actor's), to tell a restart of
             the same controller from a new one.
+        authority: The token authority's actor (default: the control plane's).
     """
 
     def __init__(self, job_id: str, settings: Settings, store: JobStore | None = None,
-                 poll_s: float = 0.5, name: str = "driver") -> None:
+                 poll_s: float = 0.5, name: str = "driver", authority: Any = None) -> None:
         self.job_id, self.settings, self.poll_s = job_id, settings, poll_s
         self.store = store or JobStore.from_url(settings.redis_url, settings.redis_prefix)
         self.name = name
@@ -96,6 +98,8 @@ class JobController(InPlaceRecovery, LiveResize):
         self.spares: dict[str, Any] = {}  # node id -> a warm SpareWorker there
         self.backend = ""
         self.watch: RankWatch | None = None
+        self.authority = authority
+        self.fresh_grants: dict[int, dict[str, Any]] = {}
 
     def run(self) -> str:
         """Drive the job to its end; returns the final state's name."""
@@ -134,6 +138,7 @@ class JobController(InPlaceRecovery, LiveResize):
             self._set(JobState.FAILED, _cause(exc))
         finally:
             self._teardown()
+            self._retire_credentials()
         return self.store.get(self.job_id).state.value
 
     def _took_over(self, job: JobRecord) -> bool:
@@ -178,6 +183,7 @@ class JobController(InPlaceRecovery, LiveResize):
         self.pgs = [self._replica_pg(list(job.placement[r:r + self.rpr]), self.bundles[r:r + self.rpr])
                     for r in range(0, self.world, self.rpr)]
         self._await_pgs(self.pgs)
+        self.fresh_grants = self._grants(list(range(self.world)))
         self.workers = [self._spawn(r, slot.node, spec) for r, slot in enumerate(job.placement)]
         infos = self._wait_ready([w.describe.remote() for w in self.workers], 300.0, "workers")
         self._record_workers(job, infos)
@@ -203,6 +209,9 @@ class JobController(InPlaceRecovery, LiveResize):
 
     def _spawn(self, rank: int, node: str, spec: JobSpec) -> Any:
         """Start the actor of one rank in its bundle of the placement group."""
+        # Granted in one batch at start; one at a time for replacements and new ranks
+        # (a rank's earlier token may have been renewed, hence revoked, meanwhile).
+        grant = self.fresh_grants.pop(rank, None) or self._grants([rank])[rank]
         bundle = self.bundles[rank]
         ft = spec.fault_tolerance
         custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
@@ -210,8 +219,9 @@ class JobController(InPlaceRecovery, LiveResize):
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=custom,
             max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pgs[rank // self.rpr], placement_group_bundle_index=rank % self.rpr),
-        ).remote(self.job_id, rank, self.world, self.settings, self.planned[rank], node,
-                 (ft.heartbeat_interval_s, ft.heartbeat_timeout_s))
+        ).remote(self.job_id, rank, self.world, worker_settings(self.settings, grant),
+                 self.planned[rank], node, (ft.heartbeat_interval_s, ft.heartbeat_timeout_s),
+                 grant, self.authority)
 
     def _form_group(self, spec: JobSpec, infos: list[dict[str, Any]]) -> None:
         """Watch heartbeats from here on, and form the process group at a fresh rendezvous."""

@@ -9,6 +9,8 @@ places the job on the Ray cluster directly.
 
 from __future__ import annotations
 
+import getpass
+import os
 import sys
 import time
 from typing import Any
@@ -16,12 +18,13 @@ from typing import Any
 import ray
 
 from kuangchao.platform import jobs
+from kuangchao.platform.audit import AuditLog, AuditRecord
 from kuangchao.platform.controller import JobController
 from kuangchao.platform.errors import ClusterError, PlacementError
 from kuangchao.platform.placement import Infeasible, place, traffic_from_spec
 from kuangchao.platform.policies import Snapshot, job_shape
 from kuangchao.platform.registry import nodes_from_ray
-from kuangchao.platform.settings import RAY_NAMESPACE, Settings
+from kuangchao.platform.settings import RAY_NAMESPACE, Settings, audit_file
 from kuangchao.platform.spec import validate_spec
 from kuangchao.platform.state import JobState, PlacedRank, transition
 from kuangchao.platform.store import JobStore
@@ -66,16 +69,35 @@ def _wait_admitted(store: JobStore, job_id: str) -> None:
         time.sleep(0.5)
 
 
+def driver_identity() -> tuple[str, str]:
+    """Who submits through `kc train`: the Ray job's submission id (or the OS
+    user) and the tenant in `KC_TENANT` (default: default).
+
+    The driver holds the cluster's own credentials, like an operator, so the
+    tenant is what it says; `ray job submit` access is an operator's to give.
+    """
+    sub = os.environ.get("RAY_JOB_SUBMISSION_ID")
+    owner = f"ray-job/{sub}" if sub else getpass.getuser()
+    return owner, os.environ.get("KC_TENANT") or "default"
+
+
 def run_as_driver(doc: dict[str, Any], settings: Settings | None = None) -> dict[str, Any]:
     """Run the job in `doc` to its end and return its public JSON."""
     settings = settings or Settings.from_env()
     spec = validate_spec(doc)
     store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
     _connect_ray(settings)
-    from kuangchao.platform.actors import find_scheduler
+    from kuangchao.platform.actors import find_scheduler, private_authority
 
     managed = find_scheduler() is not None
-    job = jobs.submit(store, spec, driver="external")
+    # Without a control plane, this driver's own authority (an ephemeral key
+    # that dies with it) grants the job's tokens.
+    authority = None if managed else private_authority(settings)
+    owner, tenant = driver_identity()
+    job = jobs.submit(store, spec, driver="external", owner=owner, tenant=tenant)
+    AuditLog(store.r, store.key("audit"), audit_file()).record(AuditRecord(
+        principal=f"driver:{owner}", action="job.submit", resource=f"job/{job.id}",
+        decision="allow", reason=f"kc train, tenant {tenant}", job=job.id))
     print(f"job {job.id} submitted", file=sys.stderr, flush=True)
     try:
         while True:  # a recovered or preempted job comes back to the queue: place it again
@@ -84,7 +106,7 @@ def run_as_driver(doc: dict[str, Any], settings: Settings | None = None) -> dict
             else:
                 _place_here(store, job.id)
             if store.get(job.id).state is JobState.PLACING:
-                JobController(job.id, settings, store).run()
+                JobController(job.id, settings, store, authority=authority).run()
             if store.get(job.id).state is not JobState.QUEUED:
                 break
     except KeyboardInterrupt:

@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kuangchao.platform import quarantine
 from kuangchao.platform.errors import KuangchaoError
+from kuangchao.platform.grants import worker_settings
 from kuangchao.platform.recovery import Cancelled, Failure, record_failure
 from kuangchao.platform.spec import JobSpec
 from kuangchao.platform.state import JobState, PlacedRank
@@ -128,9 +129,12 @@ class InPlaceRecovery:
         ft = spec.fault_tolerance
         gpus = self.infos[rank]["gpu_ids"] if rank < len(self.infos) else []
         try:
-            ray.get(spare.adopt.remote(self.job_id, rank, self.world, self.settings, gpus,
+            grant = self._grants([rank])[rank]
+            ray.get(spare.adopt.remote(self.job_id, rank, self.world,
+                                       worker_settings(self.settings, grant), gpus,
                                        slot.node if slot else "",
-                                       (ft.heartbeat_interval_s, ft.heartbeat_timeout_s)),
+                                       (ft.heartbeat_interval_s, ft.heartbeat_timeout_s),
+                                       grant, self.authority),
                     timeout=30)
         except ray.exceptions.RayError:
             ray.kill(spare, no_restart=True)

@@ -121,12 +121,14 @@ def _bootstrap_secrets(state: dict[str, Any], store: JobStore) -> None:
     - a scrape token for `/metrics` in `$KC_HOME/metrics-token`;
     - an admin API key in the credentials file, which `kc` reads.
     """
+    from kuangchao.platform.authority import load_signing_key
     from kuangchao.platform.keystore import KeyStore
     from kuangchao.platform.tokens import generate_key, private_pem
 
     home = kc_home()
     given = os.environ.get("KC_SIGNING_KEY_FILE")
     if given:
+        load_signing_key(given, dev=False)  # refuse a missing, unreadable or default key now
         state.update(signing_key_file=str(Path(given).expanduser().resolve()), dev_mode=False)
     else:
         path = home / "signing-key.pem"
@@ -149,7 +151,8 @@ def _settings(state: dict[str, Any]) -> Settings:
     return Settings(redis_url=state["redis_url"], redis_prefix=state["redis_prefix"],
                     ray_address=state["ray_address"], api_url=state.get("api_url", ""),
                     signing_key_file=state.get("signing_key_file"),
-                    dev=bool(state.get("dev_mode")))
+                    dev=bool(state.get("dev_mode")),
+                    job_acl=os.environ.get("KC_REDIS_JOB_ACL", "1") != "0")
 
 
 def _start_redis(state: dict[str, Any], opts: UpOptions) -> None:
@@ -189,11 +192,16 @@ def _start_redis(state: dict[str, Any], opts: UpOptions) -> None:
     _log(f"redis      redis://127.0.0.1:{port} (embedded Valkey, password in {state_file()})")
 
 
-def _ray_env(state: dict[str, Any]) -> dict[str, str]:
+def _ray_env(state: dict[str, Any], admin: bool = True) -> dict[str, str]:
+    """The environment of what `up` starts. Only the head's processes (the control
+    plane, drivers, the API) get the admin Redis URL; a worker node's raylet, and
+    so every rank on it, does not: ranks get their job's own Redis user."""
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["RAY_USAGE_STATS_ENABLED"] = "0"
-    env["KC_REDIS_URL"] = state["redis_url"]
+    env.pop("KC_REDIS_URL", None)
+    if admin:
+        env["KC_REDIS_URL"] = state["redis_url"]
     env["KC_REDIS_PREFIX"] = state["redis_prefix"]
     env["KC_HOME"] = str(kc_home())
     return env
@@ -229,7 +237,8 @@ def _start_ray(state: dict[str, Any], topo: ClusterTopology, opts: UpOptions) ->
         pinned = json.dumps({gpu_resource(g): 1 for g in range(node.gpus)})
         proc = _ray_start([f"--address=127.0.0.1:{port}", f"--num-cpus={int(node.cpus)}",
                            f"--num-gpus={node.gpus}", f"--labels={labels}",
-                           f"--resources={pinned}"], env, f"ray-{node.name}.log")
+                           f"--resources={pinned}"], _ray_env(state, admin=False),
+                          f"ray-{node.name}.log")
         if proc.wait(timeout=300) != 0:
             raise ClusterError(f"`ray start` for {node.name} failed; see "
                                f"{kc_home()}/logs/ray-{node.name}.log")
@@ -244,20 +253,26 @@ def _start_control_plane(state: dict[str, Any], settings: Settings) -> None:
     code = (
         "import json,sys,ray;from kuangchao.platform.settings import Settings;"
         "from kuangchao.platform.actors import start_control_plane, wait_for_nodes;"
+        "from kuangchao.platform.errors import KuangchaoError;"
         "s=Settings(**json.loads(sys.argv[1]));"
         f"ray.init(address=s.ray_address, namespace={RAY_NAMESPACE!r}, log_to_driver=False,"
         "logging_level='ERROR');"
-        "wait_for_nodes(int(sys.argv[2]));start_control_plane(s)"
+        "wait_for_nodes(int(sys.argv[2]))\n"
+        "try:\n start_control_plane(s)\n"
+        "except KuangchaoError as e:\n print(e.message, file=sys.stderr); sys.exit(2)"
     )
     topo_nodes = len(load_topology(state["cluster"]).nodes) + 1
     args = json.dumps({"redis_url": settings.redis_url, "redis_prefix": settings.redis_prefix,
                        "ray_address": settings.ray_address, "api_url": settings.api_url,
-                       "signing_key_file": settings.signing_key_file, "dev": settings.dev})
+                       "signing_key_file": settings.signing_key_file, "dev": settings.dev,
+                       "job_acl": settings.job_acl})
     out = subprocess.run([sys.executable, "-c", code, args, str(topo_nodes)],
                          env=_ray_env(state), capture_output=True, text=True, timeout=300)
+    if out.returncode == 2:  # a message for the user, e.g. no usable signing key
+        raise ClusterError(f"control plane did not start: {out.stderr.strip()}")
     if out.returncode != 0:
         raise ClusterError(f"control plane did not start:\n{out.stderr[-3000:]}")
-    _log("control    kc-scheduler, kc-registry (Ray namespace kuangchao)")
+    _log("control    kc-scheduler, kc-registry, kc-token-authority (Ray namespace kuangchao)")
 
 
 def _start_api(state: dict[str, Any], settings: Settings, port: int) -> None:

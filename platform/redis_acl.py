@@ -2,7 +2,8 @@
 
 The user may read and write `{prefix}job:{id}` and `{prefix}job:{id}:*`
 (two patterns: a bare `job:{id}*` would also match a job whose id merely
-starts with this one), run the store's compare-and-set script and
+starts with this one), read token revocation marks, run the store's
+compare-and-set script and
 transactions, and nothing that lists, flushes or administers the server. Its
 password is random and lives only in the job's worker environment; workers
 never see the admin credentials.
@@ -27,8 +28,11 @@ def job_user(job_id: str) -> str:
 def grant_job_user(admin: Any, prefix: str, job_id: str) -> tuple[str, str]:
     """Create (or reset) the job's ACL user; returns its name and new password."""
     name, password = job_user(job_id), secrets.token_urlsafe(32)
+    # Revocation marks are readable (not writable), so workers can see that a
+    # token of theirs was revoked.
     admin.execute_command("ACL", "SETUSER", name, "reset", "on", f">{password}",
-                          f"~{prefix}job:{job_id}", f"~{prefix}job:{job_id}:*", *_RULES)
+                          f"~{prefix}job:{job_id}", f"~{prefix}job:{job_id}:*",
+                          f"%R~{prefix}auth:revoked:*", *_RULES)
     return name, password
 
 

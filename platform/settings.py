@@ -79,6 +79,8 @@ class Settings:
         signing_key_file: The token authority's Ed25519 private key, PEM
             (`KC_SIGNING_KEY_FILE`); read on the head node only.
         dev: Local dev mode (`KC_DEV_MODE=1`, set by `kc up`).
+        job_acl: Give each job's workers a Redis ACL user of their own
+            (`KC_REDIS_JOB_ACL`, default 1; 0 for a Redis without ACLs).
     """
 
     redis_url: str | None
@@ -89,6 +91,7 @@ class Settings:
     api_key: str | None = field(default=None, repr=False)
     signing_key_file: str | None = None
     dev: bool = False
+    job_acl: bool = True
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -110,6 +113,7 @@ class Settings:
             api_key=os.environ.get("KC_API_KEY") or read_credentials().get("api_key"),
             signing_key_file=os.environ.get("KC_SIGNING_KEY_FILE") or state.get("signing_key_file"),
             dev=dev_mode() or bool(state.get("dev_mode")),
+            job_acl=os.environ.get("KC_REDIS_JOB_ACL", "1") != "0",
         )
 
     def env(self) -> dict[str, str]:
@@ -123,6 +127,8 @@ class Settings:
             out["KC_SIGNING_KEY_FILE"] = self.signing_key_file
         if self.dev:
             out["KC_DEV_MODE"] = "1"
+        if not self.job_acl:
+            out["KC_REDIS_JOB_ACL"] = "0"
         q = self.quarantine
         out.update({"KC_QUARANTINE_FAILURES": str(q.failures),
                     "KC_QUARANTINE_WINDOW_S": str(q.window_s), "KC_QUARANTINE_S": str(q.duration_s)})

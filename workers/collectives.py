@@ -8,7 +8,8 @@ interface is whitelisted and the group is in scope; only then does it call
 `torch.distributed`. Without a token, nothing is allowed. The check is a set
 lookup and a clock read, so it costs nothing next to the collective itself
 (`bench/tokens.py`). A refusal raises `PermissionError` and is reported to
-the deny hook (the job's audit trail and events, once wired).
+the deny hook: the rank writes it to the job's events and the token
+authority audits it (`workers/credentials.py`).
 """
 
 from __future__ import annotations
@@ -31,29 +32,55 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 class _Guard:
     def __init__(self) -> None:
         self.claims: Claims | None = None
-        self.on_deny: Callable[[str, str], None] = lambda interface, why: None
+        self.withdrawn: TokenError | None = None
+        self.on_deny: Callable[[str, str, str], None] = lambda interface, group, why: None
+
+    def valid(self) -> Claims:
+        claims = self.claims
+        if claims is None:
+            raise TokenError("missing", "this process holds no capability token")
+        if self.withdrawn is not None:
+            raise self.withdrawn
+        if time.time() >= claims.expires_at:
+            raise TokenError("expired", f"token {claims.token_id} expired; it was not renewed")
+        return claims
 
     def allow(self, interface: str, group: str) -> None:
-        claims = self.claims
         try:
-            if claims is None:
-                raise TokenError("missing", "this process holds no capability token")
-            if time.time() >= claims.expires_at:
-                raise TokenError("expired", f"token {claims.token_id} expired; it was not renewed")
-            check(claims, interface, group=group)
+            check(self.valid(), interface, group=group)
         except TokenError as exc:
-            self.on_deny(interface, str(exc))
+            self.on_deny(interface, group, str(exc))
             raise
 
 
 _guard = _Guard()
 
 
-def set_token(claims: Claims | None, on_deny: Callable[[str, str], None] | None = None) -> None:
-    """Install this process's verified token (None takes every right away)."""
-    _guard.claims = claims
+def set_token(claims: Claims | None,
+              on_deny: Callable[[str, str, str], None] | None = None) -> None:
+    """Install this process's verified token (None takes every right away).
+
+    `on_deny(interface, group, reason)` hears of every refusal.
+    """
+    _guard.claims, _guard.withdrawn = claims, None
     if on_deny is not None:
         _guard.on_deny = on_deny
+
+
+def withdraw(reason: TokenError) -> None:
+    """Refuse everything from now on, saying why (a revoked or unrenewable token)."""
+    _guard.withdrawn = reason
+
+
+def valid_claims() -> Claims:
+    """The installed token's claims, or `TokenError` if there is none or it is no longer good."""
+    return _guard.valid()
+
+
+def permit(interface: str, group: str = WORLD) -> None:
+    """Ask the token before a collective this module does not wrap (object
+    collectives, DDP's own set-up); raises `PermissionError` when refused."""
+    _guard.allow(interface, group)
 
 
 class CommGroup:

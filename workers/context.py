@@ -13,6 +13,7 @@ import torch.distributed as dist
 from kuangchao.platform.spec import JobSpec
 from kuangchao.platform.store import JobStore
 from kuangchao.workers.checkpoint import CheckpointManager
+from kuangchao.workers.collectives import permit
 from kuangchao.workers.heartbeat import Heartbeat
 from kuangchao.workers.joblog import JobLogSink
 
@@ -187,6 +188,7 @@ class TrainContext:
         if self.world_size == 1 or not dist.is_initialized():
             return bool(preempt), int(rejoin)
         flags = torch.tensor([preempt, rejoin], dtype=torch.float64)
+        permit("all_reduce")  # the capability token decides, as for any collective
         with self.phase("collective"):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0].item()), int(flags[1].item())

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kuangchao.workers.collectives import permit
 from kuangchao.workers.errors import TrainingError
 
 GENERATION_POLL_S = 0.02
@@ -191,6 +192,7 @@ def broadcast_state(obj: Any, src: int, device: torch.device) -> Any:
     collectives, not one per parameter.
     """
     tensors: list[torch.Tensor] = []
+    permit("broadcast")
     meta = [_strip(obj, tensors) if dist.get_rank() == src else None]
     dist.broadcast_object_list(meta, src=src, device=device if device.type == "cuda" else None)
     skeleton = meta[0]
@@ -232,5 +234,6 @@ def state_source(steps: list[int | None]) -> tuple[int, bool]:
 
 def gather_steps(step: int | None) -> list[int | None]:
     out: list[Any] = [None] * dist.get_world_size()
+    permit("all_gather")
     dist.all_gather_object(out, step)
     return out

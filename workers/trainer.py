@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from kuangchao.platform.spec import JobSpec
 from kuangchao.workers import resize
 from kuangchao.workers.checkpoint import CheckpointInfo, PendingCheckpoint
+from kuangchao.workers.collectives import permit
 from kuangchao.workers.context import TrainContext
 from kuangchao.workers.data import BatchSource, Prefetcher, batch_indices, load_corpus
 from kuangchao.workers.elastic import ResizeNow, is_collective_failure, mark_ready
@@ -81,6 +82,7 @@ def _global_mean(value: float, ctx: TrainContext) -> float:
     if ctx.world_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64)
+    permit("all_reduce")
     with ctx.phase("collective"):
         dist.all_reduce(t)
     return float(t.item()) / ctx.world_size
@@ -251,6 +253,7 @@ def check_replicas_in_sync(model: torch.nn.Module, ctx: TrainContext) -> str:
     ctx.log(f"final parameter sha256 {digest}", params_sha256=digest)
     if ctx.world_size > 1:
         digests: list[str] = [""] * ctx.world_size
+        permit("all_gather")
         dist.all_gather_object(digests, digest)
         if len(set(digests)) != 1:
             raise TrainingError(f"data-parallel replicas diverged: parameter digests {digests}")

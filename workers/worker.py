@@ -7,6 +7,7 @@ takes no Ray dependency beyond reading its own node and GPU ids.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import re
@@ -25,6 +26,7 @@ from kuangchao.platform.store import JobStore
 from kuangchao.platform.topology import GPU_RESOURCE_PREFIX
 from kuangchao.workers.checkpoint import CheckpointManager
 from kuangchao.workers.context import TrainContext
+from kuangchao.workers.credentials import GuardedCheckpoints, TokenHolder, authority_client
 from kuangchao.workers.elastic import Generation, join_generation
 from kuangchao.workers.errors import EntrypointError, PlacementMismatch, TrainingError
 from kuangchao.workers.heartbeat import Heartbeat, heartbeat_client
@@ -69,14 +71,19 @@ class TrainWorker:
 
     def __init__(self, job_id: str, rank: int, world_size: int, settings: Settings,
                  planned_gpus: tuple[int, ...] | None = None, node: str = "",
-                 heartbeat: tuple[float, float] | None = None) -> None:
+                 heartbeat: tuple[float, float] | None = None,
+                 grant: dict[str, Any] | None = None, authority: Any = None) -> None:
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
+        if grant is not None and grant.get("redis_url"):
+            # The job's own Redis user: this process never holds the admin credentials.
+            settings = dataclasses.replace(settings, redis_url=grant["redis_url"])
         self.settings = settings
         self.planned_gpus = planned_gpus
         self.store: JobStore | None = None
         if settings.redis_url:
             self.store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
         self.sink = JobLogSink(self.store, job_id, rank)
+        self.holder = self._hold(grant, authority) if grant is not None else None
         self.generation: Generation | None = None
         self._group_store: Any = None
         self.heartbeat: Heartbeat | None = None
@@ -93,6 +100,30 @@ class TrainWorker:
                     "preempt": self.store.key("job", job_id, "preempt"),
                     "cancel": self.store.key("job", job_id, "cancel")})
             self.heartbeat.start()
+
+    def _hold(self, grant: dict[str, Any], authority: Any) -> TokenHolder:
+        """Verify and keep this rank's token; refusals go to the job's events and the audit."""
+        renew, report = authority_client(authority)
+        store = self.store
+
+        def revoked(token_id: str) -> bool:
+            return store is not None and bool(store.r.exists(store.key("auth", "revoked", token_id)))
+
+        def denied(interface: str, resource: str, reason: str) -> None:
+            message = f"rank {self.rank} was refused {interface} on {resource}: {reason}"
+            self.sink.emit(message, level="ERROR", module="permission")
+            report(holder.token if holder else grant["token"], interface, resource, reason)
+            if store is not None:
+                try:
+                    store.add_event(self.job_id, {"ts": time.time(), "type": "permission_denied",
+                                                  "rank": self.rank, "interface": interface,
+                                                  "resource": resource, "message": message})
+                except Exception:  # the raised PermissionError still fails the rank
+                    pass
+
+        holder: TokenHolder | None = None
+        holder = TokenHolder(grant["token"], grant["public_key"], revoked, renew, denied)
+        return holder
 
     def describe(self) -> dict[str, Any]:
         """Where this rank landed: host, IP, pid, and the GPU ids it was given.
@@ -161,8 +192,10 @@ class TrainWorker:
             except Exception as exc:
                 tb = traceback.format_exc()
                 self.sink.emit(tb, level="ERROR", module="worker")
+                # A token refusal reads as what it is to the user: a PermissionError.
+                kind = "PermissionError" if isinstance(exc, PermissionError) else type(exc).__name__
                 message = exc.message if isinstance(exc, EntrypointError) else (
-                    f"rank {self.rank} on {socket.gethostname()}: {type(exc).__name__}: {exc}")
+                    f"rank {self.rank} on {socket.gethostname()}: {kind}: {exc}")
                 raise TrainingError(f"{message}\n{tb}") from None
             finally:
                 if self.heartbeat is not None:
@@ -173,8 +206,10 @@ class TrainWorker:
     def _context(self, spec: JobSpec) -> TrainContext:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         on_commit = self._record_checkpoint if self.store else None
-        ckpt = CheckpointManager(spec.checkpoint.path, self.job_id, self.rank, self.world_size,
-                                 spec.spec_hash(), spec.checkpoint.keep_last, on_commit=on_commit)
+        args = (spec.checkpoint.path, self.job_id, self.rank, self.world_size, spec.spec_hash(),
+                spec.checkpoint.keep_last)
+        ckpt = (GuardedCheckpoints(*args, on_commit=on_commit, holder=self.holder)
+                if self.holder is not None else CheckpointManager(*args, on_commit=on_commit))
         gen = self.generation
         rng = spec.elastic_range
         replicas = self.world_size // rng.ranks_per_replica
@@ -213,6 +248,8 @@ class TrainWorker:
     def shutdown(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        if self.holder is not None:
+            self.holder.stop()
         self.sink.close()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -232,9 +269,11 @@ class SpareWorker(TrainWorker):
         self.gpu_ids: list[int] = []
 
     def adopt(self, job_id: str, rank: int, world_size: int, settings: Settings,
-              gpu_ids: list[int], node: str, heartbeat: tuple[float, float] | None) -> int:
+              gpu_ids: list[int], node: str, heartbeat: tuple[float, float] | None,
+              grant: dict[str, Any] | None = None, authority: Any = None) -> int:
         """Become `rank` of the job, on the failed rank's GPUs; returns this pid."""
-        TrainWorker.__init__(self, job_id, rank, world_size, settings, None, node, heartbeat)
+        TrainWorker.__init__(self, job_id, rank, world_size, settings, None, node, heartbeat,
+                             grant, authority)
         self.gpu_ids = list(gpu_ids)
         if self.gpu_ids:  # before CUDA initialises
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids))

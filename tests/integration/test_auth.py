@@ -201,3 +201,22 @@ def test_cli_keys_audit_and_the_private_credentials_file(stack, tmp_path):
     # The same records reach the JSONL file.
     lines = (home / "audit" / "audit.jsonl").read_text().splitlines()
     assert any(made["key_id"] in json.loads(x)["resource"] for x in lines)
+
+
+def test_kc_up_refuses_a_default_or_unreadable_signing_key(tmp_path):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from kuangchao.platform.tokens import private_pem
+
+    default = tmp_path / "default.pem"
+    default.write_bytes(private_pem(Ed25519PrivateKey.from_private_bytes(bytes([7]) * 32)))
+    env = {**os.environ, "KC_HOME": str(tmp_path / "home"),
+           "KC_REDIS_PREFIX": f"kctest-key-{uuid.uuid4().hex[:6]}:"}
+    env.pop("KC_API_URL", None)
+    for path, says in ((default, "well-known default"), (tmp_path / "absent.pem", "cannot use")):
+        out = kc("up", "--cluster", "examples/cluster-2x4.yaml", "--api-port", "0",
+                 "--dashboard-port", "0", env={**env, "KC_SIGNING_KEY_FILE": str(path)},
+                 timeout=120)
+        assert out.returncode == 2 and says in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and "KC_SIGNING_KEY_FILE" in out.stderr
+        assert not (tmp_path / "home" / "cluster.json").exists()  # nothing left running

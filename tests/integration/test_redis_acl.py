@@ -63,6 +63,14 @@ def test_a_job_user_reaches_its_own_keys_and_no_one_elses(server):
             attempt()
     assert admin.get(f"{PREFIX}job:b-2222:progress") == "theirs"
     assert JobStore(admin, PREFIX).get("b-2222").message is None
+    # Revocation marks: readable, so a worker learns its token was revoked; never writable.
+    admin.set(f"{PREFIX}auth:revoked:t-1", "revoked by an admin")
+    assert mine.exists(f"{PREFIX}auth:revoked:t-1") == 1
+    for attempt in (lambda: mine.delete(f"{PREFIX}auth:revoked:t-1"),
+                    lambda: mine.set(f"{PREFIX}auth:revoked:t-2", "x"),
+                    lambda: mine.hgetall(f"{PREFIX}auth:keys")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attempt()
 
     revoke_job_user(admin, "a-1111")
     with pytest.raises(redis.exceptions.AuthenticationError):

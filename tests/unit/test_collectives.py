@@ -12,7 +12,7 @@ from kuangchao.workers import collectives as kc
 def gloo():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     denied: list[tuple[str, str]] = []
-    kc.set_token(None, on_deny=lambda iface, why: denied.append((iface, why)))
+    kc.set_token(None, on_deny=lambda iface, group, why: denied.append((iface, why)))
     try:
         yield denied
     finally:
