@@ -7,7 +7,7 @@ KC := $(VENV)/bin/kc
 CLUSTER ?= examples/cluster-2x4.yaml
 JOB ?= examples/tiny-gpt.yaml
 
-.PHONY: install run test unit integration lint up down clean
+.PHONY: install run test unit integration fuzz lint up down clean
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,13 @@ unit: install
 
 integration: install
 	$(PY) -m pytest -q tests/integration
+
+# The API fuzz test of `make test`, longer and with a new seed each run (it prints it;
+# KC_FUZZ_SEED=N replays one).
+FUZZ_EXAMPLES ?= 300
+fuzz: install
+	KC_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) KC_FUZZ_SEED=$${KC_FUZZ_SEED:-random} \
+		$(PY) -m pytest -q tests/integration/test_api_fuzz.py
 
 lint: install
 	$(VENV)/bin/ruff check .

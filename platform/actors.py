@@ -88,6 +88,9 @@ class TokenAuthorityActor:
     def grant_workers(self, job_id: str, ranks: dict[int, tuple[int, ...]]) -> dict[int, dict]:
         return {r: g.to_json() for r, g in self.authority.grant_workers(job_id, ranks).items()}
 
+    def grant_module(self, job_id: str, module: str, role: str) -> dict:
+        return self.authority.grant_module(job_id, module, role).to_json()
+
     def renew(self, token: str) -> str:
         return self.authority.renew(token)
 

@@ -28,6 +28,7 @@ from kuangchao.platform.errors import ClusterError, JobNotFound
 from kuangchao.platform.spec import JobSpec
 from kuangchao.platform.store import JobStore
 from kuangchao.platform.tokens import (
+    ROLE_INTERFACES,
     Claims,
     Minter,
     Scope,
@@ -171,6 +172,17 @@ class TokenAuthority:
                                   spec.permission.token_ttl_seconds)
             out[rank] = WorkerGrant(token, self._public, url)
         return out
+
+    def grant_module(self, job_id: str, module: str, role: str) -> WorkerGrant:
+        """A token for one of the job's other modules (its controller, a data
+        loader, a monitor): the role's interfaces, the job's checkpoint prefix."""
+        spec = JobSpec.model_validate(self.store.get(job_id).spec)
+        self.store.r.sadd(self.store.key("auth", "jobs"), job_id)
+        full = self.trainer_scope(job_id, spec, ())
+        scope = Scope(checkpoint_prefix=full.checkpoint_prefix, redis_prefix=full.redis_prefix)
+        token, _ = self._mint(f"{job_id}/{module}", job_id, role, scope, ROLE_INTERFACES[role],
+                              spec.permission.token_ttl_seconds)
+        return WorkerGrant(token, self._public, None)
 
     def job_redis_url(self, job_id: str) -> str | None:
         if not self.job_acl or not self.admin_url:

@@ -395,7 +395,7 @@ class JobController(InPlaceRecovery, LiveResize, Credentials):
             raise KuangchaoError("the train function returned without saving a checkpoint; "
                                  "call ctx.checkpoint.save(...) before returning")
         try:
-            manifest = verify(path)
+            manifest = verify(self._within_job(path))
         except CheckpointError as exc:
             raise KuangchaoError(f"final checkpoint does not verify: {exc.message}") from None
         final_loss = (results[0] or {}).get("final_loss")

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 import ray
 
 from kuangchao.platform.authority import AUTHORITY_NAME
-from kuangchao.platform.errors import ClusterError
+from kuangchao.platform.errors import ClusterError, KuangchaoError
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings
+from kuangchao.platform.tokens import Claims, TokenError, Verifier, check, load_public, within_prefix
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ class Credentials:
     planned: list[Any]
     store: Any
     authority: Any
+    own_claims: Claims | None = None
 
     def _grants(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
         """Fresh credentials for these ranks: a token each, the public key, the job's Redis URL."""
@@ -39,8 +42,31 @@ class Credentials:
             except ValueError:
                 raise ClusterError("no token authority is running, and no rank may start "
                                    "without a token; start the control plane with `kc up`") from None
+        if not ranks:
+            return {}
         ranks_gpus = {r: tuple(self.planned[r] or ()) for r in ranks}
         return ray.get(self.authority.grant_workers.remote(self.job_id, ranks_gpus), timeout=60)
+
+    def _controller_claims(self) -> Claims:
+        """The controller's own token (role `controller`), verified with the public key."""
+        if self.own_claims is None:
+            self._grants([])  # finds the authority
+            grant = ray.get(self.authority.grant_module.remote(self.job_id, "controller",
+                                                               "controller"), timeout=60)
+            self.own_claims = Verifier(load_public(grant["public_key"].encode())).verify(
+                grant["token"])
+        return self.own_claims
+
+    def _within_job(self, path: Path) -> Path:
+        """`path` if it lies in the job's checkpoint folder, as the controller's token
+        scopes it; a final checkpoint elsewhere (another job's) never counts."""
+        claims = self._controller_claims()
+        try:
+            check(claims, "checkpoint_read")
+            return Path(within_prefix(claims.scope.checkpoint_prefix, str(path)))
+        except TokenError as exc:
+            raise KuangchaoError(f"the final checkpoint {path} is not this job's: {exc.message}; "
+                                 "save it with ctx.checkpoint") from None
 
     def _retire_credentials(self) -> None:
         """Once the job has ended, revoke its tokens and remove its Redis user.

@@ -374,14 +374,3 @@ def load_spec_document(path: str | Path, overrides: list[str] | None = None) -> 
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     """Read and validate a spec file. Raises `SpecError` on any problem."""
     return validate_spec(load_spec_document(path, overrides))
-
-
-def parse_spec_text(text: str) -> dict:
-    """Parse a YAML or JSON request body into a spec document."""
-    try:
-        doc = yaml.safe_load(text)  # JSON is a subset of YAML
-    except yaml.YAMLError as exc:
-        raise SpecError([("", f"body is neither valid JSON nor YAML: {exc}")]) from None
-    if not isinstance(doc, dict):
-        raise SpecError([("", "a job spec must be a mapping at the top level")])
-    return doc

@@ -43,7 +43,11 @@ class TokenHolder:
         self._verifier = Verifier(load_public(pem), is_revoked)
         self._renew, self._is_revoked, self._on_deny = renew, is_revoked, on_deny
         self.token = token
-        self.claims: Claims = self._verifier.verify(token)
+        try:
+            self.claims: Claims = self._verifier.verify(token)
+        except TokenError as exc:  # the rank must not start; the audit says why
+            on_deny("token", "token", str(exc))
+            raise
         self.last_error: str | None = None
         collectives.set_token(self.claims, on_deny=self._collective_denied)
         self._stop = threading.Event()

@@ -17,7 +17,8 @@ router = APIRouter(prefix="/v1/audit", tags=["audit"])
 def read_audit(_: Annotated[Principal, Depends(require("audit.read"))],
                trail: Annotated[AuditLog, Depends(audit_log)],
                job: str | None = None,
-               since: float | None = Query(None, ge=0, description="unix seconds"),
+               # Far past any date, yet small enough for a Redis stream ID in milliseconds.
+               since: float | None = Query(None, ge=0, le=1e15, description="unix seconds"),
                action: str | None = Query(None, max_length=100, description=(
                    "allow or deny for that decision; else an action name such as "
                    "job.cancel, or its family such as job")),

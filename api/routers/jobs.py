@@ -12,7 +12,8 @@ from kuangchao.api.deps import Store, spec_422
 from kuangchao.platform import jobs
 from kuangchao.platform.apikeys import Principal
 from kuangchao.platform.errors import InvalidTransition, SpecError
-from kuangchao.platform.spec import parse_spec_text, validate_spec
+from kuangchao.platform.spec import validate_spec
+from kuangchao.platform.spec_text import parse_spec_text
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -21,6 +22,10 @@ Submitter = Annotated[Principal, Depends(require("job.submit"))]
 Canceller = Annotated[Principal, Depends(require("job.cancel"))]
 Scaler = Annotated[Principal, Depends(require("job.scale"))]
 Reader = Annotated[Principal, Depends(require("job.read"))]
+
+
+# Redis' integer range: LRANGE refuses a larger start.
+_MAX_INDEX = 2**63 - 1
 
 
 @router.post("", status_code=201, summary="Submit a job (JSON or YAML body)")
@@ -87,7 +92,7 @@ def job_samples(job_id: str, store: Store, who: Reader) -> dict[str, Any]:
 
 @router.get("/{job_id}/events", summary="The job's events, oldest first")
 def job_events(job_id: str, store: Store, who: Reader,
-               start: int = Query(0, ge=0)) -> dict[str, Any]:
+               start: int = Query(0, ge=0, le=_MAX_INDEX)) -> dict[str, Any]:
     visible_job(store, who, job_id, "job.read")
     events = store.events(job_id, start)
     return {"events": events, "next": start + len(events)}
@@ -95,7 +100,7 @@ def job_events(job_id: str, store: Store, who: Reader,
 
 @router.get("/{job_id}/logs", summary="The job's log lines from every rank")
 def job_logs(job_id: str, store: Store, who: Reader,
-             start: int = Query(0, ge=0)) -> dict[str, Any]:
+             start: int = Query(0, ge=0, le=_MAX_INDEX)) -> dict[str, Any]:
     visible_job(store, who, job_id, "job.read")
     logs = store.logs(job_id, start)
     return {"logs": logs, "next": start + len(logs)}

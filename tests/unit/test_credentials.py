@@ -74,5 +74,25 @@ def test_a_token_without_checkpoint_write_cannot_save(tmp_path):
 def test_a_token_not_signed_by_the_authority_is_refused_at_once():
     key, other = generate_key(), generate_key()
     token, _ = Minter(other).mint("job-1/rank-0", "job-1", "trainer", Scope(), {"all_reduce"}, 600)
+    told: list[tuple] = []
     with pytest.raises(PermissionError, match="tampered"):
-        TokenHolder(token, public_pem(key), lambda _: False, lambda t: t, lambda *a: None)
+        TokenHolder(token, public_pem(key), lambda _: False, lambda t: t, lambda *a: told.append(a))
+    assert told and told[0][0] == "token" and told[0][2].startswith("tampered")
+    for bad, reason in (("", "missing"), ("not.a.jwt", "malformed")):
+        with pytest.raises(PermissionError, match=reason):
+            TokenHolder(bad, public_pem(key), lambda _: False, lambda t: t, lambda *a: None)
+
+
+def test_the_controller_accepts_only_a_final_checkpoint_in_the_jobs_folder():
+    from kuangchao.platform.errors import KuangchaoError
+    from kuangchao.platform.grants import Credentials
+
+    _, claims = Minter(generate_key()).mint("job-1/controller", "job-1", "controller",
+                                            Scope(checkpoint_prefix="/ckpt/job-1"),
+                                            {"checkpoint_read", "heartbeat"}, 600)
+    ctl = Credentials()
+    ctl.own_claims = claims
+    assert str(ctl._within_job("/ckpt/job-1/step_00000010")) == "/ckpt/job-1/step_00000010"
+    for elsewhere in ("/ckpt/job-2/step_00000010", "/ckpt/job-1/../job-2/step_00000010"):
+        with pytest.raises(KuangchaoError, match="is not this job's"):
+            ctl._within_job(elsewhere)

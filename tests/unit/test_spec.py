@@ -10,9 +10,9 @@ from kuangchao.platform.spec import (
     apply_overrides,
     deep_merge,
     load_spec,
-    parse_spec_text,
     validate_spec,
 )
+from kuangchao.platform.spec_text import parse_spec_text
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -141,3 +141,35 @@ def test_live_resizing_is_the_default_only_for_the_built_in_trainer():
     custom = validate_spec({"entrypoint": "pkg.mod:fn"})
     assert not custom.live_resize
     assert validate_spec({"entrypoint": "pkg.mod:fn", "elastic": {"resize": "live"}}).live_resize
+
+
+def test_permission_whitelist_names_collectives_and_covers_the_built_in_trainer():
+    errs = errors_of({"permission": {"collectives": ["all_reduce", "teleport"]}})
+    assert "teleport not a collective" in errs["permission.collectives"]
+    errs = errors_of({"permission": {"collectives": ["all_reduce"]}})
+    assert errs["permission.collectives"].startswith("the built-in trainer needs all_gather, broadcast")
+    custom = validate_spec({"entrypoint": "pkg.mod:fn", "permission": {"collectives": ["send"]}})
+    assert custom.permission.collectives == ["send"]
+    assert "permission.token_ttl_seconds" in errors_of({"permission": {"token_ttl_seconds": 5}})
+
+
+def test_a_checkpoint_path_with_dot_dot_is_refused():
+    errs = errors_of({"checkpoint": {"path": "/data/ckpt/../../etc"}})
+    assert "contains '..'" in errs["checkpoint.path"]
+
+
+def test_api_bodies_a_job_record_cannot_hold_are_refused_with_the_field():
+    # An emoji as a JSON escape pair is fine; a lone half of one is not.
+    assert parse_spec_text('{"args": {"note": "\\ud83d\\ude00"}}')["args"]["note"] == "\U0001F600"
+    bad = {
+        '{"args": {"note": "\\ud800"}}': ("args.note", "surrogate"),
+        "args: !!binary aGVsbG8=\n": ("args", "YAML bytes"),
+        "args: &a [*a]\n": ("args.0", "alias"),
+        "args: " + "[" * 80 + "]" * 80 + "\n": ("args." + ".".join(["0"] * 63), "too deeply"),
+        "args: {n: " + "9" * 5000 + "}\n": ("", "4300 digits"),
+    }
+    for body, (field, says) in bad.items():
+        with pytest.raises(SpecError) as info:
+            parse_spec_text(body)
+        path, msg = info.value.errors[0]
+        assert path == field and says in msg, (body[:40], path, msg)
