@@ -36,8 +36,10 @@ log = logging.getLogger(__name__)
 
 REGISTRY_NAME = "kc-registry"
 SCHEDULER_NAME = "kc-scheduler"
-# How often the authority retires the credentials of jobs that have ended.
+# How often the authority retires the credentials of jobs that have ended, and
+# how often it checks that Redis still has the running jobs' users.
 SWEEP_S = 30.0
+RESTORE_S = 1.0
 # How often Ray brings a dead control-plane actor back. They keep their state
 # in Redis, so a restart loses nothing; -1 would hide a crash loop forever.
 CONTROL_RESTARTS = 10
@@ -79,11 +81,15 @@ class TokenAuthorityActor:
         threading.Thread(target=self._sweep, daemon=True, name="kc-authority-sweep").start()
 
     def _sweep(self) -> None:
-        while not self._stop.wait(SWEEP_S):
+        next_sweep = time.monotonic() + SWEEP_S
+        while not self._stop.wait(RESTORE_S):
             try:
-                self.authority.sweep()
-            except Exception:
-                log.exception("retiring the credentials of finished jobs failed; retrying")
+                self.authority.restore_users()
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + SWEEP_S
+                    self.authority.sweep()
+            except Exception as exc:  # Redis away: try again on the next beat
+                log.warning("token authority upkeep failed (%s); retrying", exc)
 
     def grant_workers(self, job_id: str, ranks: dict[int, tuple[int, ...]]) -> dict[int, dict]:
         return {r: g.to_json() for r, g in self.authority.grant_workers(job_id, ranks).items()}

@@ -263,6 +263,26 @@ class TokenAuthority:
                 done.append(job_id)
         return done
 
+    def restore_users(self) -> list[str]:
+        """Create again, with their passwords, the Redis users of running jobs that
+        Redis lost: ACL users are not in its data files, so a restarted Redis
+        comes back with the jobs' keys but without their users. The ranks'
+        clients retry their connections meanwhile, and get back in."""
+        if not (self.job_acl and self.admin_url):
+            return []
+        restored = []
+        for job_id in self.store.r.smembers(self.store.key("auth", "jobs")):
+            password = self.store.r.get(self.store.key("auth", "jobuser", job_id))
+            if password is None or redis_acl.has_job_user(self.store.r, job_id):
+                continue
+            if self._ended(job_id):
+                continue
+            redis_acl.grant_job_user(self.store.r, self.store.p, job_id, password)
+            self._audit("token-authority", "redis.grant", f"redis-user/{redis_acl.job_user(job_id)}",
+                        "allow", "restored: Redis came back without it", job_id)
+            restored.append(job_id)
+        return restored
+
     def _ended(self, job_id: str) -> bool:
         try:
             return self.store.get(job_id).state.is_terminal

@@ -25,15 +25,21 @@ def job_user(job_id: str) -> str:
     return f"kc-job-{job_id}"
 
 
-def grant_job_user(admin: Any, prefix: str, job_id: str) -> tuple[str, str]:
-    """Create (or reset) the job's ACL user; returns its name and new password."""
-    name, password = job_user(job_id), secrets.token_urlsafe(32)
+def grant_job_user(admin: Any, prefix: str, job_id: str,
+                   password: str | None = None) -> tuple[str, str]:
+    """Create (or reset) the job's ACL user; returns its name and password (a new
+    random one unless `password` is given, as when restoring it)."""
+    name, password = job_user(job_id), password or secrets.token_urlsafe(32)
     # Revocation marks are readable (not writable), so workers can see that a
     # token of theirs was revoked.
     admin.execute_command("ACL", "SETUSER", name, "reset", "on", f">{password}",
                           f"~{prefix}job:{job_id}", f"~{prefix}job:{job_id}:*",
                           f"%R~{prefix}auth:revoked:*", *_RULES)
     return name, password
+
+
+def has_job_user(admin: Any, job_id: str) -> bool:
+    return admin.execute_command("ACL", "GETUSER", job_user(job_id)) is not None
 
 
 def revoke_job_user(admin: Any, job_id: str) -> None:

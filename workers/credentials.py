@@ -16,8 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from kuangchao.platform.tokens import Claims, TokenError, Verifier, check, load_public, within_prefix
 from kuangchao.workers import collectives
 from kuangchao.workers.checkpoint import CheckpointManager
@@ -66,12 +64,11 @@ class TokenHolder:
                     collectives.set_token(self.claims)
                 elif self._is_revoked(self.claims.token_id):
                     self._refused(TokenError("revoked", f"token {self.claims.token_id} was revoked"))
-            except redis.AuthenticationError:
-                # The job's Redis user is gone: the authority retired the job's credentials.
-                self._refused(TokenError("revoked", "the job's credentials were withdrawn"))
             except TokenError as exc:  # refused: no more rights, and the job's events say why
                 self._refused(exc)
-            except Exception as exc:  # authority or Redis away: retry; the token holds till expiry
+            except Exception as exc:
+                # The authority or Redis away (a Redis restart drops the job's user until
+                # the authority restores it): try again; the token holds till it expires.
                 self.last_error = f"{type(exc).__name__}: {exc}"
 
     def _refused(self, exc: TokenError) -> None:
