@@ -83,3 +83,31 @@ def test_a_wrong_password_is_refused(server):
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis.from_url(url_for(server.url, user, "guess")).ping()
     revoke_job_user(admin, "c-4444")
+
+
+def test_the_authority_restores_a_running_jobs_user_that_redis_lost(server, tmp_path):
+    """A restarted Redis keeps its data but not its ACL users: the authority puts the
+    job's user back with the same password, so the ranks' URLs work again."""
+    from kuangchao.platform.audit import AuditLog
+    from kuangchao.platform.authority import TokenAuthority
+    from kuangchao.platform.state import JobState
+    from kuangchao.platform.tokens import generate_key
+
+    admin = redis.Redis.from_url(server.url, decode_responses=True)
+    store = JobStore(admin, "kc-restore:")
+    store.create(JobRecord(id="r-5555", name="r", spec={}))
+    auth = TokenAuthority(store, generate_key(), AuditLog(admin, "kc-restore:audit", None),
+                          server.url, job_acl=True)
+    url = auth.grant_workers("r-5555", {0: ()})[0].redis_url
+    assert redis.Redis.from_url(url).ping()
+    admin.execute_command("ACL", "DELUSER", "kc-job-r-5555")  # what a restart does
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis.from_url(url).ping()
+    assert auth.restore_users() == ["r-5555"]
+    assert redis.Redis.from_url(url).ping()  # the same URL, hence the same password
+    assert auth.restore_users() == []  # nothing missing now
+    store.update("r-5555", lambda j: (dataclasses.replace(j, state=JobState.SUCCEEDED), None))
+    assert auth.sweep() == ["r-5555"]  # ended: tokens revoked, user gone for good
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis.from_url(url).ping()
+    assert auth.restore_users() == []
