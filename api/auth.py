@@ -33,7 +33,7 @@ def _trail(store: JobStore) -> AuditLog:
     return AuditLog(store.r, store.key("audit"), audit_file())
 
 
-def audit_log(store: Store) -> AuditLog:
+async def audit_log(store: Store) -> AuditLog:
     return _trail(store)
 
 
@@ -62,7 +62,7 @@ def bearer(header: str | None) -> str | None:
 _SCHEME = HTTPBearer(auto_error=False, description="an API key: kc_<id>_<secret>")
 
 
-def caller(request: Request, store: Store,
+async def caller(request: Request, store: Store,
            _: Annotated[HTTPAuthorizationCredentials | None, Security(_SCHEME)] = None) -> Principal:
     """The authenticated principal, or 401 (audited) saying what is wrong with the key."""
     key = bearer(request.headers.get("authorization"))
@@ -83,7 +83,7 @@ Caller = Annotated[Principal, Depends(caller)]
 def require(action: str) -> Callable[..., Principal]:
     """A dependency: the caller, if their role may do `action`; else 403 (audited)."""
 
-    def check(request: Request, store: Store, principal: Caller) -> Principal:
+    async def check(request: Request, store: Store, principal: Caller) -> Principal:
         if not principal.can(action):
             reason = f"role {principal.role} may not {action}"
             audit(store, principal, action, f"{request.method} {request.url.path}", "deny", reason)

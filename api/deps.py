@@ -1,7 +1,13 @@
-"""FastAPI dependencies: the job store, opened once per process."""
+"""FastAPI dependencies: the job store, opened once per process.
+
+Dependencies are `async`: each is a dictionary lookup or one short Redis
+call, and a sync dependency would cost a hop to the thread pool per request.
+"""
 
 from __future__ import annotations
 
+import threading
+import time
 from functools import lru_cache
 from typing import Annotated
 
@@ -9,6 +15,7 @@ from fastapi import Depends, HTTPException
 
 from kuangchao.platform.errors import SpecError, StoreUnavailable
 from kuangchao.platform.settings import Settings
+from kuangchao.platform.state import JobRecord
 from kuangchao.platform.store import JobStore
 
 
@@ -18,7 +25,7 @@ def _store() -> JobStore:
     return JobStore.from_url(s.redis_url, s.redis_prefix)
 
 
-def get_store() -> JobStore:
+async def get_store() -> JobStore:
     try:
         return _store()
     except StoreUnavailable as exc:
@@ -26,6 +33,26 @@ def get_store() -> JobStore:
 
 
 Store = Annotated[JobStore, Depends(get_store)]
+
+# Queue positions need every active job; reading and parsing them all on each
+# request would make a submit cost grow with the queue. Views share one
+# snapshot for this long: a queue position may be that stale.
+ACTIVE_TTL_S = 0.5
+_active: dict[str, tuple[float, list[JobRecord]]] = {}
+_active_lock = threading.Lock()
+
+
+def active_jobs(store: JobStore) -> list[JobRecord]:
+    """The store's active jobs, as read at most `ACTIVE_TTL_S` ago."""
+    now = time.monotonic()
+    with _active_lock:
+        hit = _active.get(store.p)
+        if hit is not None and now - hit[0] < ACTIVE_TTL_S:
+            return hit[1]
+    jobs = store.list_active()
+    with _active_lock:
+        _active[store.p] = (now, jobs)
+    return jobs
 
 
 def spec_422(exc: SpecError) -> HTTPException:

@@ -48,27 +48,48 @@ def is_scrape_token(presented: str | None) -> bool:
     return hmac.compare_digest(want, hashlib.sha256(presented.encode()).hexdigest())
 
 
+class RequestTimer:
+    """Pure ASGI middleware timing each request by route template and status.
+
+    (Starlette's `BaseHTTPMiddleware` would cost a task and a stream per request.)
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def sent(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            REQUEST_SECONDS.labels(scope["method"], route, str(status)).observe(
+                time.perf_counter() - start)
+            if status in (401, 403):
+                AUTH_DENIALS.labels(str(status)).inc()
+
+
 def install(app: FastAPI) -> None:
     """Time every request and serve `/metrics`."""
-
-    @app.middleware("http")
-    async def _timed(request: Request, call_next):
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        REQUEST_SECONDS.labels(request.method, path, str(response.status_code)).observe(
-            time.perf_counter() - start)
-        if response.status_code in (401, 403):
-            AUTH_DENIALS.labels(str(response.status_code)).inc()
-        return response
+    app.add_middleware(RequestTimer)
 
     @app.get("/metrics", tags=["health"], summary="Prometheus metrics (scrape token or "
                                                   "operator key)")
-    def metrics(request: Request) -> Response:
+    async def metrics(request: Request) -> Response:
         if not is_scrape_token(bearer(request.headers.get("authorization"))):
-            store = get_store()
-            principal = caller(request, store)
+            store = await get_store()
+            principal = await caller(request, store)
             if not principal.can("metrics.read"):
                 audit(store, principal, "metrics.read", "/metrics", "deny",
                       f"role {principal.role} may not read metrics")

@@ -48,6 +48,7 @@ class AuditLog:
     def __init__(self, client: Any, stream: str, path: Path | None) -> None:
         self.client, self.stream, self.path = client, stream, path
         self._lock = threading.Lock()
+        self._file: Any = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -55,8 +56,8 @@ class AuditLog:
         line = json.dumps(rec.to_json(), sort_keys=True)
         if self.path is not None:
             try:
-                with self._lock, self.path.open("a") as f:
-                    f.write(line + "\n")
+                with self._lock:
+                    self._write(line + "\n")
             except OSError as exc:
                 log.error("audit file %s not written: %s; record: %s", self.path, exc, line)
         if self.client is not None:
@@ -64,6 +65,21 @@ class AuditLog:
                 self.client.xadd(self.stream, {"r": line}, maxlen=STREAM_MAXLEN, approximate=True)
             except Exception as exc:  # Redis away: the file still has it
                 log.error("audit stream not written: %s; record: %s", exc, line)
+
+    def _write(self, line: str) -> None:
+        # One handle kept open (opening per record cost more than the write);
+        # a file rotated away or deleted is opened again.
+        if self._file is None or not self.path.exists():  # type: ignore[union-attr]
+            if self._file is not None:
+                self._file.close()
+            self._file = self.path.open("a")  # type: ignore[union-attr]
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError:
+            self._file.close()
+            self._file = None
+            raise
 
     def read(self, job: str | None = None, since: float | None = None,
              decision: str | None = None, limit: int = 1000,

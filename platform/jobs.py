@@ -15,7 +15,7 @@ from kuangchao.platform.errors import InvalidTransition, SpecError
 from kuangchao.platform.policies import order_key
 from kuangchao.platform.queues import QueueTable
 from kuangchao.platform.settings import kc_home
-from kuangchao.platform.spec import JobSpec, validate_spec
+from kuangchao.platform.spec import JobSpec
 from kuangchao.platform.state import JobRecord, JobState, transition
 from kuangchao.platform.store import JobStore
 
@@ -35,9 +35,10 @@ def resolve_checkpoint_path(spec: JobSpec) -> JobSpec:
     path = Path(spec.checkpoint.path).expanduser()
     if path.is_absolute():
         return spec
-    doc = spec.model_dump(mode="json")
-    doc["checkpoint"]["path"] = str(kc_home() / path)
-    return validate_spec(doc)
+    # A copy with the one field changed; validating the whole spec again would
+    # find nothing new and cost more than the rest of a submit.
+    checkpoint = spec.checkpoint.model_copy(update={"path": str(kc_home() / path)})
+    return spec.model_copy(update={"checkpoint": checkpoint})
 
 
 def check_queue(store: JobStore, spec: JobSpec) -> None:
@@ -125,7 +126,9 @@ def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None =
     """The public JSON of a job: the record plus progress and checkpoints."""
     d = job.to_json()
     d.pop("version", None)
-    prog = store.progress(job.id)
+    # A job that never started has neither progress nor checkpoints to read.
+    fresh = job.started_at is None and job.restarts == 0
+    prog = {} if fresh else store.progress(job.id)
     total = job.spec.get("training", {}).get("steps")
     d["progress"] = {
         "step": prog.get("step", 0),
@@ -138,7 +141,7 @@ def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None =
     d["min_replicas"], d["max_replicas"] = rng.min_replicas, rng.max_replicas
     d["global_batch"] = rng.global_batch
     d["samples_seen"] = samples_seen(d["progress"]["step"] or 0, rng.global_batch)
-    d["checkpoints"] = store.checkpoints(job.id)
+    d["checkpoints"] = [] if fresh else store.checkpoints(job.id)
     d["queue_position"] = (queue_position(store, job, all_jobs) if job.state is JobState.QUEUED
                            else None)
     return d

@@ -128,9 +128,13 @@ class JobRecord:
     version: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        # Field by field, not `dataclasses.asdict`: that deep-copies the spec,
+        # which made it most of what a submit costs (bench/api.py). The values
+        # are JSON-ready already, and records are never mutated in place.
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["state"] = self.state.value
         d["placement"] = [p.to_json() for p in self.placement]
+        d["restart_log"], d["resize_log"] = list(self.restart_log), list(self.resize_log)
         return d
 
     @classmethod

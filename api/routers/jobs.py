@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from kuangchao.api.auth import allowed, audit, require, visible_job
-from kuangchao.api.deps import Store, spec_422
+from kuangchao.api.deps import Store, active_jobs, spec_422
 from kuangchao.platform import jobs
 from kuangchao.platform.apikeys import Principal
 from kuangchao.platform.errors import InvalidTransition, SpecError
@@ -37,20 +37,20 @@ async def submit_job(request: Request, store: Store, who: Submitter) -> dict[str
     except SpecError as exc:
         raise spec_422(exc) from None
     allowed(store, who, "job.submit", f"job/{job.id}", job=job.id, queue=job.queue)
-    return jobs.job_view(store, job)
+    return jobs.job_view(store, job, active_jobs(store))
 
 
 @router.get("", summary="List the jobs the caller's tenant may see, newest last")
 def list_jobs(store: Store, who: Reader,
               limit: int = Query(200, ge=1, le=10000)) -> dict[str, Any]:
-    active = store.list_active()  # queue positions count every waiting job, however old
+    active = active_jobs(store)  # queue positions count every waiting job, however old
     return {"jobs": [jobs.job_view(store, j, active) for j in store.list(limit)
                      if who.sees(j.tenant)]}
 
 
 @router.get("/{job_id}", summary="One job")
 def get_job(job_id: str, store: Store, who: Reader) -> dict[str, Any]:
-    return jobs.job_view(store, visible_job(store, who, job_id, "job.read"))
+    return jobs.job_view(store, visible_job(store, who, job_id, "job.read"), active_jobs(store))
 
 
 @router.post("/{job_id}/cancel", summary="Cancel a job")
