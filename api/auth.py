@@ -63,7 +63,8 @@ _SCHEME = HTTPBearer(auto_error=False, description="an API key: kc_<id>_<secret>
 
 
 async def caller(request: Request, store: Store,
-           _: Annotated[HTTPAuthorizationCredentials | None, Security(_SCHEME)] = None) -> Principal:
+                 _: Annotated[HTTPAuthorizationCredentials | None, Security(_SCHEME)] = None,
+                 ) -> Principal:
     """The authenticated principal, or 401 (audited) saying what is wrong with the key."""
     key = bearer(request.headers.get("authorization"))
     try:
