@@ -1,10 +1,12 @@
-"""`kc admin key ...`, `kc audit` and `kc whoami`: keys, the audit trail, the caller."""
+"""`kc admin key ...`, `kc audit`, `kc whoami` and `kc doctor`: keys, the audit trail,
+the caller, and a health check of the environment."""
 
 from __future__ import annotations
 
 import json
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -102,6 +104,29 @@ def parse_age(text: str, flag: str) -> float:
     if not age:
         fail(f"{flag} {text!r} is not a duration; give one such as 30s, 15m, 12h or 90d")
     return age
+
+
+def doctor(checkpoint_path: Annotated[Path | None, typer.Option(
+               help="Where checkpoints will go (default $KC_HOME/checkpoints).")] = None,
+           as_json: Json = False) -> None:
+    """Check this environment before training: versions on every node, Redis, Ray,
+    clocks, checkpoint storage, ports. Exit 0 only when all is healthy."""
+    from kuangchao.platform.doctor import healthy
+    from kuangchao.platform.doctor_probe import examine
+    from kuangchao.platform.settings import Settings
+
+    findings = examine(Settings.from_env(), checkpoint_path)
+    if as_json:
+        typer.echo(json.dumps({"healthy": healthy(findings),
+                               "findings": [f.to_json() for f in findings]}))
+    else:
+        marks = {"ok": "ok  ", "info": "--  ", "warn": "WARN", "fail": "FAIL"}
+        for f in findings:
+            typer.echo(f"{marks[f.status]} {f.check:<20} {f.message}")
+            if f.fix:
+                typer.echo(f"     {'':<20} fix: {f.fix}")
+    if not healthy(findings):
+        raise typer.Exit(1)
 
 
 def parse_since(text: str, now: float | None = None) -> float:

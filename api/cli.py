@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kuangchao.api.admin_cli import admin_app, audit, whoami
+from kuangchao.api.admin_cli import admin_app, audit, doctor, whoami
 from kuangchao.api.checkpoint_cli import checkpoint_app
 from kuangchao.api.cli_common import Json, call, client, fail
 from kuangchao.api.client import Client
@@ -165,6 +165,7 @@ app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(admin_app, name="admin")
 app.command()(audit)
 app.command()(whoami)
+app.command()(doctor)
 
 
 @topology_app.command("probe")
