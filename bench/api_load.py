@@ -142,16 +142,9 @@ def closed_loop(port: int, raw: bytes, expect: int, concurrency: int, seconds: f
             t0 = time.perf_counter()
             if t0 >= end:
                 break
-            try:
-                status, body = conn.send(raw)
-            except (OSError, ValueError) as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
-                conn.close()
-                continue
+            ok = _exchange(conn, raw, expect, errors)
             t1 = time.perf_counter()
-            if status != expect:
-                errors.append(f"HTTP {status}: {body[:300]!r}")
-            elif t1 <= end:
+            if ok and t1 <= end:
                 done.append(t0)
                 done.append(t1)
 
@@ -174,6 +167,21 @@ def closed_loop(port: int, raw: bytes, expect: int, concurrency: int, seconds: f
                 lat.append(t1 - t0)
     return Result(rps=n / seconds, latencies_s=lat, errors=len(errors),
                   sample_error=errors[0] if errors else "")
+
+
+def _exchange(conn: Conn, raw: bytes, expect: int, errors: list[str]) -> bool:
+    """One request and its answer; False, with the reason in `errors`, when it
+    failed or was answered with another status."""
+    try:
+        status, body = conn.send(raw)
+    except (OSError, ValueError) as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+        conn.close()
+        return False
+    if status != expect:
+        errors.append(f"HTTP {status}: {body[:300]!r}")
+        return False
+    return True
 
 
 def open_loop(port: int, raw: bytes, expect: int, rate: float, seconds: float,
@@ -209,16 +217,9 @@ def open_loop(port: int, raw: bytes, expect: int, rate: float, seconds: float,
                 due = time.perf_counter()
             else:  # every connection was busy: the wait counts
                 late[0] = max(late[0], -wait)
-            try:
-                status, body = conn.send(raw)
-            except (OSError, ValueError) as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
-                conn.close()
-                continue
+            ok = _exchange(conn, raw, expect, errors)
             done = time.perf_counter()
-            if status != expect:
-                errors.append(f"HTTP {status}: {body[:300]!r}")
-            elif k >= skip:
+            if ok and k >= skip:
                 lat.append(done - due)
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(connections)]
