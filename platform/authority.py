@@ -22,7 +22,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from kuangchao.platform import redis_acl
+from kuangchao.platform import metrics, redis_acl
 from kuangchao.platform.audit import AuditLog, AuditRecord
 from kuangchao.platform.errors import ClusterError, JobNotFound
 from kuangchao.platform.spec import JobSpec
@@ -298,3 +298,6 @@ class TokenAuthority:
         except TokenError:
             module, job = "unverified", None
         self._audit(module, interface, resource, "deny", reason, job)
+        if job:
+            metrics.job_recorder(self.store.r, self.store.p, job).inc(
+                metrics.TOKEN_DENIALS, interface=interface)

@@ -281,6 +281,9 @@ def _start_api(state: dict[str, Any], settings: Settings, port: int) -> None:
     env = _ray_env(state)
     env["KC_RAY_ADDRESS"] = state["ray_address"]
     env["KC_METRICS_TOKEN_FILE"] = state["metrics_token_file"]
+    # The ranks' scrape targets for Prometheus's file_sd (docs/operator-guide.md).
+    state["metrics_sd_file"] = str(kc_home() / "prometheus" / "kc-workers.json")
+    env["KC_METRICS_SD_FILE"] = state["metrics_sd_file"]
     for _ in range(3 if port == 0 else 1):
         use = port or procs.free_port()
         log = open(kc_home() / "logs" / "api.log", "ab")

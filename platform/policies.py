@@ -7,6 +7,7 @@ Redis or Ray, so tests build a snapshot by hand and check the decisions.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -54,6 +55,7 @@ class Admit:
     job_id: str
     plan: PlacementPlan
     replicas: int = 0  # data-parallel size admitted at (the plan's replica count)
+    solve_s: float = 0.0  # time the placement solver took for it (kc_placement_solve_seconds)
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,7 @@ class FifoPolicy:
             rng, shape = elastic_range(job.spec), job_shape(job)
             result: PlacementPlan | Infeasible = Infeasible("no admissible size")
             n = 0
+            started = time.perf_counter()
             for n in rng.sizes(upto=rng.target(job.desired_replicas)):
                 result = place(snap.nodes, used, replace(shape, dp=n))
                 if isinstance(result, PlacementPlan):
@@ -175,7 +178,7 @@ class FifoPolicy:
                 blocked_by = job.id
                 continue
             used = _union(used, _plan_gpus(result))
-            out.append(Admit(job.id, result, n))
+            out.append(Admit(job.id, result, n, time.perf_counter() - started))
         return out
 
 
@@ -227,12 +230,13 @@ class GangPolicy:
         shape = job_shape(job)
         traffic = traffic_from_spec(job.spec)
         plan: PlacementPlan | Infeasible = Infeasible("no admissible size")
+        started = time.perf_counter()
         for n in fitting:
             plan = st.try_place(replace(shape, dp=n), n * per, traffic)
             if isinstance(plan, PlacementPlan):
                 st.take(_plan_gpus(plan))
                 st.usage[queue.name] = in_use + n * per
-                return [Admit(job.id, plan, n)]
+                return [Admit(job.id, plan, n, time.perf_counter() - started)]
         shape, need = replace(shape, dp=least), least * per
         if snap.queues.preemption and not st.preempting:
             shrinks = shrink_victims(job, shape, need, st, lambda a: self._eligible(job, need, a, st))

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kuangchao.platform import metrics
 from kuangchao.platform.errors import KuangchaoError
 from kuangchao.platform.quarantine import NODE_FAULT_KINDS, QuarantinePolicy
 from kuangchao.platform.state import JobRecord, JobState, transition
@@ -75,6 +76,9 @@ def record_failure(store: JobStore, job_id: str, failure: Failure, max_restarts:
     if job.state.is_terminal:
         return False
     store.add_event(job_id, {"type": "failure", "message": failure.message, **failure.record()})
+    if failure.detected_after_s is not None:
+        metrics.cluster_recorder(store.r, store.p).observe(
+            metrics.FAILURE_DETECTION, failure.detected_after_s, cause=failure.kind)
     if quarantined:
         until = time.strftime("%H:%M:%S", time.localtime(quarantined["until"]))
         store.add_event(job_id, {"type": "quarantine", "node": failure.node,
@@ -93,7 +97,10 @@ def record_failure(store: JobStore, job_id: str, failure: Failure, max_restarts:
             return None
         return transition(j, JobState.RECOVERING, failure.message, restarts=j.restarts + 1,
                           restart_log=(*j.restart_log, entry))
-    return store.update(job_id, recovering) is not None
+    if store.update(job_id, recovering) is None:
+        return False
+    metrics.job_recorder(store.r, store.p, job_id).inc(metrics.RESTARTS, cause=failure.kind)
+    return True
 
 
 def requeue_for_recovery(store: JobStore, job_id: str, teardown_s: float) -> None:

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from kuangchao.platform import quarantine
+from kuangchao.platform import metrics, quarantine
 from kuangchao.platform.elastic import elastic_range
 from kuangchao.platform.errors import InvalidTransition, JobNotFound
 from kuangchao.platform.policies import (
@@ -59,6 +59,7 @@ class Scheduler:
     def __init__(self, store: JobStore, nodes: Callable[[], tuple[NodeInfo, ...]],
                  launch: Callable[[str], None], policy: AdmissionPolicy | None = None) -> None:
         self.store, self.nodes, self.launch, self.policy = store, nodes, launch, policy
+        self.metrics = metrics.cluster_recorder(store.r, store.p)
 
     def snapshot(self) -> Snapshot:
         jobs = self.store.list_active()
@@ -74,6 +75,13 @@ class Scheduler:
 
     def step(self) -> list[Decision]:
         """Run one cycle: cancel queued jobs on request, then admit in policy order."""
+        started = time.perf_counter()
+        decisions = self._step()
+        if decisions:  # idle cycles (nothing queued) would only dilute the histogram
+            self.metrics.observe(metrics.SCHEDULER_CYCLE, time.perf_counter() - started)
+        return decisions
+
+    def _step(self) -> list[Decision]:
         snap = self.snapshot()
         queued = []
         for job in snap.queued:
@@ -118,9 +126,12 @@ class Scheduler:
                        gpu=s.gpus[0] if s.gpus else None, gpus=s.gpus)
             for s in d.plan.slots)
 
+        queued_at = [0.0]  # since it last entered the queue (a requeue starts a new wait)
+
         def admit(j: JobRecord):
             if j.state is not JobState.QUEUED:
                 return None
+            queued_at[0] = j.state_since or j.created_at
             rng = elastic_range(j.spec)
             replicas = d.replicas or len(placement) // rng.ranks_per_replica
             summary = ", ".join(f"{p.rank}:{p.node}/{p.gpu}" for p in placement)
@@ -133,6 +144,9 @@ class Scheduler:
         if self.store.update(d.job_id, admit) is None:
             return
         job = self.store.get(d.job_id)
+        self.metrics.observe(metrics.QUEUE_WAIT, max(0.0, (job.state_since or time.time())
+                                                     - queued_at[0]), queue=job.queue)
+        self.metrics.observe(metrics.PLACEMENT_SOLVE, d.solve_s)
         if job.driver == "scheduler":
             self.launch(d.job_id)
 

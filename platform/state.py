@@ -125,6 +125,9 @@ class JobRecord:
     # only that tenant's principals (and operators, admins) may see the job.
     owner: str | None = None
     tenant: str = "default"
+    # When the job entered its current state (None for records written before
+    # this field existed): queue waits and "stuck in RECOVERING" are read from it.
+    state_since: float | None = None
     version: int = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -176,6 +179,7 @@ def transition(
         )
     now = time.time() if now is None else now
     updates: dict[str, Any] = dict(changes)
+    updates.setdefault("state_since", now)
     if to is JobState.RUNNING and job.started_at is None:
         updates.setdefault("started_at", now)
     if to.is_terminal:

@@ -35,6 +35,7 @@ import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
+from kuangchao.platform import metrics
 from kuangchao.platform.errors import JobNotFound, StoreUnavailable
 from kuangchao.platform.state import JobRecord, JobState, transition
 
@@ -171,6 +172,9 @@ class JobStore:
             if ok == 1:
                 if new.state.is_terminal:
                     self.r.srem(self.key("jobs", "active"), job_id)
+                    if not cur.state.is_terminal:
+                        metrics.cluster_recorder(self.r, self.p).inc(
+                            metrics.JOBS_FINISHED, state=new.state.value, queue=new.queue)
                 if event:
                     self.add_event(job_id, event)
                 return new

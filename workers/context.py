@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from kuangchao.platform import metrics
 from kuangchao.platform.spec import JobSpec
 from kuangchao.platform.store import JobStore
 from kuangchao.workers.checkpoint import CheckpointManager
 from kuangchao.workers.collectives import permit
 from kuangchao.workers.heartbeat import Heartbeat
 from kuangchao.workers.joblog import JobLogSink
+from kuangchao.workers.telemetry import WorkerTelemetry
 
 
 @dataclass
@@ -40,6 +43,8 @@ class TrainContext:
             (`kuangchao.workers.resize.sync_state`) instead of a checkpoint.
         live_resize: Resizes and lost peers are handled in this process
             (`kuangchao.workers.resize`); otherwise they end the train function.
+        telemetry: This rank's Prometheus gauges (`kuangchao.workers.telemetry`),
+            or None when worker metrics are off.
     """
 
     job_id: str
@@ -62,6 +67,7 @@ class TrainContext:
     joining: bool = False
     live_resize: bool = False
     group_store: Any = None
+    telemetry: WorkerTelemetry | None = None
     _last_report: dict[str, Any] = field(default_factory=dict)
     _reported_once: bool = False
     _first_after: str = "restart"
@@ -108,6 +114,17 @@ class TrainContext:
         self._reported_once = False
         self._first_after = after
 
+    @contextmanager
+    def collective(self) -> Iterator[None]:
+        """Around a collective the train function calls itself: the `collective`
+        phase for hang detection, and its time counted as communication."""
+        with self.phase("collective"):
+            if self.telemetry is None:
+                yield
+            else:
+                with self.telemetry.clock.timing():
+                    yield
+
     def phase(self, name: str):
         """Mark what this rank is doing (`with ctx.phase("checkpoint"): ...`).
 
@@ -128,6 +145,9 @@ class TrainContext:
         fields = {"first_step_at": now, "resumed_step": getattr(ckpt, "last_restored_step", None),
                   "restore_s": load_s,
                   "first_step_s": now - (load_end if load_end else self.started_at)}
+        if load_s is not None:
+            metrics.job_recorder(self.store.r, self.store.p, self.job_id).observe(  # type: ignore[union-attr]
+                metrics.CHECKPOINT_LOAD, load_s, job=self.job_id)
         try:
             self.store.annotate_restart(self.job_id, fields)  # type: ignore[union-attr]
         except Exception as exc:  # timings are best effort; training goes on
@@ -140,6 +160,9 @@ class TrainContext:
             if not entry:
                 return
             took = entry["resize_s"]
+            rec = metrics.job_recorder(self.store.r, self.store.p, self.job_id)  # type: ignore[union-attr]
+            rec.inc(metrics.RESIZES, job=self.job_id)
+            rec.observe(metrics.RESIZE_SECONDS, took, job=self.job_id)
             self.store.add_event(self.job_id, {  # type: ignore[union-attr]
                 "type": "resize", "from_world_size": entry.get("from_world_size"),
                 "to_world_size": entry.get("to_world_size"), "from_replicas": entry.get("from"),
@@ -189,7 +212,7 @@ class TrainContext:
             return bool(preempt), int(rejoin)
         flags = torch.tensor([preempt, rejoin], dtype=torch.float64)
         permit("all_reduce")  # the capability token decides, as for any collective
-        with self.phase("collective"):
+        with self.collective():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0].item()), int(flags[1].item())
 

@@ -24,6 +24,7 @@ from kuangchao.workers.elastic import (
 )
 from kuangchao.workers.numerics import GradNormGuard, data_index
 from kuangchao.workers.resume import Position, rng_state, set_rng_state
+from kuangchao.workers.telemetry import timed_allreduce_hook
 
 # How long a rank waits for the controller to publish the next generation after
 # its group broke: the controller must notice the loss and start any new ranks.
@@ -142,6 +143,9 @@ def wrap_ddp(model: torch.nn.Module, ctx: TrainContext) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     if ctx.world_size > 1 and dist.is_initialized():
-        return DistributedDataParallel(model)
+        ddp = DistributedDataParallel(model)
+        if ctx.telemetry is not None:  # the same average all-reduce, timed
+            ddp.register_comm_hook(None, timed_allreduce_hook(ctx.telemetry.clock))
+        return ddp
     return model
 

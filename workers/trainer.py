@@ -33,6 +33,7 @@ from kuangchao.workers.errors import CheckpointError, TrainingError
 from kuangchao.workers.model import ModelConfig, build_model
 from kuangchao.workers.numerics import GradNormGuard, NumericFault, data_index, data_position
 from kuangchao.workers.resume import Position, rank_state, restore_latest, roll_back, seed_everything
+from kuangchao.workers.telemetry import model_flops_per_token
 
 
 def model_config(spec: JobSpec) -> ModelConfig:
@@ -83,7 +84,7 @@ def _global_mean(value: float, ctx: TrainContext) -> float:
         return value
     t = torch.tensor([value], dtype=torch.float64)
     permit("all_reduce")
-    with ctx.phase("collective"):
+    with ctx.collective():
         dist.all_reduce(t)
     return float(t.item()) / ctx.world_size
 
@@ -158,6 +159,10 @@ def train(ctx: TrainContext) -> dict[str, Any]:
         ctx.generation_start = pos.step
     corpus = load_corpus(spec.data.path, spec.data.max_bytes, spec.model.vocab_size)
     source = BatchSource(corpus, spec.model.seq_len, spec.training.seed)
+    if ctx.telemetry is not None:
+        m = spec.model
+        ctx.telemetry.configure(model_flops_per_token(model.num_params(), m.n_layers, m.d_model,
+                                                      m.seq_len), ctx.device)
     ctx.log(f"training {model.num_params():,} parameters from step {pos.step} "
             f"to {spec.training.steps} on {ctx.world_size} rank(s)")
     while True:
@@ -199,11 +204,17 @@ def _train_from(ctx: TrainContext, pos: Position, ddp: torch.nn.Module, model: t
     loss_value = float("nan")
     first = pos.step
     with Prefetcher(_batches(source, spec, ctx, pos), depth=max(1, spec.data.prefetch)) as it:
+        micro_batch = spec.parallel.micro_batch_size
         for step in range(first, t.steps):
+            if ctx.telemetry is not None:
+                ctx.telemetry.begin_step()
             loss_value = _train_step(ddp, model, optimizer, it, step, ctx, pos, guard)
             resize.record_samples(ctx, step, pos)
             done = pos.step = step + 1  # applied: a rejoin continues after it
             meter.tick()
+            if ctx.telemetry is not None:
+                samples = micro_batch * ctx.accum_steps
+                ctx.telemetry.end_step(done, samples, samples * spec.model.seq_len)
             if done % t.log_interval == 0 or done == t.steps or done == first + 1:
                 global_loss = _global_mean(loss_value, ctx)
                 rate = meter.rate()
@@ -290,6 +301,9 @@ def _train_step(ddp: torch.nn.Module, model: torch.nn.Module, optimizer: torch.o
         # and the same verdict: no extra collective is needed to agree on a fault.
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                               spec.optimizer.grad_clip or float("inf"))
+        if ctx.telemetry is not None:
+            ctx.telemetry.observe_numerics(total / accum, float(norm),
+                                           optimizer.param_groups[0]["lr"])
         problem = guard.check(float(norm))
         if problem:
             optimizer.zero_grad(set_to_none=True)

@@ -20,10 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kuangchao.platform import metrics
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec import JobSpec, validate_spec
 from kuangchao.platform.store import JobStore
 from kuangchao.platform.topology import GPU_RESOURCE_PREFIX
+from kuangchao.workers import telemetry
 from kuangchao.workers.checkpoint import CheckpointManager
 from kuangchao.workers.context import TrainContext
 from kuangchao.workers.credentials import GuardedCheckpoints, TokenHolder, authority_client
@@ -31,6 +33,7 @@ from kuangchao.workers.elastic import Generation, join_generation
 from kuangchao.workers.errors import EntrypointError, PlacementMismatch, TrainingError
 from kuangchao.workers.heartbeat import Heartbeat, heartbeat_client
 from kuangchao.workers.joblog import JobLogSink, capture_output
+from kuangchao.workers.telemetry import WorkerTelemetry
 
 _GPU_RESOURCE = re.compile(rf"^{GPU_RESOURCE_PREFIX}(\d+)(_group_.*)?$")
 
@@ -83,6 +86,7 @@ class TrainWorker:
         if settings.redis_url:
             self.store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
         self.sink = JobLogSink(self.store, job_id, rank)
+        self.telemetry = self._serve_metrics(node)
         self.holder = self._hold(grant, authority) if grant is not None else None
         self.generation: Generation | None = None
         self._group_store: Any = None
@@ -100,6 +104,24 @@ class TrainWorker:
                     "preempt": self.store.key("job", job_id, "preempt"),
                     "cancel": self.store.key("job", job_id, "cancel")})
             self.heartbeat.start()
+
+    def _serve_metrics(self, node: str) -> WorkerTelemetry | None:
+        """This rank's Prometheus endpoint, registered for the control plane's file_sd."""
+        if not telemetry.enabled():
+            return None
+        tel = WorkerTelemetry(self.job_id, self.rank, node or socket.gethostname())
+        try:
+            import ray
+
+            host = os.environ.get(telemetry.ADDR_ENV) or ray.util.get_node_ip_address()
+            tel.serve(host)
+        except Exception as exc:  # noqa: BLE001 -- training goes on without its endpoint
+            self.sink.emit(f"worker metrics endpoint did not start: {exc}", level="WARNING",
+                           module="telemetry")
+            return tel
+        if self.store is not None:
+            telemetry.register(self.store.r, self.settings.redis_prefix, tel)
+        return tel
 
     def _hold(self, grant: dict[str, Any], authority: Any) -> TokenHolder:
         """Verify and keep this rank's token; refusals go to the job's events and the audit."""
@@ -173,6 +195,12 @@ class TrainWorker:
         if self.heartbeat is not None:
             self.heartbeat.rename(self.rank)
         self.sink.rank = self.rank
+        if self.telemetry is not None and self.telemetry.rank != self.rank:
+            if self.store is not None:
+                telemetry.unregister(self.store.r, self.settings.redis_prefix, self.telemetry)
+            self.telemetry.rank = self.rank
+            if self.store is not None:
+                telemetry.register(self.store.r, self.settings.redis_prefix, self.telemetry)
         backend, self._group_store = join_generation(gen, self.rank, timeout_s)
         return backend
 
@@ -222,13 +250,19 @@ class TrainWorker:
                             generation=gen.gen if gen else 0,
                             joining=bool(gen and self.rank in gen.joining),
                             live_resize=spec.live_resize and rng.elastic and self.store is not None,
-                            group_store=self._group_store)
+                            group_store=self._group_store, telemetry=self.telemetry)
 
     def _record_checkpoint(self, info: Any) -> None:
         """List a committed checkpoint on the job; the files on disk are what counts,
         so a Redis outage only costs the listing, never the training."""
+        store = self.store
+        assert store is not None
+        rec = metrics.job_recorder(store.r, store.p, self.job_id)
+        rec.observe(metrics.CHECKPOINT_SAVE, info.write_s or info.blocked_s, job=self.job_id)
+        rec.observe(metrics.CHECKPOINT_BLOCKED, info.blocked_s, job=self.job_id)
+        rec.inc(metrics.CHECKPOINT_BYTES, float(info.bytes), job=self.job_id)
         try:
-            self.store.add_checkpoint(self.job_id, info.to_json())  # type: ignore[union-attr]
+            store.add_checkpoint(self.job_id, {**info.to_json(), "committed_at": time.time()})
         except Exception as exc:
             self.sink.emit(f"could not list checkpoint step {info.step} in Redis: {exc}",
                            level="WARNING", module="worker")
@@ -248,6 +282,10 @@ class TrainWorker:
     def shutdown(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        if getattr(self, "telemetry", None) is not None:
+            if self.store is not None:
+                telemetry.unregister(self.store.r, self.settings.redis_prefix, self.telemetry)
+            self.telemetry.close()
         if self.holder is not None:
             self.holder.stop()
         self.sink.close()

@@ -1,0 +1,208 @@
+"""The metric catalogue, its Redis record, file_sd groups, and a rank's timing."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kuangchao.api.cluster_metrics import recorded_families
+from kuangchao.platform import metrics as m
+from kuangchao.platform.scrape_targets import groups, write_file_sd
+from kuangchao.platform.state import JobRecord, JobState
+from kuangchao.workers.telemetry import CommClock, WorkerTelemetry, timed_allreduce_hook
+
+
+def test_every_name_is_prefixed_unique_and_carries_its_unit():
+    names = [d.name for d in m.ALL]
+    assert len(names) == len(set(names))
+    units = ("_seconds", "_bytes", "_total", "_ratio", "_per_second", "_flops")
+    for d in m.ALL:
+        assert re.fullmatch(r"kc_[a-z0-9_]+", d.name), d.name
+        if d.kind == "counter":
+            assert d.name.endswith("_total"), d.name
+        if d.kind == "histogram":
+            assert d.name.endswith(("_seconds", "_bytes")), d.name
+        assert d.help and d.kind in ("counter", "gauge", "histogram")
+        if "_seconds" in d.name or "_bytes" in d.name or "_ratio" in d.name:
+            assert d.name.endswith(units), d.name
+
+
+def test_worker_series_carry_job_rank_and_node():
+    for d in m.WORKER:
+        assert d.labels[:3] == ("job", "rank", "node"), d.name
+
+
+def test_a_histogram_observation_fills_cumulative_buckets():
+    inc = m.increments(m.QUEUE_WAIT, 0.3, {"queue": "q"})
+    samples = m.parse_hash({k: str(v) for k, v in inc.items()})
+    buckets = {s.labels["le"]: s.value for s in samples if s.series.endswith("_bucket")}
+    assert "0.25" not in buckets  # below the value: not incremented
+    assert buckets["0.5"] == buckets["+Inf"] == 1.0
+    by_series = {s.series: s.value for s in samples}
+    assert by_series["kc_queue_wait_seconds_sum"] == 0.3
+    assert by_series["kc_queue_wait_seconds_count"] == 1.0
+
+
+def test_labels_must_match_the_declaration():
+    with pytest.raises(ValueError, match="takes labels"):
+        m.increments(m.RESTARTS, 1, {"job": "j"})
+    with pytest.raises(ValueError, match="gauges are read"):
+        m.increments(m.JOBS, 1, {"state": "QUEUED", "queue": "q"})
+
+
+class _Pipe:
+    def __init__(self, h: dict) -> None:
+        self.h, self.ops = h, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def hincrbyfloat(self, key, field, value):
+        self.ops.append((key, field, value))
+
+    def execute(self):
+        for key, field, value in self.ops:
+            self.h.setdefault(key, {})
+            self.h[key][field] = self.h[key].get(field, 0.0) + value
+
+
+class _Client:
+    """Pure-logic stand-in: records what the recorder would send."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.h: dict = {}
+        self.fail = fail
+
+    def pipeline(self, transaction=False):
+        if self.fail:
+            raise ConnectionError("redis is away")
+        return _Pipe(self.h)
+
+
+def test_recorded_counters_and_histograms_render_as_prometheus_text():
+    client = _Client()
+    rec = m.MetricsRecorder(client, "p:metrics:cluster")
+    rec.observe(m.FAILURE_DETECTION, 2.0, cause="died")
+    rec.observe(m.FAILURE_DETECTION, 4.0, cause="died")
+    rec.observe(m.FAILURE_DETECTION, float("nan"), cause="died")  # dropped, not a NaN sum
+    job = m.MetricsRecorder(client, "p:job:j1:metrics")
+    job.inc(m.RESTARTS, cause="died", job="j1")
+    samples = m.parse_hash(client.h["p:metrics:cluster"]) + m.parse_hash(client.h["p:job:j1:metrics"])
+    zeros = m.zero_samples(m.FAILURE_DETECTION) + m.zero_samples(m.RESTARTS, {"job": "j1"})
+    text = _render(recorded_families(m.merge(samples, zeros)))
+    values = _values(text)
+    assert values[("kc_failure_detection_seconds_count", (("cause", "died"),))] == 2
+    assert values[("kc_failure_detection_seconds_sum", (("cause", "died"),))] == 6.0
+    assert values[("kc_failure_detection_seconds_bucket", (("cause", "died"), ("le", "2.5")))] == 1
+    assert values[("kc_failure_detection_seconds_count", (("cause", "hung"),))] == 0  # zero series
+    assert values[("kc_job_restarts_total", (("cause", "died"), ("job", "j1")))] == 1
+    assert values[("kc_job_restarts_total", (("cause", "hung"), ("job", "j1")))] == 0
+
+
+def test_a_failed_record_never_raises():
+    rec = m.MetricsRecorder(_Client(fail=True), "k")
+    rec.inc(m.RESTARTS, cause="died", job="j")  # logged once, dropped
+
+
+def test_zero_series_need_every_label_known():
+    assert m.zero_samples(m.QUEUE_WAIT) == []  # queues are known only at scrape time
+    assert len(m.zero_samples(m.QUEUE_WAIT, {"queue": "q"})) == len(m.QUEUE_WAIT.buckets) + 3
+
+
+def _render(families) -> str:
+    class _C:
+        def collect(self):
+            yield from families
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_C())
+    return generate_latest(reg).decode()
+
+
+def _values(text: str) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _job(job_id: str, state: JobState, world: int) -> JobRecord:
+    return JobRecord(id=job_id, name=job_id, spec={}, state=state, world_size=world)
+
+
+def test_file_sd_groups_keep_current_ranks_of_running_jobs_only():
+    entry = lambda addr: json.dumps({"addr": addr, "node": "n0", "pid": 1})  # noqa: E731
+    jobs = [_job("a", JobState.RUNNING, 2), _job("b", JobState.QUEUED, 2)]
+    registered = {"a": {"0": entry("h:1"), "1": entry("h:2"), "2": entry("h:3"), "x": "bad"},
+                  "b": {"0": entry("h:9")}}
+    out = groups(jobs, registered)
+    assert out == [{"targets": ["h:1"], "labels": {"job": "a", "rank": "0", "node": "n0"}},
+                   {"targets": ["h:2"], "labels": {"job": "a", "rank": "1", "node": "n0"}}]
+
+
+def test_file_sd_is_replaced_atomically_and_only_on_change(tmp_path):
+    path = tmp_path / "sd" / "kc-workers.json"
+    data = [{"targets": ["h:1"], "labels": {"job": "a"}}]
+    assert write_file_sd(path, data) is True
+    assert json.loads(path.read_text()) == data
+    assert write_file_sd(path, data) is False
+    assert write_file_sd(path, []) is True and json.loads(path.read_text()) == []
+    assert [p.name for p in path.parent.iterdir()] == ["kc-workers.json"]
+
+
+def test_comm_clock_counts_overlapping_spans_once():
+    clock = CommClock()
+    clock.add(1.0, 2.0)
+    clock.add(1.5, 2.5)
+    clock.add(4.0, 6.0)  # runs past the step: counted up to its end, kept for the next
+    assert clock.busy_within(0.0, 5.0) == pytest.approx(2.5)
+    assert clock.busy_within(5.0, 7.0) == pytest.approx(1.0)
+
+
+def test_telemetry_derives_rates_and_mfu_from_one_step():
+    tel = WorkerTelemetry("j", 0, "n0")
+    tel.flops_per_token, tel.peak = 1e6, 1e9
+    tel.begin_step()
+    tel.clock.add(tel._step_start, tel._step_start)  # an empty span changes nothing
+    tel.observe_numerics(2.5, float("nan"), 1e-3)
+    tel.end_step(7, samples=4, tokens=256)
+    v = _values(_render(tel.collect()))
+    lab = (("job", "j"), ("node", "n0"), ("rank", "0"))
+    took = v[("kc_worker_step_seconds", lab)]
+    assert v[("kc_worker_step", lab)] == 7
+    assert v[("kc_worker_tokens_per_second", lab)] == pytest.approx(256 / took)
+    assert v[("kc_worker_samples_per_second", lab)] == pytest.approx(4 / took)
+    assert v[("kc_worker_mfu_ratio", lab)] == pytest.approx(1e6 * 256 / took / 1e9)
+    assert math.isnan(v[("kc_worker_grad_norm", lab)])
+    rss = (("job", "j"), ("kind", "rss"), ("node", "n0"), ("rank", "0"))
+    assert v[("kc_worker_memory_bytes", rss)] > 1e6
+
+
+def test_the_timed_ddp_hook_averages_and_records(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        ref = torch.nn.Linear(8, 4)
+        ref.load_state_dict(model.state_dict())
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        clock = CommClock()
+        ddp.register_comm_hook(None, timed_allreduce_hook(clock))
+        x = torch.randn(16, 8)
+        ddp(x).sum().backward()
+        ref(x).sum().backward()
+        assert torch.equal(model.weight.grad, ref.weight.grad)
+        assert clock._spans, "the all-reduce was not timed"
+    finally:
+        dist.destroy_process_group()
