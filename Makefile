@@ -7,9 +7,19 @@ KC := $(VENV)/bin/kc
 CLUSTER ?= examples/cluster-2x4.yaml
 JOB ?= examples/tiny-gpt.yaml
 
-.PHONY: install run test unit integration fuzz lint up down clean
+.PHONY: install tools run test unit integration fuzz lint up down clean
 
 install: $(VENV)/.installed
+
+# Debian's Prometheus (with promtool) for the observability tests.
+tools:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  if [ "$$(id -u)" != 0 ]; then \
+	    echo "the tests need Prometheus: run 'sudo apt-get install prometheus'" >&2; exit 2; fi; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || { \
+	    apt-get update -q >/dev/null && \
+	    apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }
 
 # torch is installed first and pinned: the CPU build serves here, and an
 # unpinned `torch` could pull a multi-GB CUDA build.
@@ -26,13 +36,13 @@ run: install
 	echo; echo "== loss summary =="; \
 	grep -E '^(state|step|loss|checkpoint) ' /tmp/kc-demo.out
 
-test: install
+test: install tools
 	$(PY) -m pytest -q tests
 
 unit: install
 	$(PY) -m pytest -q tests/unit
 
-integration: install
+integration: install tools
 	$(PY) -m pytest -q tests/integration
 
 # The API fuzz test of `make test`, longer and with a new seed each run (it prints it;

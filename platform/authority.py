@@ -300,4 +300,4 @@ class TokenAuthority:
         self._audit(module, interface, resource, "deny", reason, job)
         if job:
             metrics.job_recorder(self.store.r, self.store.p, job).inc(
-                metrics.TOKEN_DENIALS, interface=interface)
+                metrics.TOKEN_DENIALS, job=job, interface=interface)

@@ -226,14 +226,22 @@ class MetricsRecorder:
         self._warned = False
 
     def inc(self, metric: MetricDef, value: float = 1.0, **labels: Any) -> None:
-        self._add(increments(metric, value, labels))
+        self._add(metric, value, labels)
 
     def observe(self, metric: MetricDef, value: float, **labels: Any) -> None:
         if value is None or not math.isfinite(value):
             return
-        self._add(increments(metric, float(value), labels))
+        self._add(metric, float(value), labels)
 
-    def _add(self, fields: dict[str, float]) -> None:
+    def _add(self, metric: MetricDef, value: float, labels: dict[str, Any]) -> None:
+        try:
+            fields = increments(metric, value, labels)
+        except ValueError as exc:  # a recording bug: loud in the log, harmless to the job
+            log.error("metric not recorded: %s", exc)
+            return
+        self._write(fields)
+
+    def _write(self, fields: dict[str, float]) -> None:
         try:
             with self.client.pipeline(transaction=False) as pipe:
                 for f, v in fields.items():

@@ -99,7 +99,8 @@ def record_failure(store: JobStore, job_id: str, failure: Failure, max_restarts:
                           restart_log=(*j.restart_log, entry))
     if store.update(job_id, recovering) is None:
         return False
-    metrics.job_recorder(store.r, store.p, job_id).inc(metrics.RESTARTS, cause=failure.kind)
+    metrics.job_recorder(store.r, store.p, job_id).inc(metrics.RESTARTS, job=job_id,
+                                                          cause=failure.kind)
     return True
 
 

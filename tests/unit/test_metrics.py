@@ -109,9 +109,12 @@ def test_recorded_counters_and_histograms_render_as_prometheus_text():
     assert values[("kc_job_restarts_total", (("cause", "hung"), ("job", "j1")))] == 0
 
 
-def test_a_failed_record_never_raises():
+def test_a_failed_record_never_raises(caplog):
     rec = m.MetricsRecorder(_Client(fail=True), "k")
-    rec.inc(m.RESTARTS, cause="died", job="j")  # logged once, dropped
+    rec.inc(m.RESTARTS, cause="died", job="j")  # Redis away: logged once, dropped
+    client = _Client()
+    m.MetricsRecorder(client, "k").inc(m.RESTARTS, cause="died")  # a recording bug: logged
+    assert client.h == {} and "metric not recorded" in caplog.text
 
 
 def test_zero_series_need_every_label_known():
