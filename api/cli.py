@@ -140,17 +140,22 @@ def events(job_id: str, as_json: Json = False) -> None:
 @app.command()
 def logs(job_id: str,
          follow_: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing.")] = False,
+         rank: Annotated[int | None, typer.Option("--rank", min=0,
+                                                  help="Only this rank's lines.")] = None,
+         module: Annotated[str | None, typer.Option(
+             "--module", help="Only this module's lines (train, worker, stdout, stderr, "
+                              "heartbeat, permission, telemetry).")] = None,
          as_json: Json = False) -> None:
-    """Print a job's logs from every rank."""
+    """Print a job's logs from every rank (JSON lines with --json)."""
     c, start = client(), 0
     while True:
-        page = call(c.logs, job_id, start)
+        page = call(c.logs, job_id, start, rank, module)
         print_log_lines(page["logs"], as_json)
         start = page["next"]
         if not follow_:
             return
         if not page["logs"] and call(c.job, job_id)["state"] in TERMINAL:
-            if not call(c.logs, job_id, start)["logs"]:
+            if not call(c.logs, job_id, start, rank, module)["logs"]:
                 return
         time.sleep(1.0)
 

@@ -80,8 +80,14 @@ class Client:
     def events(self, job_id: str, start: int = 0) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}/events", params={"start": start})
 
-    def logs(self, job_id: str, start: int = 0) -> dict[str, Any]:
-        return self._call("GET", f"/v1/jobs/{job_id}/logs", params={"start": start})
+    def logs(self, job_id: str, start: int = 0, rank: int | None = None,
+             module: str | None = None) -> dict[str, Any]:
+        params: dict[str, Any] = {"start": start}
+        if rank is not None:
+            params["rank"] = rank
+        if module is not None:
+            params["module"] = module
+        return self._call("GET", f"/v1/jobs/{job_id}/logs", params=params)
 
     def nodes(self) -> dict[str, Any]:
         return self._call("GET", "/v1/nodes")

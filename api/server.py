@@ -8,6 +8,8 @@ from typing import Any
 
 import uvicorn
 
+from kuangchao.platform.logjson import use_json_logs
+
 
 def main(app: Any = None) -> None:
     """Serve `app` (default: kuangchao's; bench/api.py serves its baseline through here too,
@@ -25,7 +27,10 @@ def main(app: Any = None) -> None:
     # sets the tail latency (bench/api.py).
     gc.collect()
     gc.freeze()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+    use_json_logs("api")
+    # log_config=None: uvicorn's own records go through the JSON handler too.
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False,
+                log_config=None)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kuangchao.platform.audit import AuditLog
 from kuangchao.platform.authority import AUTHORITY_NAME, TokenAuthority, load_signing_key
 from kuangchao.platform.controller import JobController
+from kuangchao.platform.logjson import use_json_logs
 from kuangchao.platform.orphans import LAUNCHING, RECONCILE_S, OrphanCheck
 from kuangchao.platform.registry import Registry, head_node_id
 from kuangchao.platform.scheduler import Scheduler
@@ -59,6 +60,7 @@ def _control_options(name: str) -> dict[str, Any]:
 
 class RegistryActor:
     def __init__(self, settings: Settings) -> None:
+        use_json_logs("registry")
         self.registry = Registry(JobStore.from_url(settings.redis_url, settings.redis_prefix))
 
     def snapshot(self):
@@ -71,6 +73,7 @@ class TokenAuthorityActor:
     with it: a `kc train` driver without a control plane makes one for its job."""
 
     def __init__(self, settings: Settings, ephemeral: bool = False) -> None:
+        use_json_logs("authority")
         store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
         key, self.key_source = ((generate_key(), "ephemeral") if ephemeral else
                                 load_signing_key(settings.signing_key_file, settings.dev))
@@ -129,6 +132,7 @@ def private_authority(settings: Settings) -> Any:
 class JobControllerActor:
     def __init__(self, job_id: str, settings: Settings) -> None:
         name = ray.get_runtime_context().get_actor_name() or f"kc-job-{job_id}"
+        use_json_logs("controller", job_id=job_id)
         self.controller = JobController(job_id, settings, name=name)
         # What Ray and torch built at import is never garbage: moving it out of
         # the collector's sight keeps full collections short during heartbeat scans.
@@ -161,6 +165,7 @@ class SchedulerService:
     """Runs scheduling cycles in a background thread until stopped."""
 
     def __init__(self, settings: Settings, idle_s: float = 0.5) -> None:
+        use_json_logs("scheduler")
         self.settings, self.idle_s = settings, idle_s
         self.store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
         self.registry = ray.get_actor(REGISTRY_NAME, namespace=RAY_NAMESPACE)

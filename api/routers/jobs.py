@@ -100,7 +100,16 @@ def job_events(job_id: str, store: Store, who: Reader,
 
 @router.get("/{job_id}/logs", summary="The job's log lines from every rank")
 def job_logs(job_id: str, store: Store, who: Reader,
-             start: int = Query(0, ge=0, le=_MAX_INDEX)) -> dict[str, Any]:
+             start: int = Query(0, ge=0, le=_MAX_INDEX),
+             rank: int | None = Query(None, ge=0, le=1_000_000,
+                                      description="Only this rank's lines"),
+             module: str | None = Query(None, max_length=64,
+                                        description="Only lines of this module (train, worker, "
+                                                    "stdout, stderr, heartbeat, ...)")
+             ) -> dict[str, Any]:
+    """Lines from `start` on; `next` is where the next call starts, filters or not."""
     visible_job(store, who, job_id, "job.read")
     logs = store.logs(job_id, start)
-    return {"logs": logs, "next": start + len(logs)}
+    picked = [line for line in logs if (rank is None or line.get("rank") == rank)
+              and (module is None or line.get("module") == module)]
+    return {"logs": picked, "next": start + len(logs)}

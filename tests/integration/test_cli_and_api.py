@@ -35,6 +35,14 @@ def test_kc_submit_wait_json_follows_the_job_and_exits_0(stack, tmp_path):
     assert events[-1]["to"] == "SUCCEEDED"
     logs = kc("logs", job["id"], env=stack.env)
     assert logs.returncode == 0 and "[rank 0] step 12/12" in logs.stdout
+    # JSON lines carrying job_id, rank and module; --rank keeps one rank's.
+    lines = [json.loads(x) for x in kc("logs", job["id"], "--rank", "1", "--json",
+                                       env=stack.env).stdout.splitlines()]
+    assert lines and {x["rank"] for x in lines} == {1}
+    assert all(x["job_id"] == job["id"] and x["module"] for x in lines)
+    assert any(x["module"] == "worker" for x in lines)
+    train = kc("logs", job["id"], "--module", "train", env=stack.env).stdout
+    assert "step 12/12" in train and "pid" not in train  # worker start-up lines are left out
     text = kc("status", job["id"], env=stack.env).stdout
     assert "SUCCEEDED" in text and "rank 1" in text
 
