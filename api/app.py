@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 
 from kuangchao.api import metrics
 from kuangchao.api.auth import Caller
-from kuangchao.api.routers import admin, audit, health, jobs, nodes, queues
+from kuangchao.api.routers import admin, audit, debug, health, jobs, nodes, queues
 from kuangchao.platform.errors import StoreUnavailable
 from kuangchao.platform.version import __version__
 
@@ -20,7 +20,7 @@ def create_app() -> FastAPI:
     # with a key, like every route but /healthz.
     app = FastAPI(title="kuangchao", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    for module in (health, jobs, queues, nodes, admin, audit):
+    for module in (health, jobs, debug, queues, nodes, admin, audit):
         app.include_router(module.router)
     metrics.install(app)
 

@@ -18,6 +18,7 @@ from kuangchao.api.admin_cli import admin_app, audit, doctor, whoami
 from kuangchao.api.checkpoint_cli import checkpoint_app
 from kuangchao.api.cli_common import Json, call, client, fail
 from kuangchao.api.client import Client
+from kuangchao.api.debug_cli import debug_app, profile
 from kuangchao.api.render import (
     print_events,
     print_job,
@@ -171,6 +172,8 @@ app.add_typer(admin_app, name="admin")
 app.command()(audit)
 app.command()(whoami)
 app.command()(doctor)
+app.add_typer(debug_app, name="debug")
+app.command()(profile)
 
 
 @topology_app.command("probe")

@@ -41,7 +41,7 @@ class Client:
         self.base_url = base_url
         self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=headers)
 
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
+    def _call(self, method: str, path: str, raw: bool = False, **kw: Any) -> Any:
         try:
             resp = self._http.request(method, path, **kw)
         except httpx.HTTPError as exc:
@@ -53,7 +53,7 @@ class Client:
             except ValueError:
                 detail = resp.text
             raise ApiError(resp.status_code, detail)
-        return resp.json()
+        return resp.content if raw else resp.json()
 
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", "/v1/jobs", json=spec)
@@ -88,6 +88,25 @@ class Client:
         if module is not None:
             params["module"] = module
         return self._call("GET", f"/v1/jobs/{job_id}/logs", params=params)
+
+    def debug(self, job_id: str, kind: str, step: int | None = None,
+              timeout_s: float = 30.0) -> dict[str, Any]:
+        """Ask every rank of a running job: `comm`, `memory` or `gradient`."""
+        body: dict[str, Any] = {"timeout_s": timeout_s}
+        if step is not None:
+            body["step"] = step
+        return self._call("POST", f"/v1/jobs/{job_id}/debug/{kind}", json=body,
+                          timeout=timeout_s + 30)
+
+    def start_profile(self, job_id: str, steps: int) -> dict[str, Any]:
+        return self._call("POST", f"/v1/jobs/{job_id}/profiles", json={"steps": steps})
+
+    def profile(self, job_id: str, profile_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}/profiles/{profile_id}")
+
+    def profile_file(self, job_id: str, profile_id: str, name: str) -> bytes:
+        """One rank's trace, gzip-compressed Chrome-trace JSON."""
+        return self._call("GET", f"/v1/jobs/{job_id}/profiles/{profile_id}/{name}", raw=True)
 
     def nodes(self) -> dict[str, Any]:
         return self._call("GET", "/v1/nodes")

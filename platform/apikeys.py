@@ -23,10 +23,12 @@ ROLES = ("admin", "operator", "submitter", "viewer")
 # its own tenant's jobs unless its role reads across tenants.
 PERMISSIONS: dict[str, frozenset[str]] = {
     "viewer": frozenset({"job.read"}),
-    "submitter": frozenset({"job.read", "job.submit", "job.cancel", "job.scale"}),
-    "operator": frozenset({"job.read", "job.submit", "job.cancel", "job.scale", "queue.manage",
+    "submitter": frozenset({"job.read", "job.submit", "job.cancel", "job.scale", "job.debug"}),
+    "operator": frozenset({"job.read", "job.submit", "job.cancel", "job.scale", "job.debug",
+                           "queue.manage",
                            "node.manage", "audit.read", "jobs.all_tenants", "metrics.read"}),
-    "admin": frozenset({"job.read", "job.submit", "job.cancel", "job.scale", "queue.manage",
+    "admin": frozenset({"job.read", "job.submit", "job.cancel", "job.scale", "job.debug",
+                        "queue.manage",
                         "node.manage", "audit.read", "jobs.all_tenants", "metrics.read",
                         "key.manage"}),
 }

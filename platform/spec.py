@@ -13,7 +13,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -117,6 +117,10 @@ class FaultToleranceSection(_Section):
     spare_workers: bool = False
     # Fault drills: batches (by global data index) whose loss is made NaN.
     inject_nan_at_batches: list[int] = Field(default_factory=list, max_length=100)
+    # A drill for `kc debug gradient`: these parameters (by name) are left out of the
+    # gradient all-reduce, so the replicas' copies silently drift apart.
+    inject_unsynced_params: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+        default_factory=list, max_length=100)
 
 
 class ElasticSection(_Section):

@@ -11,11 +11,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kuangchao.platform import metrics
+from kuangchao.platform import debugreq, metrics
+from kuangchao.platform.debugreq import DebugRequest
 from kuangchao.platform.spec import JobSpec
 from kuangchao.platform.store import JobStore
 from kuangchao.workers.checkpoint import CheckpointManager
 from kuangchao.workers.collectives import permit
+from kuangchao.workers.debug import Capture
 from kuangchao.workers.heartbeat import Heartbeat
 from kuangchao.workers.joblog import JobLogSink
 from kuangchao.workers.telemetry import WorkerTelemetry
@@ -68,6 +70,10 @@ class TrainContext:
     live_resize: bool = False
     group_store: Any = None
     telemetry: WorkerTelemetry | None = None
+    capture: Capture | None = None  # a `kc debug gradient` or `kc profile` in progress
+    _captured: set[str] = field(default_factory=set)
+    _done: int = 0
+    _capture_checked: float = 0.0
     _last_report: dict[str, Any] = field(default_factory=dict)
     _reported_once: bool = False
     _first_after: str = "restart"
@@ -88,6 +94,7 @@ class TrainContext:
             **metrics: e.g. loss, tokens_per_s; `initial_loss` is kept from
                 the first report that carries a loss.
         """
+        self._done = step
         if self.heartbeat is not None:
             self.heartbeat.set_step(step)
             self.heartbeat.set_phase("train")
@@ -115,14 +122,15 @@ class TrainContext:
         self._first_after = after
 
     @contextmanager
-    def collective(self) -> Iterator[None]:
+    def collective(self, op: str = "collective", group: str = "world") -> Iterator[None]:
         """Around a collective the train function calls itself: the `collective`
-        phase for hang detection, and its time counted as communication."""
+        phase for hang detection, its time counted as communication, and its
+        name shown by `kc debug comm` while it waits."""
         with self.phase("collective"):
             if self.telemetry is None:
                 yield
             else:
-                with self.telemetry.clock.timing():
+                with self.telemetry.clock.timing(op, group):
                     yield
 
     def phase(self, name: str):
@@ -199,6 +207,7 @@ class TrainContext:
             Every rank must call it at the same step.
         """
         preempt, rejoin = 0.0, 0.0
+        capture = float(self._capture_requested()) if self.is_chief else 0.0
         if self.is_chief:
             if self.heartbeat is not None and "preempt" in self.heartbeat.flag_keys:
                 preempt = float(self.heartbeat.flags.get("preempt", False))
@@ -209,12 +218,49 @@ class TrainContext:
                 gen = float(self._asked(lambda s: s.rejoin_requested(self.job_id)))
                 rejoin = gen if gen > self.generation else 0.0
         if self.world_size == 1 or not dist.is_initialized():
+            self._arm(bool(capture))
             return bool(preempt), int(rejoin)
-        flags = torch.tensor([preempt, rejoin], dtype=torch.float64)
+        flags = torch.tensor([preempt, rejoin, capture], dtype=torch.float64)
         permit("all_reduce")  # the capability token decides, as for any collective
-        with self.collective():
+        with self.collective("all_reduce (control flags)"):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self._arm(bool(flags[2].item()))
         return bool(flags[0].item()), int(flags[1].item())
+
+    def _pending_capture(self) -> DebugRequest | None:
+        if self.store is None:
+            return None
+        try:
+            raw = self.store.r.get(debugreq.request_key(self.store.p, self.job_id))
+        except Exception:  # Redis away: the capture waits for it
+            return None
+        req = DebugRequest.from_json(raw)
+        if req is None or req.kind not in debugreq.SYNCED_KINDS or req.id in self._captured:
+            return None
+        return req
+
+    def _capture_requested(self) -> bool:
+        """Rank 0: a gradient or profile capture is asked for (seen with the heartbeat)."""
+        if self.capture is not None or self.heartbeat is None:
+            return False
+        if not self.heartbeat.flags.get("debug"):
+            return False
+        # At most one read per heartbeat period: the request key can outlive its answers.
+        now = time.monotonic()
+        if now - self._capture_checked < self.heartbeat.interval_s:
+            return False
+        self._capture_checked = now
+        return self._pending_capture() is not None
+
+    def _arm(self, agreed: bool) -> None:
+        """Every rank: take up the capture all agreed on, from the next step."""
+        if not agreed or self.capture is not None:
+            return
+        req = self._pending_capture()
+        if req is None:  # replaced meanwhile: rank 0 sees the new one next step
+            return
+        self._captured.add(req.id)
+        self.capture = Capture(req, self._done + 1)
 
     def _asked(self, read: Any) -> Any:
         try:

@@ -77,6 +77,8 @@ class Heartbeat:
         self.failures = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Runs on this thread after a beat that found the `debug` flag set (kc debug).
+        self.on_debug: Callable[[], None] | None = None
 
     # -- what training calls -------------------------------------------------
     def set_step(self, step: int) -> None:
@@ -192,12 +194,23 @@ class Heartbeat:
             pipe.delete(stack_request_key(self.prefix, self.job_id, self.rank))
             pipe.execute()
 
+    def _debug(self) -> None:
+        if self.on_debug is None or not self.flags.get("debug"):
+            return
+        try:
+            self.on_debug()
+        except (redis.RedisError, OSError):
+            raise  # the loop's backoff handles Redis
+        except Exception as exc:  # noqa: BLE001 -- a diagnosis must never stop the beats
+            self.on_log("WARNING", f"could not answer a debug request: {exc}")
+
     def _loop(self) -> None:
         delay = self.interval_s
         failing_since: float | None = None
         while not self._stop.is_set():
             try:
                 self.beat_once()
+                self._debug()
                 if failing_since is not None:
                     self.on_log("WARNING", f"heartbeats resumed after "
                                 f"{time.monotonic() - failing_since:.1f}s without Redis")

@@ -22,6 +22,7 @@ from kuangchao.workers.elastic import (
     mark_ready,
     state_source,
 )
+from kuangchao.workers.errors import TrainingError
 from kuangchao.workers.numerics import GradNormGuard, data_index
 from kuangchao.workers.resume import Position, rng_state, set_rng_state
 from kuangchao.workers.telemetry import timed_allreduce_hook
@@ -143,6 +144,16 @@ def wrap_ddp(model: torch.nn.Module, ctx: TrainContext) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     if ctx.world_size > 1 and dist.is_initialized():
+        unsynced = ctx.spec.fault_tolerance.inject_unsynced_params
+        if unsynced:
+            names = {n for n, _ in model.named_parameters()}
+            unknown = sorted(set(unsynced) - names)
+            if unknown:
+                raise TrainingError(
+                    f"fault_tolerance.inject_unsynced_params: no parameter(s) {unknown}; the model "
+                    f"has {', '.join(sorted(names))}")
+            # The drill: DDP leaves these out of its all-reduce.
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, unsynced)
         ddp = DistributedDataParallel(model)
         if ctx.telemetry is not None:  # the same average all-reduce, timed
             ddp.register_comm_hook(None, timed_allreduce_hook(ctx.telemetry.clock))

@@ -76,23 +76,60 @@ def _measured_cpu_flops(n: int = 256, reps: int = 8) -> float:
 
 
 class CommClock:
-    """Collects the intervals with a collective in flight, per step."""
+    """Collects the intervals with a collective in flight, per step, and which
+    collectives are in flight now (for `kc debug comm`)."""
 
     def __init__(self) -> None:
         self._spans: list[tuple[float, float]] = []
         self._lock = threading.Lock()
+        self._seq = 0
+        self._pending: dict[int, tuple[str, str, float]] = {}
+        self.last: dict[str, Any] | None = None
+        self.count = 0
 
     def add(self, start: float, end: float) -> None:
         with self._lock:
             self._spans.append((start, end))
 
+    def begin(self, op: str, group: str = "world") -> int:
+        with self._lock:
+            self._seq += 1
+            self._pending[self._seq] = (op, group, time.perf_counter())
+            return self._seq
+
+    def end(self, seq: int) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            entry = self._pending.pop(seq, None)
+            if entry is None:
+                return
+            op, group, start = entry
+            self._spans.append((start, now))
+            self.count += 1
+            self.last = {"op": op, "group": group, "seq": seq, "took_s": now - start,
+                         "ended_ago_s": 0.0, "_end": now}
+
     @contextmanager
-    def timing(self) -> Iterator[None]:
-        start = time.perf_counter()
+    def timing(self, op: str = "collective", group: str = "world") -> Iterator[None]:
+        seq = self.begin(op, group)
         try:
             yield
         finally:
-            self.add(start, time.perf_counter())
+            self.end(seq)
+
+    def in_flight(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The oldest collective in flight (with how long it has waited), and the last one done."""
+        now = time.perf_counter()
+        with self._lock:
+            pending = min(self._pending.items(), default=None)
+            last = dict(self.last) if self.last else None
+        out = None
+        if pending is not None:
+            seq, (op, group, start) = pending
+            out = {"op": op, "group": group, "seq": seq, "waited_s": now - start}
+        if last is not None:
+            last["ended_ago_s"] = now - last.pop("_end")
+        return out, last
 
     def busy_within(self, start: float, end: float) -> float:
         """Seconds of [start, end] covered by at least one span; spans before `end` are dropped."""
@@ -113,11 +150,11 @@ def timed_allreduce_hook(clock: CommClock):
     def hook(group, bucket):  # noqa: ANN001, ANN202
         pg = group if group is not None else dist.group.WORLD
         tensor = bucket.buffer().div_(dist.get_world_size(pg))
-        start = time.perf_counter()
+        seq = clock.begin(f"all_reduce (DDP bucket {bucket.index()})", "world")
         fut = dist.all_reduce(tensor, group=pg, async_op=True).get_future()
 
         def done(f: torch.futures.Future) -> torch.Tensor:
-            clock.add(start, time.perf_counter())
+            clock.end(seq)
             return f.value()[0]
         return fut.then(done)
     return hook
@@ -135,6 +172,14 @@ class WorkerTelemetry:
         self._step_start: float | None = None
         self._server: Any = None
         self.address: str | None = None
+        # For `kc debug`: the train function's model and optimizer, and any process
+        # groups beyond the world (named), set by the trainer.
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.groups: dict[str, Any] = {}
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
 
     # -- what training calls ---------------------------------------------------
     def configure(self, flops_per_token: float, device: torch.device) -> None:
@@ -189,6 +234,7 @@ class WorkerTelemetry:
         return self.address
 
     def close(self) -> None:
+        self.model = self.optimizer = None
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

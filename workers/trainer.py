@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from kuangchao.platform.spec import JobSpec
-from kuangchao.workers import resize
+from kuangchao.workers import debug_step, resize
 from kuangchao.workers.checkpoint import CheckpointInfo, PendingCheckpoint
 from kuangchao.workers.collectives import permit
 from kuangchao.workers.context import TrainContext
@@ -84,7 +84,7 @@ def _global_mean(value: float, ctx: TrainContext) -> float:
         return value
     t = torch.tensor([value], dtype=torch.float64)
     permit("all_reduce")
-    with ctx.collective():
+    with ctx.collective("all_reduce (mean loss)"):
         dist.all_reduce(t)
     return float(t.item()) / ctx.world_size
 
@@ -161,6 +161,7 @@ def train(ctx: TrainContext) -> dict[str, Any]:
     source = BatchSource(corpus, spec.model.seq_len, spec.training.seed)
     if ctx.telemetry is not None:
         m = spec.model
+        ctx.telemetry.attach(model, optimizer)
         ctx.telemetry.configure(model_flops_per_token(model.num_params(), m.n_layers, m.d_model,
                                                       m.seq_len), ctx.device)
     ctx.log(f"training {model.num_params():,} parameters from step {pos.step} "
@@ -208,6 +209,8 @@ def _train_from(ctx: TrainContext, pos: Position, ddp: torch.nn.Module, model: t
         for step in range(first, t.steps):
             if ctx.telemetry is not None:
                 ctx.telemetry.begin_step()
+            if ctx.capture is not None and ctx.capture.req.kind == "profile":
+                debug_step.profile(ctx, step)
             loss_value = _train_step(ddp, model, optimizer, it, step, ctx, pos, guard)
             resize.record_samples(ctx, step, pos)
             done = pos.step = step + 1  # applied: a rejoin continues after it
@@ -215,6 +218,8 @@ def _train_from(ctx: TrainContext, pos: Position, ddp: torch.nn.Module, model: t
             if ctx.telemetry is not None:
                 samples = micro_batch * ctx.accum_steps
                 ctx.telemetry.end_step(done, samples, samples * spec.model.seq_len)
+            if ctx.capture is not None and ctx.capture.profiler is not None:
+                debug_step.profiled(ctx, done == t.steps)
             if done % t.log_interval == 0 or done == t.steps or done == first + 1:
                 global_loss = _global_mean(loss_value, ctx)
                 rate = meter.rate()
@@ -299,6 +304,8 @@ def _train_step(ddp: torch.nn.Module, model: torch.nn.Module, optimizer: torch.o
     with ctx.phase("optimizer"):
         # After the all-reduce every rank holds the same gradients, hence the same norm
         # and the same verdict: no extra collective is needed to agree on a fault.
+        if ctx.capture is not None and ctx.capture.gradients_due(step + 1):
+            debug_step.gradients(ctx, model, step + 1)  # as the all-reduce left them
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
                                               spec.optimizer.grad_clip or float("inf"))
         if ctx.telemetry is not None:

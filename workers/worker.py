@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kuangchao.platform import metrics
+from kuangchao.platform import debugreq, metrics
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec import JobSpec, validate_spec
 from kuangchao.platform.store import JobStore
@@ -29,6 +29,7 @@ from kuangchao.workers import telemetry
 from kuangchao.workers.checkpoint import CheckpointManager
 from kuangchao.workers.context import TrainContext
 from kuangchao.workers.credentials import GuardedCheckpoints, TokenHolder, authority_client
+from kuangchao.workers.debug import DebugResponder
 from kuangchao.workers.elastic import Generation, join_generation
 from kuangchao.workers.errors import EntrypointError, PlacementMismatch, TrainingError
 from kuangchao.workers.heartbeat import Heartbeat, heartbeat_client
@@ -102,7 +103,12 @@ class TrainWorker:
             if self.store is not None:
                 self.heartbeat.carry(self.store.key("job", job_id, "progress"), {
                     "preempt": self.store.key("job", job_id, "preempt"),
-                    "cancel": self.store.key("job", job_id, "cancel")})
+                    "cancel": self.store.key("job", job_id, "cancel"),
+                    "debug": debugreq.request_key(settings.redis_prefix, job_id)})
+                if self.telemetry is not None:
+                    self.heartbeat.on_debug = DebugResponder(
+                        self.heartbeat.client, settings.redis_prefix, job_id, self.telemetry,
+                        lambda: self.generation.gen if self.generation else 0)
             self.heartbeat.start()
 
     def _serve_metrics(self, node: str) -> WorkerTelemetry | None:
