@@ -55,7 +55,8 @@ def test_a_healthy_job_diagnoses_clean_and_profiles_every_rank(stack, tmp_path):
         assert out.returncode == 0 and set(mem["ranks"]) == {"0", "1"}
         for a in mem["ranks"].values():
             # AdamW: two moments per parameter, plus a step counter each
-            assert a["parameters"] > 0 and 2 * a["parameters"] <= a["optimizer_state"] < 2.01 * a["parameters"]
+            params = a["parameters"]
+            assert params > 0 and 2 * params <= a["optimizer_state"] < 2.01 * params
             assert a["rss"] > a["parameters"]
 
         out = kc("debug", "gradient", job_id, "--json", env=stack.env, timeout=180)
