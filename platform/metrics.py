@@ -29,6 +29,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kuangchao.platform.tokens import INTERFACES
+
 log = logging.getLogger(__name__)
 
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
@@ -37,9 +39,10 @@ FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
                 0.5, 1, 2.5, 5)
 
 # What a failure is recorded as (platform/recovery.py `Failure.kind`).
-FAILURE_CAUSES = ("died", "node_lost", "expired", "hung", "numeric", "controller")
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv",
-               "barrier", "checkpoint")
+FAILURE_CAUSES = ("died", "node_lost", "expired", "hung", "numeric", "controller", "placement",
+                  "resize")
+# What a capability token may refuse (platform/tokens.py).
+TOKEN_INTERFACES = tuple(sorted(INTERFACES))
 ACTIVE_STATES = ("QUEUED", "PLACING", "RUNNING", "RECOVERING", "RESIZING")
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 
@@ -119,7 +122,7 @@ CHECKPOINT_LOAD = _m("kc_checkpoint_load_seconds", "histogram", "Restoring a job
 CHECKPOINT_BYTES = _m("kc_checkpoint_saved_bytes_total", "counter", "Bytes of committed "
                       "checkpoints", "job")
 TOKEN_DENIALS = _m("kc_token_denials_total", "counter", "Operations a rank's capability token "
-                   "refused", "job", "interface", zero={"interface": COLLECTIVES})
+                   "refused", "job", "interface", zero={"interface": TOKEN_INTERFACES})
 
 # The API's own (api/metrics.py records these in-process: one series per API replica).
 API_REQUEST = _m("kc_api_request_duration_seconds", "histogram", "API request latency by route "

@@ -171,7 +171,9 @@ class JobStore:
                            args=[str(cur.version), json.dumps(new.to_json())])
             if ok == 1:
                 if new.state.is_terminal:
+                    # Gone from the active set and from Prometheus's targets.
                     self.r.srem(self.key("jobs", "active"), job_id)
+                    self.r.delete(self.key("job", job_id, "targets"))
                     if not cur.state.is_terminal:
                         metrics.cluster_recorder(self.r, self.p).inc(
                             metrics.JOBS_FINISHED, state=new.state.value, queue=new.queue)

@@ -56,6 +56,8 @@ def peak_flops(device: torch.device) -> float:
         for key, flops in GPU_PEAK_FLOPS.items():
             if key in name:
                 return flops
+        _log.warning("no peak FLOP/s known for %s: set KC_PEAK_FLOPS for an MFU estimate", name)
+        return 0.0  # no MFU rather than a wrong one
     return _measured_cpu_flops()
 
 
