@@ -94,7 +94,8 @@ def api(tmp_path_factory, request):
                      "the API server to answer /healthz", interval=0.1)
             assert proc.poll() is None, f"the API server exited:\n{log.read_text(errors='replace')}"
             api = Api(base, key, log)
-            api.known = {"job_id": _seed_jobs(api), "key_id": [spare.key_id], "name": ["fuzz-node"]}
+            api.known = {"job_id": _seed_jobs(api), "key_id": [spare.key_id], "name": ["fuzz-node"],
+                         "kind": ["comm", "memory", "gradient"], "profile_id": ["0123456789ab"]}
             yield api
             _report(request, log)
         finally:

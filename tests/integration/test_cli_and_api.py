@@ -59,7 +59,10 @@ def test_jobs_survive_a_restart_of_the_api_server(stack):
     if alive(pid):
         os.kill(pid, signal.SIGTERM)
     wait_for(lambda: not port_open(port), 30, "the API server to stop")
-    env = {**stack.env, "KC_RAY_ADDRESS": stack.state["ray_address"]}
+    # As `kc up` started it: the same metrics token and scrape-target file.
+    env = {**stack.env, "KC_RAY_ADDRESS": stack.state["ray_address"],
+           "KC_METRICS_TOKEN_FILE": stack.state["metrics_token_file"],
+           "KC_METRICS_SD_FILE": stack.state["metrics_sd_file"]}
     log = open(os.path.join(stack.env["KC_HOME"], "logs", "api-restarted.log"), "ab")
     proc = subprocess.Popen([sys.executable, "-m", "kuangchao.api.server", "--host", "127.0.0.1",
                              "--port", str(port)], env=env, cwd=ROOT, stdout=log,
