@@ -13,12 +13,18 @@
                      process. Step time = the gap between rank 0's consecutive
                      `report` calls, median after WARMUP_STEPS; the two variants
                      alternate (instrumented first on even repeats), and the
-                     medians over the repeats are reported. Target 1.02.
+                     medians over the repeats are reported. Target 1.02. A
+                     scrape lands in about one step a second, which the median
+                     skips; stderr also gives the ratio of mean step times.
   metrics_scrape_ms  one scrape of a rank's /metrics while it trains, against a
                      scrape of an empty prometheus_client registry served by the
                      same rank process at the same time (the HTTP floor). Both
                      come from one extra instrumented run, scraped alternately
                      every SCRAPE_GAP_S; medians. Informative, no target.
+
+About 90 s on 2 cores. Step times move by ~3% (sd) from run to run here even
+on a quiet machine, so with 5 repeats the ratio is good to about +-2-3%;
+stderr says per run how many cores other processes kept busy meanwhile.
 
 Run: .venv/bin/python bench/metrics.py [--repeats 5] [--steps 120]   (JSON lines on stdout)
 """
@@ -26,6 +32,7 @@ Run: .venv/bin/python bench/metrics.py [--repeats 5] [--steps 120]   (JSON lines
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import queue
 import shutil
@@ -54,8 +61,9 @@ STEPS = 120
 WARMUP_STEPS = 10
 REPEATS = 5
 SCRAPE_EVERY_S = 1.0  # Prometheus's usual interval for the overhead runs
-SCRAPE_GAP_S = 0.1  # between scrapes (worker, empty, worker, ...) in the scrape run
+SCRAPE_GAP_S = 0.05  # between scrapes (worker, empty, worker, ...) in the scrape run
 JOB = "bench-metrics"
+STEP_GAUGE = "kc_worker_step"  # set by end_step: the trainer did configure and drive the telemetry
 # What Prometheus 2.x sends (scrape_protocols default); prometheus_client then
 # answers in OpenMetrics, gzipped.
 PROM_HEADERS = {
@@ -72,7 +80,7 @@ def spec_doc(steps: int, ckpt: str) -> dict[str, Any]:
         "task": {"name": JOB},
         "model": {"type": "gpt", "n_layers": 2, "n_heads": 4, "d_model": 64, "seq_len": 64},
         "data": {"max_bytes": 300_000},
-        "parallel": {"data_parallel_size": RANKS, "micro_batch_size": 8,
+        "parallel": {"data_parallel_size": RANKS, "micro_batch_size": 16,
                      "gradient_accumulation_steps": 1},
         "optimizer": {"lr": 0.003, "warmup_steps": 10},
         "training": {"steps": steps, "seed": 1234, "log_interval": 10, "torch_threads": 1},
@@ -147,15 +155,15 @@ def _rank(rank: int, port: int, variant: str, steps: int, tmp: str, out: Any) ->
     dist.destroy_process_group()
 
 
-def scrape_once(addr: str) -> float:
-    """One Prometheus-like GET of http://addr/metrics; returns its seconds."""
+def scrape_once(addr: str) -> tuple[float, bytes]:
+    """One Prometheus-like GET of http://addr/metrics: its seconds, and the (gzipped) body."""
     req = urllib.request.Request(f"http://{addr}/metrics", headers=PROM_HEADERS)
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=10) as resp:
-        resp.read()
+        body = resp.read()
         if resp.status != 200:
             raise RuntimeError(f"scrape of {addr} answered {resp.status}")
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, body
 
 
 class Scraper(threading.Thread):
@@ -165,6 +173,7 @@ class Scraper(threading.Thread):
         super().__init__(daemon=True, name="bench-scraper")
         self.targets, self.gap_s = targets, gap_s
         self.times: dict[str, list[float]] = {kind: [] for kind, _ in targets}
+        self.last: dict[str, bytes] = {}  # the latest body by kind
         self.stop = threading.Event()
         self.error: Exception | None = None
 
@@ -174,15 +183,44 @@ class Scraper(threading.Thread):
             kind, addr = self.targets[i % len(self.targets)]
             i += 1
             try:
-                self.times[kind].append(scrape_once(addr))
+                took, self.last[kind] = scrape_once(addr)
+                self.times[kind].append(took)
             except Exception as exc:  # noqa: BLE001 -- reported by the main thread
                 self.error = exc
                 return
 
+    def check(self) -> None:
+        """Fail unless every scrape answered and the worker endpoint served the trainer's gauges."""
+        if self.error is not None:
+            raise RuntimeError(f"scrape failed: {self.error}")
+        body = self.last.get("worker")
+        if body is not None:
+            text = gzip.decompress(body) if body[:2] == b"\x1f\x8b" else body
+            if STEP_GAUGE.encode() not in text:
+                raise RuntimeError(f"the worker endpoint served no {STEP_GAUGE}: {text[:300]!r}")
 
-def one_run(variant: str, steps: int) -> tuple[list[float], dict[str, list[float]]]:
-    """Train once with `variant` ("off", "on", or "scrape"); rank 0's report stamps and
-    the scrape times by kind."""
+
+def _machine_busy_s() -> float:
+    """CPU seconds every process on this machine has used since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle, iowait
+
+
+def _own_busy_s() -> float:
+    """CPU seconds of this process and its children that have been waited for."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def one_run(variant: str, steps: int) -> tuple[list[float], dict[str, list[float]], float]:
+    """Train once with `variant` ("off", "on", or "scrape").
+
+    Returns rank 0's report stamps, the scrape times by kind, and how many
+    cores other processes on the machine kept busy meanwhile (on a shared
+    machine they, not the metrics, are what moves step times most).
+    """
+    t0, machine0, own0 = time.monotonic(), _machine_busy_s(), _own_busy_s()
     ctx = mp.get_context("spawn")
     out: Any = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="kcbench-metrics-")
@@ -220,13 +258,14 @@ def one_run(variant: str, steps: int) -> tuple[list[float], dict[str, list[float
         if scraper is not None:
             scraper.stop.set()
             scraper.join()
-            if scraper.error is not None:
-                raise RuntimeError(f"scrape failed: {scraper.error}")
+            scraper.check()
         for p in procs:
             p.join(timeout=60)
             if p.exitcode != 0:
                 raise RuntimeError(f"a rank exited with {p.exitcode} ({variant} run)")
-        return stamps, (scraper.times if scraper is not None else {})
+        others = (_machine_busy_s() - machine0) - (_own_busy_s() - own0)
+        return stamps, (scraper.times if scraper is not None else {}), \
+            max(0.0, others) / (time.monotonic() - t0)
     finally:
         if scraper is not None:
             scraper.stop.set()
@@ -237,10 +276,16 @@ def one_run(variant: str, steps: int) -> tuple[list[float], dict[str, list[float
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def step_time(stamps: list[float]) -> float:
-    """Median gap between consecutive reports from step WARMUP_STEPS on."""
+def step_times(stamps: list[float]) -> tuple[float, float]:
+    """Median and mean gap between consecutive reports from step WARMUP_STEPS on.
+
+    The median is the metric. A scrape lands in about one step a second, so the
+    median all but ignores what it costs; the mean (stderr only) counts it,
+    along with everything else that lengthens a step now and then.
+    """
     steady = stamps[WARMUP_STEPS:]
-    return median([b - a for a, b in zip(steady, steady[1:], strict=False)])
+    gaps = [b - a for a, b in zip(steady, steady[1:], strict=False)]
+    return median(gaps), sum(gaps) / len(gaps)
 
 
 def spread(xs: list[float]) -> str:
@@ -256,30 +301,39 @@ def main() -> None:
         ap.error(f"--steps must be at least {WARMUP_STEPS + 3}")
     t0 = time.monotonic()
     times: dict[str, list[float]] = {"on": [], "off": []}
+    means: dict[str, list[float]] = {"on": [], "off": []}
     scrapes: list[float] = []
     for i in range(args.repeats):
         # Alternate who goes first so drift and warm caches favour neither side.
         for variant in ("on", "off") if i % 2 == 0 else ("off", "on"):
             wait_for_quiet()
-            stamps, scraped = one_run(variant, args.steps)
-            times[variant].append(step_time(stamps))
+            stamps, scraped, others = one_run(variant, args.steps)
+            med, mean = step_times(stamps)
+            times[variant].append(med)
+            means[variant].append(mean)
             scrapes += scraped.get("worker", [])
-            log(f"repeat {i} metrics {variant:3s}: step {times[variant][-1] * 1e3:.2f} ms"
-                + (f", {len(scraped['worker'])} scrapes" if scraped else ""))
+            log(f"repeat {i} metrics {variant:3s}: step median {med * 1e3:.2f} ms, "
+                f"mean {mean * 1e3:.2f} ms"
+                + (f", {len(scraped['worker'])} scrapes" if scraped else "")
+                + f"; other processes busy {others:.2f} cores")
     ours, base = median(times["on"]), median(times["off"])
     log(f"step time with metrics {ours * 1e3:.2f} ms ({spread(times['on'])}), "
         f"without {base * 1e3:.2f} ms ({spread(times['off'])}) over {args.repeats} repeats")
+    mean_on, mean_off = median(means["on"]), median(means["off"])
+    log(f"mean step time (scrapes included): with {mean_on * 1e3:.2f} ms, without "
+        f"{mean_off * 1e3:.2f} ms, ratio {mean_on / mean_off:.4f}")
     if scrapes:
         log(f"scrapes during the overhead runs: {len(scrapes)}, median "
             f"{median(scrapes) * 1e3:.2f} ms, max {max(scrapes) * 1e3:.2f} ms")
     emit("metrics", "metrics_overhead", "s", ours, base, 1.02)
 
     wait_for_quiet()
-    _, scraped = one_run("scrape", args.steps)
+    _, scraped, others = one_run("scrape", args.steps)
     worker, floor = scraped.get("worker", []), scraped.get("empty", [])
     if worker and floor:
         log(f"scrape run: {len(worker)} worker scrapes ({spread(worker)}), "
-            f"{len(floor)} empty-registry scrapes ({spread(floor)})")
+            f"{len(floor)} empty-registry scrapes ({spread(floor)}); other processes busy "
+            f"{others:.2f} cores")
         emit("metrics", "metrics_scrape_ms", "ms", median(worker) * 1e3, median(floor) * 1e3,
              None)
     else:
