@@ -19,6 +19,7 @@ from kuangchao.api.checkpoint_cli import checkpoint_app
 from kuangchao.api.cli_common import Json, call, client, fail
 from kuangchao.api.client import Client
 from kuangchao.api.debug_cli import debug_app, profile
+from kuangchao.api.plan_cli import plan_command
 from kuangchao.api.render import (
     print_events,
     print_job,
@@ -174,6 +175,7 @@ app.command()(whoami)
 app.command()(doctor)
 app.add_typer(debug_app, name="debug")
 app.command()(profile)
+app.command("plan")(plan_command)
 
 
 @topology_app.command("probe")

@@ -10,7 +10,9 @@ PURE = ["platform/spec.py", "platform/state.py", "platform/placement.py", "platf
         "platform/queues.py", "platform/placement_score.py",
         "platform/topology.py", "platform/scheduler.py", "platform/errors.py",
         "platform/elastic.py", "platform/elastic_policy.py", "platform/tokens.py",
-        "platform/apikeys.py", "platform/redis_acl.py", "platform/audit.py"]
+        "platform/apikeys.py", "platform/redis_acl.py", "platform/audit.py",
+        "platform/planner.py", "platform/hardware.py", "platform/metrics.py",
+        "platform/debugreq.py", "platform/scrape_targets.py", "platform/logjson.py"]
 
 
 def imports(path: Path) -> set[str]:

@@ -1,0 +1,46 @@
+"""`kc plan`: ranked layouts as text or JSON; bad input exits 2, no fit exits 1."""
+
+from __future__ import annotations
+
+import json
+
+from tests.unit.test_cli_errors import ROOT, kc
+
+CONTRACT = ["dp", "tp", "pp", "micro_batch", "zero_stage", "recompute", "schedule",
+            "memory_gb_per_gpu", "predicted_step_s", "predicted_tflops_per_gpu"]
+
+
+def test_plans_for_a_job_spec_as_json(tmp_path):
+    out = kc("plan", "--model", str(ROOT / "examples/tiny-gpt.yaml"), "--gpus", "8", "--gpu",
+             "a100-80gb", "--json", "--top", "5", tmp_home=tmp_path)
+    assert out.returncode == 0, out.stderr
+    plans = json.loads(out.stdout)
+    assert 1 <= len(plans) <= 5 and list(plans[0])[:len(CONTRACT)] == CONTRACT
+    assert all(p["dp"] * p["tp"] * p["pp"] == 8 for p in plans)
+    steps = [p["predicted_step_s"] for p in plans]
+    assert steps == sorted(steps)
+
+
+def test_a_size_only_model_on_many_gpus_uses_tp_and_pp(tmp_path):
+    model = tmp_path / "m.yaml"
+    model.write_text("params: 175e9\nseq_len: 2048\nvocab_size: 51200\n")
+    out = kc("plan", "--model", str(model), "--gpus", "1024", "--gpu", "h100-80gb",
+             "--global-batch", "1536", "--top", "3", tmp_home=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "175B parameters (96 layers" in out.stdout and "tp=8" in out.stdout
+    assert out.stdout.count("\n") == 4
+
+
+def test_nothing_fits_exits_1_and_bad_input_exits_2(tmp_path):
+    model = tmp_path / "m.yaml"
+    model.write_text("params: 175e9\n")
+    none = kc("plan", "--model", str(model), "--gpus", "8", "--gpu", "a100-40gb", tmp_home=tmp_path)
+    assert none.returncode == 1 and "no layout fits" in none.stderr
+    gpu = kc("plan", "--model", str(model), "--gpus", "8", "--gpu", "v100", tmp_home=tmp_path)
+    assert gpu.returncode == 2 and "known: a100-40gb" in gpu.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {n_layers: 2, d_model: 30, n_heads: 4}\n")
+    shape = kc("plan", "--model", str(bad), "--gpus", "8", tmp_home=tmp_path)
+    assert shape.returncode == 2 and "d_model" in shape.stderr
+    for out in (none, gpu, shape):
+        assert "Traceback" not in out.stderr
