@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import json
-import logging
 import re
 import time
 from pathlib import Path
@@ -24,7 +22,6 @@ from kuangchao.platform import debugreq
 from kuangchao.platform.debugreq import DebugRequest
 from kuangchao.workers.telemetry import WorkerTelemetry, memory
 
-_log = logging.getLogger(__name__)
 # Profiler events that are communication rather than compute.
 COMM_EVENT = re.compile(r"gloo|nccl|c10d|all_?reduce|all_?gather|broadcast|reduce_?scatter|"
                         r"send|recv|barrier", re.IGNORECASE)
@@ -166,7 +163,3 @@ def summarize(prof: Any, trace: Path, top: int = 15) -> dict[str, Any]:
 def profile_dir(checkpoint_path: str, job_id: str, request_id: str) -> Path:
     """Next to the job's checkpoints: storage every node (and the API server) can reach."""
     return Path(checkpoint_path).expanduser() / job_id / "profiles" / request_id
-
-
-def dumps(body: dict[str, Any]) -> str:
-    return json.dumps(body, default=str)

@@ -4,7 +4,6 @@ a diagnosis must not cost the run."""
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,8 +13,6 @@ from kuangchao.workers.debug import gradient_fingerprints, profile_dir
 
 if TYPE_CHECKING:
     from kuangchao.workers.context import TrainContext
-
-_log = logging.getLogger(__name__)
 
 
 def _answer(ctx: TrainContext, body: dict) -> None:
