@@ -26,9 +26,13 @@ def _model(path: Path, seq_len: int | None) -> tuple[ModelShape, dict[str, Any]]
         doc = resolve_extends(path)
         if isinstance(doc.get("model"), dict) and "params" not in doc["model"]:
             spec = validate_spec(doc)  # a job spec: its defaults filled in
-            doc = {"model": spec.model.model_dump(), "global_batch": (
-                spec.parallel.data_parallel_size * spec.parallel.micro_batch_size
-                * spec.parallel.gradient_accumulation_steps)}
+            par = spec.parallel
+            rank_batch = par.micro_batch_size * par.gradient_accumulation_steps
+            doc = {"model": spec.model.model_dump(),
+                   "global_batch": par.data_parallel_size * rank_batch}
+            if par.auto:  # as `parallel: auto` decides it (platform/autoplan.py)
+                doc = {"model": doc["model"], "global_batch": par.global_batch,
+                       "rank_batch": rank_batch}
     except SpecError as exc:
         fail("; ".join(f"{p or path}: {m}" for p, m in exc.errors))
     section = doc.get("model") if isinstance(doc.get("model"), dict) else doc
@@ -56,8 +60,9 @@ def plan_command(
             "--gpus-per-node", min=1, help="Default: the GPU's usual node (8).")] = None,
         global_batch: Annotated[int | None, typer.Option(
             "--global-batch", min=1, help=(
-                "Sequences per step (default: a job spec's dp x micro-batch x accumulation, "
-                "else 512)."))] = None,
+                "Sequences per step (default: a job spec's dp x micro-batch x accumulation; "
+                "for parallel: auto its global_batch, else micro-batch x accumulation x "
+                "--gpus; else 512)."))] = None,
         seq_len: Annotated[int | None, typer.Option("--seq-len", min=1,
                                                     help="Override the model's.")] = None,
         top: Annotated[int, typer.Option("--top", min=1, help="Plans to print.")] = 10,
@@ -70,7 +75,7 @@ def plan_command(
     model, doc = _model(model_file, seq_len)
     per_node = gpus_per_node or acc.gpus_per_node
     if global_batch is None:
-        global_batch = int(doc.get("global_batch") or 512)
+        global_batch = int(doc.get("global_batch") or doc.get("rank_batch", 0) * gpus or 512)
     try:
         cluster = ClusterShape(gpus, per_node)
         plans = plan(model, cluster, acc, global_batch, top=top)

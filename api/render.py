@@ -41,6 +41,10 @@ def print_job(job: dict[str, Any]) -> None:
         rows.append(("replicas", f"{job.get('replicas')} (elastic {job['min_replicas']}.."
                                  f"{job['max_replicas']}" + (f", asked {want}" if want else "") + ")"))
         rows.append(("samples", f"{job.get('samples_seen', 0)} (global batch {job.get('global_batch')})"))
+    if job.get("plan"):
+        rows.append(("plan", plan_line(job["plan"], job.get("measured_step_s"))))
+    elif isinstance(job.get("measured_step_s"), int | float):
+        rows.append(("step time", f"measured {_secs(job['measured_step_s'])} s/step"))
     if job.get("waiting_for"):
         rows.append(("waiting for", job["waiting_for"]))
     if job.get("message"):
@@ -61,6 +65,23 @@ def print_job(job: dict[str, Any]) -> None:
     if ckpts:
         last = ckpts[-1]
         typer.echo(f"checkpoint   step {last['step']} at {last['path']} ({last['bytes']} bytes)")
+
+
+def _secs(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, int | float) else "-"
+
+
+def plan_line(plan: dict[str, Any], measured: Any) -> str:
+    """The planner's layout for a `parallel: auto` job, its predicted and measured step time."""
+    sched = plan.get("schedule", "?")
+    if sched == "interleaved_1f1b":
+        sched += f" v={plan.get('virtual_stages')}"
+    return (f"dp={plan.get('dp')} tp={plan.get('tp')} pp={plan.get('pp')} "
+            f"micro_batch={plan.get('micro_batch')} x{plan.get('num_microbatches', 1)} "
+            f"zero={plan.get('zero_stage')} recompute={'on' if plan.get('recompute') else 'off'} "
+            f"schedule={sched} on {plan.get('gpus')} x {plan.get('gpu')}, "
+            f"{plan.get('memory_gb_per_gpu')} GB/GPU: predicted {_secs(plan.get('predicted_step_s'))} "
+            f"s/step, measured {_secs(measured)} s/step")
 
 
 def restart_timings(r: dict[str, Any]) -> str:

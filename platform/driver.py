@@ -28,6 +28,7 @@ from kuangchao.platform.settings import RAY_NAMESPACE, Settings, audit_file
 from kuangchao.platform.spec import validate_spec
 from kuangchao.platform.state import JobState, PlacedRank, transition
 from kuangchao.platform.store import JobStore
+from kuangchao.platform.topology import ClusterTopology
 
 
 def _connect_ray(settings: Settings) -> None:
@@ -94,7 +95,9 @@ def run_as_driver(doc: dict[str, Any], settings: Settings | None = None) -> dict
     # that dies with it) grants the job's tokens.
     authority = None if managed else private_authority(settings)
     owner, tenant = driver_identity()
-    job = jobs.submit(store, spec, driver="external", owner=owner, tenant=tenant)
+    # `parallel: auto` is planned on the nodes Ray has now (the registry may not run).
+    cluster = ClusterTopology("ray", nodes_from_ray(ray.nodes())) if spec.parallel.auto else None
+    job = jobs.submit(store, spec, driver="external", owner=owner, tenant=tenant, cluster=cluster)
     AuditLog(store.r, store.key("audit"), audit_file()).record(AuditRecord(
         principal=f"driver:{owner}", action="job.submit", resource=f"job/{job.id}",
         decision="allow", reason=f"kc train, tenant {tenant}", job=job.id))

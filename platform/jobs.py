@@ -9,15 +9,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kuangchao.platform import quarantine
+from kuangchao.platform import autoplan, quarantine
 from kuangchao.platform.elastic import elastic_range, samples_seen
 from kuangchao.platform.errors import InvalidTransition, SpecError
 from kuangchao.platform.policies import order_key
 from kuangchao.platform.queues import QueueTable
 from kuangchao.platform.settings import kc_home
-from kuangchao.platform.spec import JobSpec
+from kuangchao.platform.spec import JobSpec, validate_spec
 from kuangchao.platform.state import JobRecord, JobState, transition
 from kuangchao.platform.store import JobStore
+from kuangchao.platform.topology import ClusterTopology
 
 
 def new_job_id(name: str) -> str:
@@ -49,14 +50,38 @@ def check_queue(store: JobStore, spec: JobSpec) -> None:
                                         f"{', '.join(table.names)}")])
 
 
-def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
-           owner: str | None = None, tenant: str = "default") -> JobRecord:
-    """Record a validated job as QUEUED and wake the scheduler.
+def resolve_auto(store: JobStore, spec: JobSpec,
+                 cluster: ClusterTopology | None = None) -> tuple[JobSpec, dict[str, Any] | None]:
+    """A `parallel: auto` spec as the layout the planner chose, and the plan record.
+
+    `cluster` defaults to the registry's node view in Redis. A spec with a
+    hand-written layout comes back as it is, without a plan.
 
     Raises:
-        SpecError: When the job names a queue that does not exist.
+        SpecError: When no layout fits or can run (platform/autoplan.py).
+    """
+    if not spec.parallel.auto:
+        return spec, None
+    if cluster is None:
+        cluster = autoplan.topology_from_view(store.info("nodes"))
+    doc, plan = autoplan.resolve(spec.model_dump(mode="json"), cluster)
+    return validate_spec(doc), plan
+
+
+def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
+           owner: str | None = None, tenant: str = "default",
+           cluster: ClusterTopology | None = None) -> JobRecord:
+    """Record a validated job as QUEUED and wake the scheduler.
+
+    A `parallel: auto` spec is resolved here, on the nodes in `cluster` (default:
+    the registry's view): the record holds the concrete spec and the plan.
+
+    Raises:
+        SpecError: When the job names a queue that does not exist, or no
+            layout fits an auto spec.
     """
     check_queue(store, spec)
+    spec, plan = resolve_auto(store, spec, cluster)
     spec = resolve_checkpoint_path(spec)
     rng = spec.elastic_range
     world = rng.world_size(rng.max_replicas)  # until admitted: the most it may take
@@ -64,7 +89,7 @@ def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
         id=new_job_id(spec.task.name), name=spec.task.name, spec=spec.model_dump(mode="json"),
         queue=spec.task.queue, priority=spec.task.priority_value, world_size=world,
         gpus=world * spec.parallel.gpus_per_rank, driver=driver, owner=owner,
-        tenant=tenant)
+        tenant=tenant, plan=plan)
     return store.create(job)
 
 
@@ -141,6 +166,8 @@ def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None =
     d["min_replicas"], d["max_replicas"] = rng.min_replicas, rng.max_replicas
     d["global_batch"] = rng.global_batch
     d["samples_seen"] = samples_seen(d["progress"]["step"] or 0, rng.global_batch)
+    # Seconds per optimizer step, the median rank 0 measured (workers/context.py).
+    d["measured_step_s"] = prog.get("step_s")
     d["checkpoints"] = [] if fresh else store.checkpoints(job.id)
     d["queue_position"] = (queue_position(store, job, all_jobs) if job.state is JobState.QUEUED
                            else None)

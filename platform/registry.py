@@ -14,6 +14,8 @@ from typing import Any
 from kuangchao.platform.probe import apply_probe
 from kuangchao.platform.topology import LABEL_ROLE, NodeInfo, gpu_resource, node_from_labels
 
+ACCELERATOR_PREFIX = "accelerator_type:"
+
 
 def nodes_from_ray(ray_nodes: list[dict[str, Any]]) -> tuple[NodeInfo, ...]:
     """Convert Ray's node table into `NodeInfo`s, sorted by name.
@@ -28,10 +30,13 @@ def nodes_from_ray(ray_nodes: list[dict[str, Any]]) -> tuple[NodeInfo, ...]:
             continue
         res = n.get("Resources") or {}
         gpus = int(res.get("GPU", 0))
+        # Ray adds `accelerator_type:H100` (say) where it detected real GPUs.
+        kinds = sorted(k.partition(":")[2] for k in res if k.startswith(ACCELERATOR_PREFIX))
         out.append(node_from_labels(
             node_id=n["NodeID"], labels=labels, gpus=gpus,
             cpus=float(res.get("CPU", 0)), alive=bool(n.get("Alive", False)),
-            pinned_gpus=gpus > 0 and all(gpu_resource(g) in res for g in range(gpus))))
+            pinned_gpus=gpus > 0 and all(gpu_resource(g) in res for g in range(gpus)),
+            accelerator=kinds[0] if gpus > 0 and kinds else None))
     # A name may repeat when a node died and rejoined; keep the live entry.
     by_name: dict[str, NodeInfo] = {}
     for node in sorted(out, key=lambda x: (x.name, x.alive)):

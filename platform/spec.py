@@ -20,6 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kuangchao.platform.elastic import ElasticRange, elastic_range, range_errors
 from kuangchao.platform.errors import SpecError
+from kuangchao.platform.spec_parallel import (
+    DEFAULT_COLLECTIVES,
+    ParallelSection,
+    expand_auto,
+    parallel_errors,
+    trainer_collectives,
+)
 
 BUILTIN_MODELS = ("gpt", "llama")
 PRIORITY_NAMES = {"high": 100, "normal": 50, "low": 10}
@@ -62,20 +69,6 @@ class DataSection(_Section):
     record_samples: bool = False
 
 
-class ParallelSection(_Section):
-    data_parallel_size: int = Field(1, ge=1, le=65536)
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
-    pipeline_parallel_size: int = Field(1, ge=1, le=1024)
-    micro_batch_size: int = Field(8, ge=1)
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    gpus_per_rank: int = Field(1, ge=0, le=16)
-    cpus_per_rank: float = Field(1.0, gt=0)
-
-    @property
-    def world_size(self) -> int:
-        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
-
-
 class OptimizerSection(_Section):
     type: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(1e-3, gt=0, le=10)
@@ -93,6 +86,8 @@ class TrainingSection(_Section):
     seed: int = Field(0, ge=0)
     log_interval: int = Field(10, ge=1)
     torch_threads: int = Field(1, ge=1, le=256)
+    # Run the model through torch.compile; falls back to eager with a warning where it fails.
+    compile: bool = False
 
 
 class CheckpointSection(_Section):
@@ -140,7 +135,7 @@ class ElasticSection(_Section):
 class PermissionSection(_Section):
     # The collectives the job's capability tokens whitelist; any other is denied.
     collectives: list[str] = Field(
-        default_factory=lambda: ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"]
+        default_factory=lambda: list(DEFAULT_COLLECTIVES)
     )
     # Tokens are renewed at 80% of this, so a stolen one is good for at most this long.
     token_ttl_seconds: int = Field(3600, ge=60, le=7 * 86400)
@@ -189,7 +184,8 @@ class JobSpec(_Section):
     def live_resize(self) -> bool:
         """Whether resizes keep the processes (the built-in trainer, or a declared live entrypoint)."""
         mode = self.elastic.resize
-        return mode == "live" or (mode == "auto" and self.entrypoint is None)
+        return mode == "live" or (mode == "auto" and self.entrypoint is None
+                                  and not self.parallel.hybrid)
 
     def spec_hash(self) -> str:
         """Stable hash of the full spec, recorded in checkpoint manifests."""
@@ -212,16 +208,7 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
     if m.type == "llama" and m.d_model % m.n_heads == 0 and (m.d_model // m.n_heads) % 2:
         errs.append(("model.d_model", f"llama needs an even head size for rotary embeddings; "
                      f"{m.d_model} / model.n_heads ({m.n_heads}) is odd"))
-    if m.n_heads % p.tensor_parallel_size:
-        errs.append((
-            "parallel.tensor_parallel_size",
-            f"{p.tensor_parallel_size} does not divide model.n_heads ({m.n_heads})",
-        ))
-    if m.n_layers % p.pipeline_parallel_size:
-        errs.append((
-            "parallel.pipeline_parallel_size",
-            f"{p.pipeline_parallel_size} does not divide model.n_layers ({m.n_layers})",
-        ))
+    errs.extend(parallel_errors(p, m.n_layers, m.n_heads, builtin_trainer=spec.entrypoint is None))
     if spec.entrypoint is not None and not _IMPORT_REF.match(spec.entrypoint):
         errs.append(("entrypoint", f"{spec.entrypoint!r} is not of the form 'package.module:function'"))
     errs.extend(range_errors(spec.model_dump(mode="json")))
@@ -230,10 +217,19 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
                                         "without it (absolute, or relative to $KC_HOME)"))
     if spec.entrypoint is None:
         # The built-in trainer's own collectives go through the token guard.
-        needed = sorted({"all_reduce", "broadcast", "all_gather"} - set(spec.permission.collectives))
+        needed = sorted(trainer_collectives(p) - set(spec.permission.collectives))
         if needed:
-            errs.append(("permission.collectives", f"the built-in trainer needs {', '.join(needed)}; "
-                                                   "add them, or run your own entrypoint"))
+            errs.append(("permission.collectives", f"the built-in trainer needs {', '.join(needed)} "
+                                                   "for this layout; add them, or run your own entrypoint"))
+        custom = m.type not in BUILTIN_MODELS and _IMPORT_REF.match(m.type)
+        if custom and (p.tensor_parallel_size > 1 or p.pipeline_parallel_size > 1):
+            errs.append(("model.type", "tensor and pipeline parallelism cut the built-in models "
+                                       f"({', '.join(BUILTIN_MODELS)}) only; a custom model runs "
+                                       "with data parallelism and ZeRO"))
+        if spec.elastic.resize == "live" and p.hybrid:
+            errs.append(("elastic.resize", "live resizes keep plain data-parallel replicas only; "
+                                           "with tensor or pipeline parallelism or ZeRO use "
+                                           "resize: restart (or auto)"))
     ft = spec.fault_tolerance
     if ft.heartbeat_timeout_s < 2 * ft.heartbeat_interval_s:
         errs.append((
@@ -284,6 +280,7 @@ def validate_spec(data: Any) -> JobSpec:
             "extends",
             "is resolved from files by the CLI (`kc submit FILE`); send the merged spec instead",
         )])
+    data = expand_auto(data)
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:

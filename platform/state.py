@@ -128,6 +128,9 @@ class JobRecord:
     # When the job entered its current state (None for records written before
     # this field existed): queue waits and "stuck in RECOVERING" are read from it.
     state_since: float | None = None
+    # `parallel: auto`: the planner's chosen layout and its predicted cost
+    # (platform/autoplan.py); None for a hand-written layout.
+    plan: dict[str, Any] | None = None
     version: int = 0
 
     def to_json(self) -> dict[str, Any]:

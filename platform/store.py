@@ -7,7 +7,7 @@ Keys (all under the configured prefix, default `kc:`):
     {p}jobs:active            set of ids of jobs not yet finished (what the scheduler reads)
     {p}job:{id}:events        list of JSON events
     {p}job:{id}:logs          list of JSON log lines (capped)
-    {p}job:{id}:progress      hash: step, total_steps, loss, initial_loss, tokens_per_s
+    {p}job:{id}:progress      hash: step, total_steps, loss, initial_loss, tokens_per_s, step_s
     {p}job:{id}:checkpoints   list of JSON {step, path, bytes}
     {p}job:{id}:cancel        set when a cancel was requested
     {p}job:{id}:preempt       set (to the job it yields to) when preemption was requested

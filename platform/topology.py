@@ -49,6 +49,9 @@ class NodeInfo:
         cpus: Logical CPUs.
         node_id: Ray node id, once the node has joined.
         alive: Whether Ray reports the node alive.
+        pinned_gpus: Whether the node has one `kc_gpu_N` resource per GPU.
+        accelerator: The GPU model Ray detected (its `accelerator_type:X`
+            resource, e.g. `H100`), or None (no GPUs, or fake ones).
     """
 
     name: str
@@ -60,6 +63,7 @@ class NodeInfo:
     node_id: str = ""
     alive: bool = True
     pinned_gpus: bool = False
+    accelerator: str | None = None
 
     def labels(self) -> dict[str, str]:
         out = {LABEL_NODE: self.name, LABEL_LEAF: self.leaf,
@@ -72,7 +76,17 @@ class NodeInfo:
         return {"name": self.name, "node_id": self.node_id, "gpus": self.gpus,
                 "nvlink": [list(i) for i in self.islands], "leaf": self.leaf,
                 "spine": self.spine, "cpus": self.cpus, "alive": self.alive,
-                "pinned_gpus": self.pinned_gpus}
+                "pinned_gpus": self.pinned_gpus, "accelerator": self.accelerator}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> NodeInfo:
+        """The inverse of `to_json` (the registry's node view in Redis)."""
+        return cls(name=str(d["name"]), gpus=int(d.get("gpus") or 0),
+                   islands=tuple(tuple(int(g) for g in i) for i in d.get("nvlink") or ()),
+                   leaf=str(d.get("leaf") or "default"), spine=d.get("spine"),
+                   cpus=float(d.get("cpus") or 0.0), node_id=str(d.get("node_id") or ""),
+                   alive=bool(d.get("alive", True)), pinned_gpus=bool(d.get("pinned_gpus")),
+                   accelerator=d.get("accelerator") or None)
 
 
 @dataclass(frozen=True)
@@ -169,7 +183,8 @@ def load_topology(path: str | Path) -> ClusterTopology:
 
 
 def node_from_labels(node_id: str, labels: dict[str, str], gpus: int, cpus: float,
-                     alive: bool, pinned_gpus: bool = False) -> NodeInfo:
+                     alive: bool, pinned_gpus: bool = False,
+                     accelerator: str | None = None) -> NodeInfo:
     """Build a `NodeInfo` from a Ray node's labels and resources."""
     return NodeInfo(
         name=labels.get(LABEL_NODE) or node_id[:12],
@@ -181,4 +196,5 @@ def node_from_labels(node_id: str, labels: dict[str, str], gpus: int, cpus: floa
         node_id=node_id,
         alive=alive,
         pinned_gpus=pinned_gpus,
+        accelerator=accelerator,
     )

@@ -42,7 +42,6 @@ from typing import IO, Any, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from kuangchao.platform.version import __version__
 from kuangchao.workers.checkpoint_async import (
@@ -70,7 +69,7 @@ from kuangchao.workers.checkpoint_io import (
     retire_leftovers,
     start_reaper,
 )
-from kuangchao.workers.checkpoint_state import StateDictReader
+from kuangchao.workers.checkpoint_state import StateDictReader, read_states, write_states
 from kuangchao.workers.errors import CheckpointError
 
 # Threads, and so shard files, per rank for the DCP write, each checksumming
@@ -186,7 +185,7 @@ class CheckpointManager:
         self.wait()
         if self._already_committed(step):
             return self.last_committed  # type: ignore[return-value]
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = read_states(model, optimizer)
         # The caller is blocked for the whole write, so the live tensors are written directly.
         job = self._job(step, {"model": model_sd, "optim": optim_sd}, rank_state, extra)
         size, write_s = self._write(job)
@@ -485,11 +484,10 @@ class CheckpointManager:
         t0 = time.perf_counter()
         path = Path(path)
         with self._reading_from(path):
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = read_states(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
             dcp.load(state, checkpoint_id=str(path))
-            set_state_dict(model, optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+            write_states(model, optimizer, state["model"], state["optim"])
             rank_file = path / f"rank_{self.rank}.pt"
             if not rank_file.exists():  # world size changed: fall back to rank 0's
                 rank_file = path / "rank_0.pt"

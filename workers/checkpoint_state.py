@@ -14,7 +14,7 @@ import weakref
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from kuangchao.workers.checkpoint_async import alias_key
 
@@ -57,14 +57,15 @@ class StateDictReader:
 
     def __call__(self, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-        """What `get_state_dict(model, optimizer)` returns now."""
+        """What `read_states(model, optimizer)` returns now."""
+        whole, optimizer = optimizer, saved_optimizer(optimizer)
         if self._fast and self._fits(model, optimizer):
             state = self._read(model, optimizer)
             if state is not None:
-                return state
+                return state[0], _saved_groups(model, whole, to_saved_names(model, state[1]))
         full = get_state_dict(model, optimizer)
         self._learn(model, optimizer, full)
-        return full
+        return full[0], _saved_groups(model, whole, to_saved_names(model, full[1]))
 
     def _same_pair(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
         return (self._model is not None and self._optimizer is not None
@@ -178,3 +179,74 @@ def _same_state(a: Any, b: Any) -> bool:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # no plain truth value: not provably the same
         return False
+
+
+def saved_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose state a rank saves.
+
+    ZeroRedundancyOptimizer (ZeRO-1) keeps this rank's partition of the state
+    in a local optimizer over the parameters it owns: each rank saves that
+    partition under the parameters' names, so together the ranks save every
+    parameter's state once, and a checkpoint loads under any layout.
+    """
+    inner = getattr(optimizer, "optim", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def _rename(optim_sd: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    if not names:
+        return optim_sd
+    state = {names.get(k, k): v for k, v in optim_sd.get("state", {}).items()}
+    groups = [{**g, "params": [names.get(n, n) for n in g["params"]]}
+              for g in optim_sd.get("param_groups", [])]
+    return {**optim_sd, "state": state, "param_groups": groups}
+
+
+def to_saved_names(model: torch.nn.Module, optim_sd: dict[str, Any]) -> dict[str, Any]:
+    """Optimizer state under the names a whole model gives it.
+
+    A pipeline's last stage holds a copy of GPT's tied embedding as
+    `lm_head.weight`; a whole model knows it as `tok_emb.weight`
+    (`model.checkpoint_aliases`, set by workers/engine.py).
+    """
+    return _rename(optim_sd, getattr(model, "checkpoint_aliases", None) or {})
+
+
+def from_saved_names(model: torch.nn.Module, optim_sd: dict[str, Any]) -> dict[str, Any]:
+    aliases = getattr(model, "checkpoint_aliases", None) or {}
+    return _rename(optim_sd, {v: k for k, v in aliases.items()})
+
+
+def _names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    fqn = {id(p): n for n, p in model.named_parameters()}
+    return [[fqn[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+def _saved_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  optim_sd: dict[str, Any]) -> dict[str, Any]:
+    """Under ZeRO-1 the parameter groups list every parameter, not this rank's
+    partition: a layout without ZeRO loads them as they are."""
+    if saved_optimizer(optimizer) is optimizer:
+        return optim_sd
+    groups = [{**g, "params": names}
+              for g, names in zip(optim_sd["param_groups"], _names(model, optimizer), strict=True)]
+    return {**optim_sd, "param_groups": groups}
+
+
+def read_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`get_state_dict` for the state this rank saves, optimizer keys under whole-model names."""
+    model_sd, optim_sd = get_state_dict(model, saved_optimizer(optimizer))
+    return model_sd, _saved_groups(model, optimizer, to_saved_names(model, optim_sd))
+
+
+def write_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+    """Load what `read_states` described (and DCP filled in) into the model and optimizer."""
+    local = saved_optimizer(optimizer)
+    optim_sd = from_saved_names(model, optim_sd)
+    if local is not optimizer:  # back to this rank's partition of each group
+        mine = _names(model, local)
+        optim_sd = {**optim_sd, "param_groups": [
+            {**g, "params": names} for g, names in zip(optim_sd["param_groups"], mine, strict=True)]}
+    set_state_dict(model, local, model_state_dict=model_sd, optim_state_dict=optim_sd)

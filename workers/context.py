@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -22,6 +24,9 @@ from kuangchao.workers.heartbeat import Heartbeat
 from kuangchao.workers.joblog import JobLogSink
 from kuangchao.workers.telemetry import WorkerTelemetry
 
+# Seconds-per-step samples the reported median is taken over (the most recent).
+STEP_WINDOW = 512
+
 
 @dataclass
 class TrainContext:
@@ -33,8 +38,8 @@ class TrainContext:
         spec: The validated job spec; `spec.args` carries free-form user args.
         device: `cuda:N` when a GPU is assigned, else `cpu`.
         checkpoint: Saves and restores sharded checkpoints for this job.
-        dp_rank, dp_size: Data-parallel coordinates (equal to rank and
-            world_size until tensor/pipeline parallelism lands).
+        dp_rank, dp_size: This rank's data-parallel coordinates: which replica it
+            belongs to, and how many there are (workers/layout.py).
         heartbeat: This rank's heartbeat; `report` moves its step and
             `phase` names what the rank is doing, for hang detection.
         started_at: When this run of the train function began.
@@ -70,6 +75,7 @@ class TrainContext:
     live_resize: bool = False
     group_store: Any = None
     telemetry: WorkerTelemetry | None = None
+    node: str = ""  # this rank's node (kc.io/node)
     capture: Capture | None = None  # a `kc debug gradient` or `kc profile` in progress
     _captured: set[str] = field(default_factory=set)
     _done: int = 0
@@ -77,6 +83,9 @@ class TrainContext:
     _last_report: dict[str, Any] = field(default_factory=dict)
     _reported_once: bool = False
     _first_after: str = "restart"
+    # (step, perf_counter) of rank 0's last report, and recent seconds per step.
+    _step_mark: tuple[int, float] | None = None
+    _step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
 
     @property
     def is_chief(self) -> bool:
@@ -92,7 +101,9 @@ class TrainContext:
         Args:
             step: Optimizer steps completed so far.
             **metrics: e.g. loss, tokens_per_s; `initial_loss` is kept from
-                the first report that carries a loss.
+                the first report that carries a loss. `step_s`, the median
+                seconds per optimizer step between this run's reports, is
+                added unless given.
         """
         self._done = step
         if self.heartbeat is not None:
@@ -104,7 +115,7 @@ class TrainContext:
             self._reported_once = True
             self._note_first_step(step)
         progress = {"step": step, "total_steps": self.spec.training.steps,
-                    "updated_at": time.time(), **metrics}
+                    "updated_at": time.time(), **self._step_time(step), **metrics}
         if "loss" in metrics and "initial_loss" not in self._last_report:
             progress["initial_loss"] = metrics["loss"]
         self._last_report.update(progress)
@@ -116,10 +127,21 @@ class TrainContext:
         except Exception as exc:  # progress is best effort; training goes on
             self.sink.emit(f"progress report failed: {exc}", level="WARNING")
 
+    def _step_time(self, step: int) -> dict[str, float]:
+        """`{"step_s": median}` over the recent intervals between reports, each divided
+        by the steps it spans; the first report of a run (model build, restore) only
+        starts the clock."""
+        now = time.perf_counter()
+        mark, self._step_mark = self._step_mark, (step, now)
+        if mark is not None and step > mark[0]:
+            self._step_times.append((now - mark[1]) / (step - mark[0]))
+        return {"step_s": statistics.median(self._step_times)} if self._step_times else {}
+
     def expect_first_step(self, after: str = "restart") -> None:
         """The next report is the first step after a restore (or a `resize`): record its timings."""
         self._reported_once = False
         self._first_after = after
+        self._step_mark = None  # the restore or resize is no training step
 
     @contextmanager
     def collective(self, op: str = "collective", group: str = "world") -> Iterator[None]:
@@ -275,5 +297,6 @@ class TrainContext:
         self.accum_steps, self.generation = accum_steps, generation
         self.checkpoint.regroup(rank, world_size)
         self.sink.rank = rank
+        self._step_mark = None  # the resize is no training step
         if self.heartbeat is not None:
             self.heartbeat.rename(rank)

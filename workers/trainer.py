@@ -15,12 +15,10 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from kuangchao.platform.spec import JobSpec
 from kuangchao.workers import debug_step, resize
@@ -29,6 +27,7 @@ from kuangchao.workers.collectives import permit
 from kuangchao.workers.context import TrainContext
 from kuangchao.workers.data import BatchSource, Prefetcher, batch_indices, load_corpus
 from kuangchao.workers.elastic import ResizeNow, is_collective_failure, mark_ready
+from kuangchao.workers.engine import Engine
 from kuangchao.workers.errors import CheckpointError, TrainingError
 from kuangchao.workers.model import ModelConfig, build_model
 from kuangchao.workers.numerics import GradNormGuard, NumericFault, data_index, data_position
@@ -55,18 +54,6 @@ def lr_factor(step: int, spec: JobSpec) -> float:
     else:
         decay = 0.5 * (1.0 + math.cos(math.pi * progress))
     return o.min_lr_ratio + (1.0 - o.min_lr_ratio) * decay
-
-
-def make_optimizer(model: torch.nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
-    o = spec.optimizer
-    # Biases and norm weights (1-D) are not decayed, as is usual for transformers.
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": o.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    if o.type == "sgd":
-        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
-    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas)
 
 
 def _batches(source: BatchSource, spec: JobSpec, ctx: TrainContext,
@@ -144,8 +131,10 @@ def train(ctx: TrainContext) -> dict[str, Any]:
     """
     spec = ctx.spec
     seed_everything(spec.training.seed)
-    model = build_model(model_config(spec)).to(ctx.device)
-    optimizer = make_optimizer(model, spec)
+    whole = build_model(model_config(spec)).to(ctx.device)
+    n_params = whole.num_params()
+    engine = build_engine(ctx, whole)
+    model, optimizer = engine.holder, engine.optimizer
     ft = spec.fault_tolerance
     guard = GradNormGuard(ft.grad_norm_spike_factor, ft.grad_norm_window)
     if ctx.joining:  # a rank added to a running job: its peers hand it the state
@@ -162,15 +151,15 @@ def train(ctx: TrainContext) -> dict[str, Any]:
     if ctx.telemetry is not None:
         m = spec.model
         ctx.telemetry.attach(model, optimizer)
-        ctx.telemetry.configure(model_flops_per_token(model.num_params(), m.n_layers, m.d_model,
+        ctx.telemetry.configure(model_flops_per_token(n_params, m.n_layers, m.d_model,
                                                       m.seq_len), ctx.device)
-    ctx.log(f"training {model.num_params():,} parameters from step {pos.step} "
-            f"to {spec.training.steps} on {ctx.world_size} rank(s)")
+    ctx.log(f"training {n_params:,} parameters from step {pos.step} to {spec.training.steps} on "
+            f"{ctx.world_size} rank(s): {engine.describe()}")
     while True:
-        ddp = resize.wrap_ddp(model, ctx)
+        wire(ctx, engine)
         moving = False
         try:
-            return _train_from(ctx, pos, ddp, model, optimizer, source, guard)
+            return _train_from(ctx, pos, engine, source, guard)
         except NumericFault as fault:
             pos = roll_back(ctx, fault, model, optimizer, guard, pos.skipped)
             resize.forget_samples_from(ctx, pos.step)
@@ -187,18 +176,64 @@ def train(ctx: TrainContext) -> dict[str, Any]:
         if moving:
             # The old DDP wrapper's gradient hooks belong to the old group: free it
             # (and the failed frames that hold it) before the next one is made.
-            del ddp
+            engine.unwrap()
             gc.collect()
             rejoined = resize.rejoin(ctx, model, optimizer, guard, pos)
             if rejoined is None:
                 return {"left": True, "steps": pos.step}
             pos = rejoined
+            engine.regroup(ctx.rank, ctx.world_size, ctx.accum_steps)
 
 
-def _train_from(ctx: TrainContext, pos: Position, ddp: torch.nn.Module, model: torch.nn.Module,
-                optimizer: torch.optim.Optimizer, source: BatchSource,
+def build_engine(ctx: TrainContext, whole: torch.nn.Module) -> Engine:
+    """Wire the layout; the token must allow every collective it will run.
+
+    Plain data parallelism is left unwrapped here: DDP's constructor is
+    collective, and a rank joining a running job must first take its state in
+    `sync_state`, which the survivors run before they re-wrap. `wire` wraps it
+    at the top of each generation. The other layouts never resize in place
+    and are wired at once (their optimizer needs the sharded parameters).
+    """
+    plain = not ctx.spec.parallel.hybrid
+    engine = Engine(ctx.spec, whole, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
+                    node_of=None if plain else _nodes(ctx), microbatches=ctx.accum_steps,
+                    clock=ctx.telemetry.clock if ctx.telemetry is not None else None, log=ctx.log,
+                    wrap=not plain)
+    if ctx.world_size > 1:
+        for interface in engine.collectives():
+            permit(interface)
+    return engine
+
+
+def wire(ctx: TrainContext, engine: Engine) -> None:
+    """Wrap plain data parallelism for this generation (a no-op for the other layouts)."""
+    if engine.wired:
+        return
+    engine.node_of = _nodes(ctx) or {}
+    engine.wrapped = engine.wrap()
+    engine.wired = True
+    if engine.hierarchy is not None:
+        permit("reduce_scatter")
+        ctx.log(f"data-parallel all-reduce is hierarchical over {engine.hierarchy.nodes} nodes "
+                f"of {engine.hierarchy.local_size} rank(s)")
+
+
+def _nodes(ctx: TrainContext) -> dict[int, str] | None:
+    """Every rank's node, for the hierarchical all-reduce (None when it cannot apply)."""
+    allowed = ctx.spec.permission.collectives
+    if (ctx.world_size == 1 or ctx.spec.parallel.hierarchical_allreduce == "off"
+            or "reduce_scatter" not in allowed):
+        return None
+    nodes: list[str] = [""] * ctx.world_size
+    permit("all_gather")
+    dist.all_gather_object(nodes, ctx.node)
+    return dict(enumerate(nodes))
+
+
+def _train_from(ctx: TrainContext, pos: Position, engine: Engine, source: BatchSource,
                 guard: GradNormGuard) -> dict[str, Any]:
     spec = ctx.spec
+    model, optimizer = engine.holder, engine.optimizer
     t = spec.training
     global_batch = spec.elastic_range.global_batch  # the same at every size
     meter = _Throughput(global_batch * spec.model.seq_len)
@@ -211,7 +246,7 @@ def _train_from(ctx: TrainContext, pos: Position, ddp: torch.nn.Module, model: t
                 ctx.telemetry.begin_step()
             if ctx.capture is not None and ctx.capture.req.kind == "profile":
                 debug_step.profile(ctx, step)
-            loss_value = _train_step(ddp, model, optimizer, it, step, ctx, pos, guard)
+            loss_value = _train_step(engine, it, step, ctx, pos, guard)
             resize.record_samples(ctx, step, pos)
             done = pos.step = step + 1  # applied: a rejoin continues after it
             meter.tick()
@@ -241,83 +276,91 @@ def _train_from(ctx: TrainContext, pos: Position, ddp: torch.nn.Module, model: t
                 ctx.log(f"preempted at step {done}; checkpoint saved, yielding the GPUs")
                 return {"preempted": True, "steps": done, "checkpoint": info.to_json()}
     final_loss = _global_mean(loss_value, ctx)
-    digest = check_replicas_in_sync(model, ctx)
+    digest = check_replicas_in_sync(engine, ctx)
     info = _save(ctx, t.steps, model, optimizer, pos, guard, sync=True)
     return {"final_loss": final_loss, "steps": t.steps, "checkpoint": info.to_json(),
             "params_sha256": digest, "skipped_batches": pos.skipped}
 
 
 def params_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of this rank's parameters and buffers (its own shard of a sharded tensor)."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        local = p.to_local() if hasattr(p, "to_local") else p
+        h.update(local.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
-def check_replicas_in_sync(model: torch.nn.Module, ctx: TrainContext) -> str:
+def check_replicas_in_sync(engine: Engine, ctx: TrainContext) -> str:
     """Compare every data-parallel replica's parameters bit for bit.
 
     Replicas that drift apart (a non-deterministic kernel, a skipped
     all-reduce) would otherwise go unnoticed until the checkpoint, which
-    keeps only one copy.
+    keeps only one copy. Ranks holding the same shard of the model (same
+    pipeline stage and tensor-parallel index) must agree; under ZeRO 2 and 3
+    each holds a different slice, so there is nothing to compare.
+
+    Returns:
+        This rank's digest with plain data parallelism; otherwise one digest
+        of every shard of the first replica, in rank order.
 
     Raises:
-        TrainingError: When any two ranks hold different parameters.
+        TrainingError: When two ranks that should hold the same parameters do not.
     """
-    digest = params_digest(model)
+    digest = params_digest(engine.holder)
+    if ctx.world_size == 1:
+        ctx.log(f"final parameter sha256 {digest}", params_sha256=digest)
+        return digest
+    digests: list[str] = [""] * ctx.world_size
+    permit("all_gather")
+    dist.all_gather_object(digests, digest)
+    layout = engine.layout
+    if not engine.fsdp:
+        for r in range(layout.world_size):
+            peers = {digests[q] for q in layout.dp_group(r)}
+            if len(peers) != 1:
+                raise TrainingError(f"data-parallel replicas diverged: ranks {layout.dp_group(r)} "
+                                    f"hold parameter digests {[digests[q] for q in layout.dp_group(r)]}")
+    if layout.world_size // layout.dp > 1 or engine.fsdp:
+        shards = digests[:layout.world_size // layout.dp] if not engine.fsdp else digests
+        digest = hashlib.sha256("".join(shards).encode()).hexdigest()
     ctx.log(f"final parameter sha256 {digest}", params_sha256=digest)
-    if ctx.world_size > 1:
-        digests: list[str] = [""] * ctx.world_size
-        permit("all_gather")
-        dist.all_gather_object(digests, digest)
-        if len(set(digests)) != 1:
-            raise TrainingError(f"data-parallel replicas diverged: parameter digests {digests}")
     return digest
 
 
-def _train_step(ddp: torch.nn.Module, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                it: Iterator, step: int, ctx: TrainContext, pos: Position,
+def _train_step(engine: Engine, it: Iterator, step: int, ctx: TrainContext, pos: Position,
                 guard: GradNormGuard) -> float:
     """One optimizer step; raises `NumericFault` instead of applying bad gradients."""
     spec = ctx.spec
-    accum = ctx.accum_steps
+    optimizer = engine.optimizer
     index = data_index(step, pos.skipped)
     poison = ctx.is_chief and index in spec.fault_tolerance.inject_nan_at_batches
     for group in optimizer.param_groups:
         group["lr"] = spec.optimizer.lr * lr_factor(step, spec)
-    total = 0.0
-    for micro in range(accum):
-        with ctx.phase("data"):
-            x, y = (b.to(ctx.device, non_blocking=True) for b in next(it))
-        # Only the last micro-batch all-reduces gradients; the others accumulate locally.
-        sync = micro == accum - 1 or not isinstance(ddp, DistributedDataParallel)
-        with nullcontext() if sync else ddp.no_sync():
-            with ctx.phase("forward"):
-                _, loss = ddp(x, y)
-                if poison:  # a fault drill: this batch's loss turns NaN on rank 0
-                    loss = loss * float("nan")
-            # DDP's gradient all-reduce runs inside backward.
-            with ctx.phase("backward"):
-                (loss / accum).backward()
-        total += float(loss.detach())
+    with ctx.phase("data"):
+        batches = [tuple(b.to(ctx.device, non_blocking=True) for b in next(it))
+                   for _ in range(ctx.accum_steps)]
+    # Forward and backward; the data-parallel gradient all-reduce runs inside backward.
+    with ctx.phase("forward"):
+        loss = engine.forward_backward(batches, poison=poison)  # a fault drill: NaN on rank 0
     with ctx.phase("optimizer"):
         # After the all-reduce every rank holds the same gradients, hence the same norm
         # and the same verdict: no extra collective is needed to agree on a fault.
         if ctx.capture is not None and ctx.capture.gradients_due(step + 1):
-            debug_step.gradients(ctx, model, step + 1)  # as the all-reduce left them
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                              spec.optimizer.grad_clip or float("inf"))
+            debug_step.gradients(ctx, engine.holder, step + 1)  # as the all-reduce left them
+        norm = engine.clip(spec.optimizer.grad_clip)
         if ctx.telemetry is not None:
-            ctx.telemetry.observe_numerics(total / accum, float(norm),
-                                           optimizer.param_groups[0]["lr"])
-        problem = guard.check(float(norm))
+            ctx.telemetry.observe_numerics(loss, norm, optimizer.param_groups[0]["lr"])
+        if engine.precision.overflowed(norm):  # fp16: skip the step, lower the loss scale
+            engine.skip()
+            return loss
+        problem = guard.check(norm)
         if problem:
             optimizer.zero_grad(set_to_none=True)
             raise NumericFault(step, index, problem)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return total / accum
+        engine.step()
+    return loss
 
 
 def _save(ctx: TrainContext, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -34,6 +34,7 @@ from kuangchao.workers.elastic import Generation, join_generation
 from kuangchao.workers.errors import EntrypointError, PlacementMismatch, TrainingError
 from kuangchao.workers.heartbeat import Heartbeat, heartbeat_client
 from kuangchao.workers.joblog import JobLogSink, capture_output
+from kuangchao.workers.layout import Layout
 from kuangchao.workers.telemetry import WorkerTelemetry
 
 _GPU_RESOURCE = re.compile(rf"^{GPU_RESOURCE_PREFIX}(\d+)(_group_.*)?$")
@@ -87,6 +88,7 @@ class TrainWorker:
         if settings.redis_url:
             self.store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
         self.sink = JobLogSink(self.store, job_id, rank)
+        self.node = node or socket.gethostname()
         self.telemetry = self._serve_metrics(node)
         self.holder = self._hold(grant, authority) if grant is not None else None
         self.generation: Generation | None = None
@@ -247,10 +249,11 @@ class TrainWorker:
         gen = self.generation
         rng = spec.elastic_range
         replicas = self.world_size // rng.ranks_per_replica
+        coords = Layout.of(spec.parallel, self.world_size).coords(self.rank)
         return TrainContext(job_id=self.job_id, rank=self.rank, world_size=self.world_size,
                             local_rank=0, spec=spec, device=device, checkpoint=ckpt,
-                            sink=self.sink, store=self.store, dp_rank=self.rank,
-                            dp_size=self.world_size, heartbeat=self.heartbeat,
+                            sink=self.sink, store=self.store, dp_rank=coords.dp,
+                            dp_size=replicas, heartbeat=self.heartbeat, node=self.node,
                             started_at=time.time(),
                             accum_steps=gen.accum if gen else rng.accumulation(replicas),
                             generation=gen.gen if gen else 0,

@@ -6,6 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
 from kuangchao.api.auth import allowed, audit, require, visible_job
 from kuangchao.api.deps import Store, active_jobs, spec_422
@@ -30,10 +31,15 @@ _MAX_INDEX = 2**63 - 1
 
 @router.post("", status_code=201, summary="Submit a job (JSON or YAML body)")
 async def submit_job(request: Request, store: Store, who: Submitter) -> dict[str, Any]:
+    """Validate and queue a job; `parallel: auto` is resolved to the planner's layout here."""
     body = (await request.body()).decode("utf-8", errors="replace")
     try:
         spec = validate_spec(parse_spec_text(body))
-        job = jobs.submit(store, spec, owner=who.name, tenant=who.tenant)
+        if spec.parallel.auto:  # the planner resolves it; its search runs off the event loop
+            job = await run_in_threadpool(jobs.submit, store, spec, owner=who.name,
+                                          tenant=who.tenant)
+        else:
+            job = jobs.submit(store, spec, owner=who.name, tenant=who.tenant)
     except SpecError as exc:
         raise spec_422(exc) from None
     allowed(store, who, "job.submit", f"job/{job.id}", job=job.id, queue=job.queue)

@@ -12,7 +12,8 @@ PURE = ["platform/spec.py", "platform/state.py", "platform/placement.py", "platf
         "platform/elastic.py", "platform/elastic_policy.py", "platform/tokens.py",
         "platform/apikeys.py", "platform/redis_acl.py", "platform/audit.py",
         "platform/planner.py", "platform/hardware.py", "platform/metrics.py",
-        "platform/debugreq.py", "platform/scrape_targets.py", "platform/logjson.py"]
+        "platform/debugreq.py", "platform/scrape_targets.py", "platform/logjson.py",
+        "platform/autoplan.py"]
 
 
 def imports(path: Path) -> set[str]:

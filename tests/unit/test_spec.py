@@ -55,7 +55,8 @@ def test_spec_rejects_pp_not_dividing_layers_and_bad_entrypoint():
 
 def test_spec_world_size_and_gpus_follow_parallel_layout():
     spec = validate_spec({"parallel": {"data_parallel_size": 2, "tensor_parallel_size": 2,
-                                       "pipeline_parallel_size": 2}})
+                                       "pipeline_parallel_size": 2,
+                                       "gradient_accumulation_steps": 2}})
     assert spec.world_size == 8 and spec.gpus_required == 8
 
 

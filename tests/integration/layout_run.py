@@ -1,0 +1,117 @@
+"""Runs a few training steps of the built-in model under one layout (spawned by test_layouts.py).
+
+Every rank runs `kuangchao.workers.engine.Engine` over real gloo process groups,
+with the data a single process would see split by data-parallel rank; rank 0
+writes the per-step losses (and gradient norms) as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kuangchao.platform.spec import validate_spec
+from kuangchao.workers.checkpoint import CheckpointManager
+from kuangchao.workers.engine import Engine
+from kuangchao.workers.model import build_model
+from kuangchao.workers.trainer import model_config
+
+STEPS = 5
+
+
+def global_batches(spec, steps: int) -> list[torch.Tensor]:
+    """Each step's whole batch of token rows, [G, seq_len + 1], the same for every layout."""
+    p, m = spec.parallel, spec.model
+    rows = p.data_parallel_size * p.micro_batch_size * p.gradient_accumulation_steps
+    gen = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, m.vocab_size, (rows, m.seq_len + 1), generator=gen) for _ in range(steps)]
+
+
+def reference(doc: dict, steps: int = STEPS) -> dict:
+    """Single-process training on the whole global batch: the losses every layout must match."""
+    spec = validate_spec(doc)
+    torch.manual_seed(spec.training.seed)
+    model = build_model(model_config(spec))
+    from kuangchao.workers.engine import make_optimizer
+
+    opt = make_optimizer(model, spec)
+    losses, norms = [], []
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if spec.parallel.precision == "bf16" \
+        else torch.autocast("cpu", enabled=False)
+    for batch in global_batches(spec, steps):
+        with ctx:
+            _, loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                          spec.optimizer.grad_clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms}
+
+
+def _rank(rank: int, world: int, port: int, doc: dict, nodes: list[str], out: str,
+          ckpt: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        spec = validate_spec(doc)
+        torch.manual_seed(spec.training.seed)
+        model = build_model(model_config(spec))
+        engine = Engine(spec, model, rank=rank, world_size=world, device=torch.device("cpu"),
+                        node_of=dict(enumerate(nodes)) if nodes else None)
+        manager = None
+        first = 0
+        if ckpt:
+            manager = CheckpointManager(ckpt["dir"], "layouts", rank, world, spec.spec_hash())
+            if ckpt.get("resume"):
+                path, _ = manager.latest_verified()
+                manager.load(path, engine.holder, engine.optimizer)
+                first = ckpt["at"]
+        p = spec.parallel
+        d = engine.coords.dp
+        per = p.micro_batch_size * p.gradient_accumulation_steps
+        losses, norms = [], []
+        for step, batch in enumerate(global_batches(spec, STEPS)):
+            if step < first:
+                continue
+            mine = batch[d * per:(d + 1) * per]
+            micro = [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(p.micro_batch_size)]
+            loss = engine.forward_backward(micro)
+            norms.append(engine.clip(spec.optimizer.grad_clip))
+            engine.step()
+            t = torch.tensor([loss], dtype=torch.float64)
+            dist.all_reduce(t)
+            losses.append(float(t) / world)
+            if manager is not None and not ckpt.get("resume") and step + 1 == ckpt["at"]:
+                manager.save(step + 1, engine.holder, engine.optimizer, rank_state={})
+        if rank == 0:
+            with open(out, "w") as fh:
+                json.dump({"losses": losses, "norms": norms,
+                           "hierarchy": engine.hierarchy is not None,
+                           "wrapped": [type(w).__name__ for w in engine.wrapped],
+                           "optimizer": type(engine.optimizer).__name__}, fh)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    # Gloo and DDP objects torn down at interpreter exit can wait on peers that are gone.
+    os._exit(0)
+
+
+def run(doc: dict, world: int, port: int, out: str, nodes: list[str] | None = None,
+        ckpt: dict | None = None) -> None:
+    """Train STEPS steps on `world` ranks; `ckpt` = {"dir", "at"} saves after step `at`,
+    and with "resume": true restores that checkpoint and trains the steps after it."""
+    mp.start_processes(_rank, args=(world, port, doc, nodes or [], out, ckpt or {}), nprocs=world,
+                       start_method="spawn")
+
+
+if __name__ == "__main__":
+    args = json.loads(sys.argv[1])
+    run(args["doc"], args["world"], args["port"], args["out"], args.get("nodes"), args.get("ckpt"))
