@@ -1,0 +1,50 @@
+"""A job beyond plain DDP, end to end: 2 replicas of a 2-stage 1F1B pipeline with
+ZeRO-1 on the shared `kc up` stack. A rank is SIGKILLed mid-run; the job restarts
+from its layout-independent checkpoint and ends at the loss of an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from kuangchao.platform.procs import alive
+
+from .conftest import wait_for
+
+DONE = {"SUCCEEDED", "FAILED", "CANCELLED"}
+
+
+def hybrid(stack, name: str) -> dict:
+    d = stack.job_doc(task={"name": name})
+    d["model"].update(n_layers=4, n_heads=2)
+    d["parallel"] = {"data_parallel_size": 2, "pipeline_parallel_size": 2, "schedule": "1f1b",
+                     "micro_batch_size": 2, "gradient_accumulation_steps": 2, "zero_stage": 1}
+    d["training"].update(steps=60, seed=5, log_interval=10)
+    d["checkpoint"]["interval_steps"] = 20
+    return d
+
+
+def test_a_pipelined_zero1_job_recovers_from_a_killed_rank_to_the_uninterrupted_loss(stack):
+    victim = stack.client.submit(hybrid(stack, "hybrid-killed"))
+    wait_for(lambda: stack.client.job(victim["id"])["progress"]["step"] >= 25, 600,
+             "the hybrid job to pass its first checkpoint")
+    last_stage = next(p for p in stack.client.job(victim["id"])["placement"] if p["rank"] == 3)
+    assert alive(last_stage["pid"])
+    os.kill(last_stage["pid"], signal.SIGKILL)
+    done = stack.wait_state(victim["id"], DONE, timeout=900)
+    assert done["state"] == "SUCCEEDED", done["message"]
+    assert done["restarts"] == 1 and done["restart_log"][0]["rank"] == 3
+    assert done["restart_log"][0]["resumed_step"] in (20, 40)
+
+    logs = [r["message"] for r in stack.client.logs(victim["id"])["logs"]]
+    assert any("dp=2 tp=1 pp=2, schedule 1f1b, ZeRO-1" in m for m in logs), \
+        [m for m in logs if "training" in m]
+    assert any("restored checkpoint" in m for m in logs)
+    assert done["checkpoints"], "no checkpoint listed"
+
+    clean = stack.client.submit(hybrid(stack, "hybrid-clean"))
+    reference = stack.wait_state(clean["id"], DONE, timeout=900)
+    assert reference["state"] == "SUCCEEDED" and reference["restarts"] == 0
+    assert done["progress"]["loss"] == pytest.approx(reference["progress"]["loss"], rel=1e-6)
