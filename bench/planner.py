@@ -9,13 +9,14 @@
                            built directly (no Ray, no Redis), one torch thread
                            per rank, step time = the gap between rank 0's
                            consecutive `report` calls, median after the warm-up.
-                           The layouts are those the workers run today, data
-                           parallel only (DDP over gloo; tp = pp = 1, ZeRO 0, no
-                           recompute, gradient accumulation 1): dp in {1, 2} x
+                           The layouts: DDP over gloo with dp in {1, 2} x
                            micro_batch in {4, 8, 16} on GPT "A" (4 layers,
                            d_model 256, seq 128, 3.2M parameters) plus dp in
                            {1, 2} at micro_batch 8 on GPT "B" (2 layers, d_model
-                           384, 3.7M parameters: wider GEMMs, half the depth).
+                           384, 3.7M parameters: wider GEMMs, half the depth),
+                           and four on two ranks beyond plain DDP, on "A": tp 2,
+                           a 2-stage 1F1B pipeline with 4 micro-batches of 4,
+                           ZeRO-1 and ZeRO-2 (FSDP2) at dp 2.
                            Target: `ours` <= 0.2 (absolute; the ratio is
                            informative).
   planner_search_ms        wall time of `plan()` for a 175B GPT
@@ -62,12 +63,16 @@ calibration layout's measured time: no communication term, no size-dependent
 GEMM efficiency. Stderr also gives the error of "FLOPs / measured matmul peak"
 (no fitted efficiency at all).
 
-Last runs (2 cores, quiet): error 6.4%, 5.0%, 5.5% against 8.7%, 9.5%, 6.2%
-for the naive predictor; the worst layout is A dp 2 micro_batch 4 (~20%
-under): the planner hides 80% of the all-reduce (`OVERLAP`), but gloo's thread
-shares the two cores with both ranks' compute. plan() 7 ms against 16 ms.
+Last run (2 cores, quiet, 12 layouts): error 5.8% against 8.3% for the naive
+predictor. The worst layouts are tp 2 (37% under: on gloo each of the 4
+per-layer TP all-reduces of a few hundred KB is latency-bound, which the
+bandwidth-only model misses) and ZeRO-2 (22% under: FSDP2's per-block
+all-gathers and reduce-scatters carry a fixed cost per call). The fitted
+efficiency came out slightly above 1 (clamped): one-thread torch.mm on these
+shapes is slower than the same GEMMs inside the trainer. plan() 5 ms against
+12 ms.
 
-About 110 s on a quiet 2-core machine. Every measurement waits briefly
+About 175 s on a quiet 2-core machine. Every measurement waits briefly
 for the CPUs to go quiet; stderr notes the load average at the start and end.
 
 Run: .venv/bin/python bench/planner.py [--steps 30] [--search-repeats 10]   (JSON lines on stdout)
@@ -109,6 +114,7 @@ from kuangchao.platform.planner import (  # noqa: E402
 )
 from kuangchao.platform.procs import free_port  # noqa: E402
 from kuangchao.platform.spec import validate_spec  # noqa: E402
+from kuangchao.workers.layout import Layout as Layout3D  # noqa: E402
 
 JOB = "bench-planner"
 STEPS = 30  # WARMUP_STEPS (bench/metrics.py) skipped, then the gaps of 20 reports
@@ -116,9 +122,23 @@ MODELS: dict[str, dict[str, Any]] = {
     "A": {"type": "gpt", "n_layers": 4, "d_model": 256, "n_heads": 4, "seq_len": 128, "vocab_size": 256},
     "B": {"type": "gpt", "n_layers": 2, "d_model": 384, "n_heads": 6, "seq_len": 128, "vocab_size": 256},
 }
-CALIBRATION = ("A", 1, 8)  # (model, dp, micro_batch)
-LAYOUTS = [CALIBRATION, ("A", 1, 4), ("A", 1, 16), ("A", 2, 4), ("A", 2, 8), ("A", 2, 16),
-           ("B", 1, 8), ("B", 2, 8)]
+# (model, dp, micro_batch, tp, pp, accumulation, zero stage)
+Layout = tuple[str, int, int, int, int, int, int]
+CALIBRATION: Layout = ("A", 1, 8, 1, 1, 1, 0)
+LAYOUTS: list[Layout] = [
+    CALIBRATION, ("A", 1, 4, 1, 1, 1, 0), ("A", 1, 16, 1, 1, 1, 0), ("A", 2, 4, 1, 1, 1, 0),
+    ("A", 2, 8, 1, 1, 1, 0), ("A", 2, 16, 1, 1, 1, 0), ("B", 1, 8, 1, 1, 1, 0),
+    ("B", 2, 8, 1, 1, 1, 0),
+    # Beyond plain DDP, two ranks each: TP, a 1F1B pipeline, ZeRO-1, ZeRO-2 (FSDP2).
+    ("A", 1, 8, 2, 1, 1, 0), ("A", 1, 4, 1, 2, 4, 0), ("A", 2, 8, 1, 1, 1, 1),
+    ("A", 2, 8, 1, 1, 1, 2)]
+
+
+def name_of(layout: Layout) -> str:
+    m, dp, mb, tp, pp, accum, zero = layout
+    extra = (f" tp={tp}" if tp > 1 else "") + (f" pp={pp}x{accum}" if pp > 1 else "") + \
+        (f" zero{zero}" if zero else "")
+    return f"{m} dp={dp} mb={mb}{extra}"
 ALLREDUCE_REPS = 20
 SEARCH_REPEATS = 10
 TARGET_ERROR = 0.2
@@ -204,9 +224,11 @@ def _train_rank(rank: int, world: int, port: int, doc: dict[str, Any], out: Any)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     sink = JobLogSink(None, JOB, rank)
     ckpt = CheckpointManager(path, JOB, rank, world, spec.spec_hash(), spec.checkpoint.keep_last)
+    layout = Layout3D.of(spec.parallel, world)
     ctx = _TimedContext(job_id=JOB, rank=rank, world_size=world, local_rank=0, spec=spec,
-                        device=torch.device("cpu"), checkpoint=ckpt, sink=sink, dp_rank=rank,
-                        dp_size=world, accum_steps=1)
+                        device=torch.device("cpu"), checkpoint=ckpt, sink=sink,
+                        dp_rank=layout.coords(rank).dp, dp_size=layout.dp,
+                        accum_steps=spec.parallel.gradient_accumulation_steps)
     ctx.stamps = []
     train(ctx)
     if rank == 0:
@@ -216,16 +238,20 @@ def _train_rank(rank: int, world: int, port: int, doc: dict[str, Any], out: Any)
         dist.destroy_process_group()
 
 
-def measure_step(model: str, dp: int, mb: int, steps: int) -> float:
+def measure_step(layout: Layout, steps: int) -> float:
     """Median step time of the built-in trainer for one layout."""
+    model, dp, mb, tp, pp, accum, zero = layout
     tmp = tempfile.mkdtemp(prefix="kcbench-planner-")
     try:
         doc = spec_doc(steps, tmp)
         doc["task"]["name"] = JOB
         doc["model"] = dict(MODELS[model])
         doc["parallel"] = {"data_parallel_size": dp, "micro_batch_size": mb,
-                           "gradient_accumulation_steps": 1}
-        stamps = _spawn(dp, _train_rank, doc, what=f"{model} dp={dp} mb={mb}")
+                           "gradient_accumulation_steps": accum, "tensor_parallel_size": tp,
+                           "pipeline_parallel_size": pp, "zero_stage": zero}
+        doc.pop("permission", None)  # the layout's default collectives
+        stamps = _spawn(dp * tp * pp, _train_rank, validate_spec(doc).model_dump(mode="json"),
+                        what=name_of(layout))
         return step_times(stamps)[0]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -258,20 +284,24 @@ def shape_of(model: str) -> ModelShape:
     return ModelShape.from_spec_model(MODELS[model])
 
 
-def predict(acc: Accelerator, model: str, dp: int, mb: int) -> float:
-    return evaluate(shape_of(model), ClusterShape(gpus=dp, gpus_per_node=2), acc, dp * mb,
-                    tp=1, pp=1, micro_batch=mb, zero_stage=0, recompute=False).predicted_step_s
+def predict(acc: Accelerator, layout: Layout) -> float:
+    model, dp, mb, tp, pp, accum, zero = layout
+    return evaluate(shape_of(model), ClusterShape(gpus=dp * tp * pp, gpus_per_node=2), acc,
+                    dp * mb * accum, tp=tp, pp=pp, micro_batch=mb, zero_stage=zero,
+                    recompute=False).predicted_step_s
 
 
-def rank_flops(model: str, mb: int) -> float:
+def rank_flops(layout: Layout) -> float:
+    """Training FLOPs one rank computes per step (its share of the model and batch)."""
+    model, _, mb, tp, pp, accum, _ = layout
     s = shape_of(model)
-    return s.flops_per_token(False) * mb * s.seq_len
+    return s.flops_per_token(False) * mb * accum * s.seq_len / (tp * pp)
 
 
 def step_time_error(steps: int) -> None:
     log(f"load average at start: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
     t0 = time.monotonic()
-    cal_model, cal_dp, cal_mb = CALIBRATION
+    cal_model, cal_mb = CALIBRATION[0], CALIBRATION[2]
     wait_for_quiet(timeout_s=10)
     peak = matmul_flops(shape_of(cal_model), cal_mb * shape_of(cal_model).seq_len)
     log(f"(a) fp32 matmul, 1 thread, model {cal_model}'s GEMMs at {cal_mb} x "
@@ -290,33 +320,33 @@ def step_time_error(steps: int) -> None:
         accs[m] = calibrated(CATALOG["cpu"], peak_flops=peak, nvlink_bytes_per_s=bw,
                              internode_bytes_per_s=bw, efficiency=1.0)
 
-    measured: dict[tuple[str, int, int], float] = {}
+    measured: dict[Layout, float] = {}
     for layout in LAYOUTS:
         busy = wait_for_quiet(timeout_s=10)
-        measured[layout] = measure_step(*layout, steps)
-        log(f"measured {layout[0]} dp={layout[1]} mb={layout[2]}: {measured[layout] * 1e3:.1f} ms "
+        measured[layout] = measure_step(layout, steps)
+        log(f"measured {name_of(layout)}: {measured[layout] * 1e3:.1f} ms "
             f"(CPUs {busy:.0%} busy before)")
 
     # (c) the one free parameter: efficiency, so that the calibration layout is exact.
-    at_one = predict(accs[cal_model], *CALIBRATION)
+    at_one = predict(accs[cal_model], CALIBRATION)
     eff = at_one / measured[CALIBRATION]
     if not 0 < eff <= 1:
         log(f"fitted efficiency {eff:.3f} is outside (0, 1]; clamped")
         eff = min(1.0, max(eff, 1e-6))
-    log(f"(c) efficiency fitted on {cal_model} dp={cal_dp} mb={cal_mb}: {eff:.3f}")
+    log(f"(c) efficiency fitted on {name_of(CALIBRATION)}: {eff:.3f}")
     accs = {m: calibrated(a, efficiency=eff) for m, a in accs.items()}
 
-    log(f"{'layout':<16}{'measured s':>12}{'predicted s':>13}{'error':>8}"
+    log(f"{'layout':<28}{'measured s':>12}{'predicted s':>13}{'error':>8}"
         f"{'naive s':>10}{'naive err':>11}{'flops/peak err':>16}")
     ours, naive, raw = [], [], []
     for layout in LAYOUTS:
-        m, dp, mb = layout
-        meas, pred = measured[layout], predict(accs[m], *layout)
-        base = measured[CALIBRATION] * rank_flops(m, mb) / rank_flops(cal_model, cal_mb)
-        ideal = rank_flops(m, mb) / peak  # training FLOPs of one rank over the matmul rate
+        m = layout[0]
+        meas, pred = measured[layout], predict(accs[m], layout)
+        base = measured[CALIBRATION] * rank_flops(layout) / rank_flops(CALIBRATION)
+        ideal = rank_flops(layout) / peak  # training FLOPs of one rank over the matmul rate
         errs = [abs(x - meas) / meas for x in (pred, base, ideal)]
         mark = " (calibration)" if layout == CALIBRATION else ""
-        log(f"{m} dp={dp} mb={mb:<5}{meas:>12.4f}{pred:>13.4f}{errs[0]:>8.1%}{base:>10.4f}"
+        log(f"{name_of(layout):<28}{meas:>12.4f}{pred:>13.4f}{errs[0]:>8.1%}{base:>10.4f}"
             f"{errs[1]:>11.1%}{errs[2]:>16.1%}{mark}")
         if layout != CALIBRATION:
             ours.append(errs[0])
