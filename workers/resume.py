@@ -81,13 +81,24 @@ def restore_latest(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.o
 
 def fresh_start(ctx: TrainContext, model: torch.nn.Module,
                 optimizer: torch.optim.Optimizer) -> None:
-    """Put the model and optimizer back to their state at step 0 (same seed, same init)."""
-    seed_everything(ctx.spec.training.seed)
+    """Put the model and optimizer back to their state at step 0 (same seed, same init).
+
+    `model` is this rank's share (workers/engine.py): the whole initial state is
+    rebuilt, and each parameter takes its own slice of it (a pipeline stage
+    its blocks, a tensor- or ZeRO-3-sharded parameter its shard), in place.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from kuangchao.workers.checkpoint_state import saved_optimizer
     from kuangchao.workers.trainer import model_config
 
+    seed_everything(ctx.spec.training.seed)
     initial = build_model(model_config(ctx.spec)).state_dict()
-    model.load_state_dict(initial)  # in place: DDP keeps its parameters
+    own = model.state_dict().keys()
+    set_model_state_dict(model, {k: v for k, v in initial.items() if k in own},
+                         options=StateDictOptions(full_state_dict=True, strict=True))
     optimizer.state.clear()
+    saved_optimizer(optimizer).state.clear()
 
 
 def roll_back(ctx: TrainContext, fault: NumericFault, model: torch.nn.Module,

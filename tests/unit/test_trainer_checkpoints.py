@@ -99,3 +99,15 @@ def test_numeric_faults_stop_after_max_restarts(tmp_path):
     with pytest.raises(TrainingError, match="gave up"):
         train(ctx)
     sink.close()
+
+
+def test_a_nan_before_the_first_checkpoint_restarts_from_the_initial_weights(tmp_path):
+    ctx, sink = context(tmp_path, steps=4, async_save=False)
+    doc = ctx.spec.model_dump(mode="json")
+    doc["fault_tolerance"]["inject_nan_at_batches"] = [1]
+    doc["checkpoint"]["interval_steps"] = 50  # nothing saved before the fault
+    ctx.spec = validate_spec(doc)
+    out = train(ctx)
+    assert out["steps"] == 4 and out["skipped_batches"] == [1]
+    assert any("rolled back to step 0" in m for m in messages(sink))
+    sink.close()
