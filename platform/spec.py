@@ -226,6 +226,11 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
             errs.append(("model.type", "tensor and pipeline parallelism cut the built-in models "
                                        f"({', '.join(BUILTIN_MODELS)}) only; a custom model runs "
                                        "with data parallelism and ZeRO"))
+        if spec.fault_tolerance.inject_unsynced_params and (
+                p.tensor_parallel_size > 1 or p.pipeline_parallel_size > 1 or p.zero_stage >= 2):
+            errs.append(("fault_tolerance.inject_unsynced_params", "the drill leaves parameters "
+                         "out of DDP's all-reduce; it needs zero_stage 0 or 1 without tensor or "
+                         "pipeline parallelism"))
         if spec.elastic.resize == "live" and p.hybrid:
             errs.append(("elastic.resize", "live resizes keep plain data-parallel replicas only; "
                                            "with tensor or pipeline parallelism or ZeRO use "

@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kuangchao.platform.spec import JobSpec
 from kuangchao.workers.comm_hooks import Hierarchy, compress_hook, powersgd
+from kuangchao.workers.errors import TrainingError
 from kuangchao.workers.layout import Coords, Layout, node_groups
 from kuangchao.workers.pipeline import (
     ChunkSet,
@@ -181,6 +182,13 @@ class Engine:
         if self.layout.tp > 1 or self.layout.pp > 1:
             raise AssertionError("tensor-parallel and pipelined chunks are never wrapped in DDP")
         unsynced = self.spec.fault_tolerance.inject_unsynced_params
+        if unsynced:
+            names = {n for n, _ in self.holder.named_parameters()}
+            unknown = sorted(set(unsynced) - names)
+            if unknown:
+                raise TrainingError(
+                    f"fault_tolerance.inject_unsynced_params: no parameter(s) {unknown}; the model "
+                    f"has {', '.join(sorted(names))}")
         out = []
         for chunk in self.chunks:
             if unsynced:  # the `kc debug gradient` drill: DDP leaves these out of its all-reduce

@@ -9,7 +9,6 @@ kept true to what was trained.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from kuangchao.workers.context import TrainContext
 from kuangchao.workers.data import batch_indices
@@ -22,10 +21,8 @@ from kuangchao.workers.elastic import (
     mark_ready,
     state_source,
 )
-from kuangchao.workers.errors import TrainingError
 from kuangchao.workers.numerics import GradNormGuard, data_index
 from kuangchao.workers.resume import Position, rng_state, set_rng_state
-from kuangchao.workers.telemetry import timed_allreduce_hook
 
 # How long a rank waits for the controller to publish the next generation after
 # its group broke: the controller must notice the loss and start any new ranks.
@@ -138,25 +135,3 @@ def forget_samples_from(ctx: TrainContext, step: int) -> None:
             ctx.store.forget_samples_from(ctx.job_id, step)
         except Exception as exc:
             ctx.log(f"could not trim the sample record: {exc}", level="WARNING")
-
-
-def wrap_ddp(model: torch.nn.Module, ctx: TrainContext) -> torch.nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    if ctx.world_size > 1 and dist.is_initialized():
-        unsynced = ctx.spec.fault_tolerance.inject_unsynced_params
-        if unsynced:
-            names = {n for n, _ in model.named_parameters()}
-            unknown = sorted(set(unsynced) - names)
-            if unknown:
-                raise TrainingError(
-                    f"fault_tolerance.inject_unsynced_params: no parameter(s) {unknown}; the model "
-                    f"has {', '.join(sorted(names))}")
-            # The drill: DDP leaves these out of its all-reduce.
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, unsynced)
-        ddp = DistributedDataParallel(model)
-        if ctx.telemetry is not None:  # the same average all-reduce, timed
-            ddp.register_comm_hook(None, timed_allreduce_hook(ctx.telemetry.clock))
-        return ddp
-    return model
-

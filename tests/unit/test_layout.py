@@ -109,3 +109,9 @@ def test_parallel_auto_shorthand_expands():
 def test_tp_and_pp_need_a_builtin_model():
     errs = _errors({"tensor_parallel_size": 2}, model={"type": "mypkg.models:build", "n_heads": 4})
     assert "built-in models" in errs["model.type"]
+
+
+def test_the_unsynced_params_drill_needs_ddp():
+    errs = _errors({"zero_stage": 3, "data_parallel_size": 2},
+                   fault_tolerance={"inject_unsynced_params": ["lm_head.weight"]})
+    assert "DDP" in errs["fault_tolerance.inject_unsynced_params"]
