@@ -361,8 +361,11 @@ class Engine:
             self.schedule.step(*args, **kwargs)
         local = torch.stack(losses).mean().detach().double() if losses else \
             torch.zeros((), dtype=torch.float64)
-        if poison:
+        if poison:  # the drill: the loss lives inside the schedule, so poison the gradients
             local = local * float("nan")
+            for param in self.holder.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(float("nan"))
         dist.all_reduce(local, group=self.pp_group)  # only the last stage holds a loss
         return float(local)
 
