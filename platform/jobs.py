@@ -6,6 +6,7 @@ import dataclasses
 import re
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,14 @@ def resolve_auto(store: JobStore, spec: JobSpec,
         cluster = autoplan.topology_from_view(store.info("nodes"))
     doc, plan = autoplan.resolve(spec.model_dump(mode="json"), cluster)
     return validate_spec(doc), plan
+
+
+def dry_run(store: JobStore, spec: JobSpec) -> dict[str, Any]:
+    """What `submit` would record, without recording it: the queue is checked and a
+    `parallel: auto` layout is planned. Raises `SpecError` as `submit` does."""
+    check_queue(store, spec)
+    spec, plan = resolve_auto(store, spec)
+    return {"valid": True, "spec": spec.model_dump(mode="json"), "plan": plan}
 
 
 def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
@@ -200,20 +209,32 @@ def queue_view(store: JobStore) -> dict[str, Any]:
     return {"queues": out, "preemption": table.preemption, "policy": table.policy}
 
 
-def node_view(store: JobStore) -> dict[str, Any]:
-    """The registry's last node view, with the GPUs active jobs hold on each node."""
+def node_view(store: JobStore, sees: Callable[[str], bool] = lambda _tenant: True
+              ) -> dict[str, Any]:
+    """The registry's last node view, with the GPUs active jobs hold on each node.
+
+    `gpu_map` says, per GPU, which job and rank use it. A job whose tenant the
+    caller may not see (`sees(tenant)` false) shows as `hidden`, without its id.
+    """
     info = store.info("nodes") or {"nodes": []}
-    holders: dict[str, dict[int, str]] = {}
+    holders: dict[str, dict[int, tuple[JobRecord, int]]] = {}
     for job in store.list_active():
         if job.state.holds_resources:
             for p in job.placement:
                 for g in p.gpus:
-                    holders.setdefault(p.node, {})[g] = job.id
+                    holders.setdefault(p.node, {})[g] = (job, p.rank)
     blocked = quarantine.active(store.quarantine(), time.time())
     nodes = []
     for n in info["nodes"]:
         held = holders.get(n["name"], {})
+        gpu_map = []
+        for g in range(n["gpus"]):
+            job, rank = held.get(g, (None, None))
+            shown = job is not None and sees(job.tenant)
+            gpu_map.append({"gpu": g, "job": job.id if shown else None,
+                            "rank": rank if shown else None,
+                            "hidden": job is not None and not shown})
         nodes.append({**n, "used_gpus": sorted(held), "free_gpus": n["gpus"] - len(held),
-                      "jobs": sorted(set(held.values())),
-                      "quarantine": blocked.get(n["name"])})
+                      "jobs": sorted({j.id for j, _ in held.values() if sees(j.tenant)}),
+                      "gpu_map": gpu_map, "quarantine": blocked.get(n["name"])})
     return {"nodes": nodes, "updated_at": info.get("updated_at")}

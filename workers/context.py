@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -119,13 +120,24 @@ class TrainContext:
         if "loss" in metrics and "initial_loss" not in self._last_report:
             progress["initial_loss"] = metrics["loss"]
         self._last_report.update(progress)
+        # A logged step (one carrying a loss) is a point of the loss curve.
+        point = ({"step": step, "ts": progress["updated_at"],
+                  **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()
+                     if isinstance(v, (int, float))},  # JSON has no NaN
+                  **self._step_time_of(progress)} if "loss" in metrics else None)
         if self.heartbeat is not None and self.heartbeat.progress_key:
-            self.heartbeat.publish(progress)  # goes out with the next beat
+            self.heartbeat.publish(progress, point)  # goes out with the next beat
             return
         try:
             self.store.set_progress(self.job_id, progress)
+            if point is not None:
+                self.store.add_metrics(self.job_id, [point])
         except Exception as exc:  # progress is best effort; training goes on
             self.sink.emit(f"progress report failed: {exc}", level="WARNING")
+
+    @staticmethod
+    def _step_time_of(progress: dict[str, Any]) -> dict[str, float]:
+        return {"step_s": progress["step_s"]} if "step_s" in progress else {}
 
     def _step_time(self, step: int) -> dict[str, float]:
         """`{"step_s": median}` over the recent intervals between reports, each divided

@@ -70,6 +70,7 @@ class Heartbeat:
         self.flag_keys: dict[str, str] = {}
         self.flags: dict[str, bool] = {}
         self._progress: dict[str, Any] = {}
+        self._points: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._beat_lock = threading.Lock()
         self._seq = 0
@@ -114,10 +115,13 @@ class Heartbeat:
         """
         self.progress_key, self.flag_keys = progress_key, dict(flag_keys)
 
-    def publish(self, progress: dict[str, Any]) -> None:
-        """Queue progress fields for the next beat (newer values win)."""
+    def publish(self, progress: dict[str, Any], point: dict[str, Any] | None = None) -> None:
+        """Queue progress fields for the next beat (newer values win), and a
+        loss-curve point, which is never merged away: every logged step keeps one."""
         with self._lock:
             self._progress.update(progress)
+            if point is not None:
+                self._points.append(point)
 
     @contextmanager
     def in_phase(self, phase: str) -> Iterator[None]:
@@ -166,6 +170,7 @@ class Heartbeat:
                     self._progress_ts, self._seq)
         with self._lock:
             progress, self._progress = self._progress, {}
+            points, self._points = self._points, []
         flags = list(self.flag_keys.items())
         try:
             with self.client.pipeline(transaction=False) as pipe:
@@ -176,10 +181,13 @@ class Heartbeat:
                     pipe.exists(key)
                 if progress and self.progress_key:
                     _queue_progress(pipe, self.progress_key, progress)
+                if points and self.progress_key:
+                    _queue_points(pipe, self.progress_key, points)
                 replies = pipe.execute()
         except BaseException:
             with self._lock:  # keep the progress for the next beat
                 self._progress = {**progress, **self._progress}
+                self._points = points + self._points
             raise
         self.beats_sent += 1
         self.flags.update({name: bool(v) for (name, _), v in zip(flags, replies[2:], strict=False)})
@@ -235,6 +243,15 @@ def _queue_progress(pipe: Any, key: str, progress: dict[str, Any]) -> None:
         pipe.hsetnx(key, "initial_loss", json.dumps(initial))
     if progress:
         pipe.hset(key, mapping={f: json.dumps(v) for f, v in progress.items()})
+
+
+def _queue_points(pipe: Any, progress_key: str, points: list[dict[str, Any]]) -> None:
+    """The store's metrics append (JobStore.add_metrics), next to the progress key."""
+    from kuangchao.platform.store import METRICS_CAP
+
+    key = progress_key.rsplit(":", 1)[0] + ":metrics"
+    pipe.rpush(key, *[json.dumps(p) for p in points])
+    pipe.ltrim(key, -METRICS_CAP, -1)
 
 
 def heartbeat_client(url: str, timeout_s: float) -> redis.Redis:

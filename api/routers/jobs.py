@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
@@ -30,11 +30,17 @@ _MAX_INDEX = 2**63 - 1
 
 
 @router.post("", status_code=201, summary="Submit a job (JSON or YAML body)")
-async def submit_job(request: Request, store: Store, who: Submitter) -> dict[str, Any]:
+async def submit_job(request: Request, response: Response, store: Store, who: Submitter,
+                     dry_run: bool = Query(False, description="Only validate: 200 with the "
+                                           "validated spec, or 422; nothing is queued")
+                     ) -> dict[str, Any]:
     """Validate and queue a job; `parallel: auto` is resolved to the planner's layout here."""
     body = (await request.body()).decode("utf-8", errors="replace")
     try:
         spec = validate_spec(parse_spec_text(body))
+        if dry_run:
+            response.status_code = 200
+            return await run_in_threadpool(jobs.dry_run, store, spec)
         if spec.parallel.auto:  # the planner resolves it; its search runs off the event loop
             job = await run_in_threadpool(jobs.submit, store, spec, owner=who.name,
                                           tenant=who.tenant)
@@ -102,6 +108,16 @@ def job_events(job_id: str, store: Store, who: Reader,
     visible_job(store, who, job_id, "job.read")
     events = store.events(job_id, start)
     return {"events": events, "next": start + len(events)}
+
+
+@router.get("/{job_id}/metrics", summary="The loss curve: one point per logged step, oldest first")
+def job_metrics(job_id: str, store: Store, who: Reader,
+                start: int = Query(0, ge=0, le=_MAX_INDEX)) -> dict[str, Any]:
+    """Points `{step, ts, loss, tokens_per_s, step_s, ...}` from `start` on; `next` is
+    where the next call starts. Steps replayed after a recovery come again."""
+    visible_job(store, who, job_id, "job.read")
+    points = store.metrics(job_id, start)
+    return {"points": points, "next": start + len(points)}
 
 
 @router.get("/{job_id}/logs", summary="The job's log lines from every rank")

@@ -15,8 +15,8 @@ router = APIRouter(prefix="/v1/nodes", tags=["nodes"])
 
 
 @router.get("", summary="Nodes, their topology, and free and used GPUs")
-def list_nodes(store: Store, _: Caller) -> dict[str, Any]:
-    return node_view(store)
+def list_nodes(store: Store, who: Caller) -> dict[str, Any]:
+    return node_view(store, who.sees)
 
 
 @router.post("/{name}/release", summary="End a node's quarantine so jobs are placed on it again")
