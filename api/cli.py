@@ -19,6 +19,7 @@ from kuangchao.api.checkpoint_cli import checkpoint_app
 from kuangchao.api.cli_common import Json, call, client, fail
 from kuangchao.api.client import Client
 from kuangchao.api.debug_cli import debug_app, profile
+from kuangchao.api.deploy_cli import control_plane_app
 from kuangchao.api.plan_cli import plan_command
 from kuangchao.api.render import (
     print_events,
@@ -58,22 +59,19 @@ def load_job_doc(path: Path, sets: list[str] | None) -> dict[str, Any]:
 def follow(c: Client, job_id: str, as_json: bool) -> dict[str, Any]:
     """Poll a job until it ends, showing step/total and loss on a terminal."""
     out = sys.stderr if as_json else sys.stdout
-    last = ""
-    while True:
-        job = call(c.job, job_id)
+    last = [""]
+
+    def show(job: dict[str, Any]) -> None:
         line = progress_line(job)
-        if line != last:
-            if out.isatty():
-                out.write("\r\033[K" + line)
-            else:
-                out.write(line + "\n")
+        if line != last[0]:
+            out.write("\r\033[K" + line if out.isatty() else line + "\n")
             out.flush()
-            last = line
-        if job["state"] in TERMINAL:
-            if out.isatty():
-                out.write("\n")
-            return job
-        time.sleep(1.0)
+            last[0] = line
+
+    job = call(c.wait, job_id, on_update=show)
+    if out.isatty():
+        out.write("\n")
+    return job
 
 
 @app.command()
@@ -99,14 +97,14 @@ def submit(spec: Annotated[Path, typer.Argument(help="Job YAML.")], set_: Sets =
 @app.command()
 def status(job_id: str, as_json: Json = False) -> None:
     """Show one job."""
-    job = call(client().job, job_id)
+    job = call(client().get, job_id)
     typer.echo(json.dumps(job)) if as_json else print_job(job)
 
 
 @app.command("list")
 def list_(as_json: Json = False) -> None:
     """List jobs."""
-    jobs = call(client().jobs)
+    jobs = call(client().list)
     typer.echo(json.dumps(jobs)) if as_json else print_jobs(jobs)
 
 
@@ -156,7 +154,7 @@ def logs(job_id: str,
         start = page["next"]
         if not follow_:
             return
-        if not page["logs"] and call(c.job, job_id)["state"] in TERMINAL:
+        if not page["logs"] and call(c.get, job_id)["state"] in TERMINAL:
             if not call(c.logs, job_id, start, rank, module)["logs"]:
                 return
         time.sleep(1.0)
@@ -174,6 +172,7 @@ app.command()(audit)
 app.command()(whoami)
 app.command()(doctor)
 app.add_typer(debug_app, name="debug")
+app.add_typer(control_plane_app, name="control-plane")
 app.command()(profile)
 app.command("plan")(plan_command)
 
@@ -224,6 +223,12 @@ def node_join(address: Annotated[str, typer.Option(help="Ray head address, host:
               nvlink: Annotated[str | None, typer.Option(
                   help="NVLink islands when nvidia-smi is absent: '0.1.2.3_4.5.6.7' or 'full'.")] = None,
               cpus: Annotated[int | None, typer.Option(help="CPUs to offer.")] = None,
+              ray_arg: Annotated[list[str] | None, typer.Option(
+                  "--ray-arg", help="Passed to `ray start` as it is, e.g. "
+                                    "--ray-arg=--dashboard-agent-listen-port=52366.")] = None,
+              block: Annotated[bool, typer.Option(
+                  "--block", help="Run the raylet in the foreground, as this process (a "
+                                  "container's main process).")] = False,
               as_json: Json = False) -> None:
     """Join this machine to a cluster as a raylet with kuangchao's topology labels."""
     import socket
@@ -232,7 +237,8 @@ def node_join(address: Annotated[str, typer.Option(help="Ray head address, host:
 
     try:
         node = join(JoinOptions(address=address, name=name or socket.gethostname(), leaf=leaf,
-                                spine=spine, gpus=gpus, nvlink=nvlink, cpus=cpus))
+                                spine=spine, gpus=gpus, nvlink=nvlink, cpus=cpus,
+                                extra=tuple(ray_arg or ())), block=block)
     except KuangchaoError as exc:
         fail(exc.message)
     typer.echo(json.dumps(node.to_json()) if as_json else
@@ -321,13 +327,15 @@ def down() -> None:
 def train(config: Annotated[Path, typer.Option("--config", help="Job YAML.")], set_: Sets = None,
           as_json: Json = False) -> None:
     """Run a job with this process as the driver (what `ray job submit` runs)."""
-    from kuangchao.platform.driver import run_as_driver
+    from kuangchao.platform.driver import DriverStopped, run_as_driver
 
     doc = load_job_doc(config, set_)
     try:
         job = run_as_driver(doc)
     except KuangchaoError as exc:
         fail(exc.message)
+    except DriverStopped:
+        raise typer.Exit(143) from None  # 128 + SIGTERM, as if the signal had ended it
     typer.echo(json.dumps(job)) if as_json else print_job(job)
     if job["state"] != "SUCCEEDED":
         raise typer.Exit(1)

@@ -50,7 +50,7 @@ def kc_spec(mode: str, gpus_per_node: int) -> dict[str, Any]:
 
 def _entry_to(client: Client, job_id: str, replicas: int, after: float) -> dict | None:
     """The resize entry to `replicas` opened after `after`, once its first step is stamped."""
-    job = client.job(job_id)
+    job = client.get(job_id)
     if job["state"] in ("FAILED", "CANCELLED", "SUCCEEDED"):
         raise RuntimeError(f"job {job_id} ended as {job['state']}: {job.get('message')}")
     for e in job.get("resize_log") or []:
@@ -60,7 +60,7 @@ def _entry_to(client: Client, job_id: str, replicas: int, after: float) -> dict 
 
 
 def _at(client: Client, job_id: str, replicas: int, step: int) -> dict | None:
-    job = client.job(job_id)
+    job = client.get(job_id)
     return job if (job["state"] == "RUNNING" and job["replicas"] == replicas
                    and job["progress"]["step"] >= step) else None
 
@@ -82,22 +82,22 @@ def kc_resize(cluster: BenchCluster, mode: str, warmup_steps: int = CKPT_EVERY +
         shrink = wait_until(lambda: _entry_to(client, jid, 2, t_kill), WAIT_S, "a step at 2 replicas")
         out["shrink"] = _times(shrink, t_kill)
         log(f"kc {mode} shrink: {out['shrink']}")
-        step = client.job(jid)["progress"]["step"]
+        step = client.get(jid)["progress"]["step"]
         wait_until(lambda: _at(client, jid, 2, step + CKPT_EVERY), WAIT_S, "training at 2 replicas")
         name = f"node-{len(leaf_nodes(alive=False))}"
         _, t_join = add_node(cluster, name, cpus=int(leaf_nodes()[0]["Resources"]["CPU"]), gpus=gpus)
         grow = wait_until(lambda: _entry_to(client, jid, 3, t_join), WAIT_S, "a step at 3 replicas")
         out["grow"] = _times(grow, t_join)
         log(f"kc {mode} grow: {out['grow']}")
-        step = client.job(jid)["progress"]["step"]
+        step = client.get(jid)["progress"]["step"]
         wait_until(lambda: _at(client, jid, 3, step + CKPT_EVERY), WAIT_S, "training at 3 replicas")
         out.update(audit_samples(client, jid))
-        final = client.job(jid)
+        final = client.get(jid)
         out["restarts"] = final["restarts"]
         out["paths"] = [e.get("path") for e in final["resize_log"]]
     finally:
         client.cancel(jid)
-        wait_until(lambda: client.job(jid)["state"] in ("CANCELLED", "FAILED", "SUCCEEDED"),
+        wait_until(lambda: client.get(jid)["state"] in ("CANCELLED", "FAILED", "SUCCEEDED"),
                    WAIT_S, "the job to stop")
     return out
 

@@ -85,6 +85,24 @@ def new_key(name: str, tenant: str, role: str,
     return key, StoredKey(principal, _digest(key))
 
 
+def stored_key(key: str, name: str, tenant: str, role: str) -> StoredKey:
+    """What to store for a key made elsewhere (a deployment's generated Secret).
+
+    Raises:
+        ValueError: For a malformed key, an unknown role, an empty name or tenant.
+    """
+    m = _KEY.match(key)
+    if m is None:
+        raise ValueError("an API key looks like kc_<16 lowercase hex>_<43 characters of "
+                         "A-Z a-z 0-9 _ ->")
+    if role not in ROLES:
+        raise ValueError(f"role {role!r} is unknown; use one of {', '.join(ROLES)}")
+    if not name or not tenant:
+        raise ValueError("a key needs a name and a tenant")
+    return StoredKey(Principal(m.group(1), name, tenant, role, created_at=time.time()),
+                     _digest(key))
+
+
 def key_id_of(key: str | None) -> str | None:
     """The id part of a well-formed key, else None (malformed or missing)."""
     m = _KEY.match(key or "")

@@ -10,9 +10,12 @@ places the job on the Ray cluster directly.
 from __future__ import annotations
 
 import getpass
+import json
 import os
+import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -70,6 +73,50 @@ def _wait_admitted(store: JobStore, job_id: str) -> None:
         time.sleep(0.5)
 
 
+class DriverStopped(BaseException):
+    """SIGTERM or SIGHUP reached the driver: `ray job stop`, or the pod going away.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the
+    way up swallows it; the controller's `finally` tears the workers down."""
+
+
+def _cancel(store: JobStore, job_id: str, what: str) -> None:
+    store.request_cancel(job_id)
+    if not store.get(job_id).state.is_terminal:
+        store.transition(job_id, JobState.CANCELLED, f"the kc train driver got {what}")
+
+
+def _stop_handler(settings: Settings, job_id: str) -> Callable[[int, Any], None]:
+    """A signal handler that records the job CANCELLED first, then unwinds.
+
+    Ray sends SIGKILL 3 s after SIGTERM (RAY_JOB_STOP_WAIT_TIME_S), and a busy
+    machine may not finish tearing down by then; the record must not be left
+    RUNNING. Its own Redis client: the signal may arrive inside a call holding
+    the store's connection pool. The workers die with the driver in any case
+    (Ray ends the actors a driver owns), and the controller's `finally` kills
+    them at once when there is time.
+    """
+    def handler(signum: int, _frame: Any) -> None:
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)  # a second signal must not cut the teardown short
+        name = signal.Signals(signum).name
+        try:
+            _cancel(JobStore.from_url(settings.redis_url, settings.redis_prefix), job_id,
+                    f"{name} (ray job stop)")
+        finally:
+            raise DriverStopped(name)
+    return handler
+
+
+def _ray_submission_id() -> str | None:
+    """The `ray job submit` id, from the job config Ray hands the entrypoint."""
+    try:
+        meta = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("metadata")
+    except ValueError:
+        return None
+    return (meta or {}).get("job_submission_id")
+
+
 def driver_identity() -> tuple[str, str]:
     """Who submits through `kc train`: the Ray job's submission id (or the OS
     user) and the tenant in `KC_TENANT` (default: default).
@@ -77,7 +124,7 @@ def driver_identity() -> tuple[str, str]:
     The driver holds the cluster's own credentials, like an operator, so the
     tenant is what it says; `ray job submit` access is an operator's to give.
     """
-    sub = os.environ.get("RAY_JOB_SUBMISSION_ID")
+    sub = os.environ.get("RAY_JOB_SUBMISSION_ID") or _ray_submission_id()
     owner = f"ray-job/{sub}" if sub else getpass.getuser()
     return owner, os.environ.get("KC_TENANT") or "default"
 
@@ -102,6 +149,10 @@ def run_as_driver(doc: dict[str, Any], settings: Settings | None = None) -> dict
         principal=f"driver:{owner}", action="job.submit", resource=f"job/{job.id}",
         decision="allow", reason=f"kc train, tenant {tenant}", job=job.id))
     print(f"job {job.id} submitted", file=sys.stderr, flush=True)
+    # `ray job stop` sends SIGTERM, then SIGKILL 3 s later (RAY_JOB_STOP_WAIT_TIME_S):
+    # the workers are killed and the job recorded CANCELLED well inside that.
+    stop = _stop_handler(settings, job.id)
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:  # a recovered or preempted job comes back to the queue: place it again
             if managed:
@@ -112,12 +163,14 @@ def run_as_driver(doc: dict[str, Any], settings: Settings | None = None) -> dict
                 JobController(job.id, settings, store, authority=authority).run()
             if store.get(job.id).state is not JobState.QUEUED:
                 break
-    except KeyboardInterrupt:
-        store.request_cancel(job.id)
-        cur = store.get(job.id)
-        if not cur.state.is_terminal:
-            store.transition(job.id, JobState.CANCELLED, "driver interrupted")
+    except (KeyboardInterrupt, DriverStopped) as exc:
+        what = f"{exc} (ray job stop)" if isinstance(exc, DriverStopped) else "an interrupt"
+        _cancel(store, job.id, what)
+        print(f"job {job.id} cancelled: the driver got {what}", file=sys.stderr, flush=True)
         raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return jobs.job_view(store, store.get(job.id))
 
 

@@ -12,9 +12,10 @@ import json
 import time
 from typing import Any
 
-from kuangchao.platform.apikeys import Principal, StoredKey, new_key
+from kuangchao.platform.apikeys import Principal, StoredKey, new_key, stored_key
 
 BOOTSTRAP_NAME = "kc-up-admin"
+DEPLOY_NAME = "deploy-admin"
 
 
 class KeyStore:
@@ -70,6 +71,31 @@ class KeyStore:
                 self.revoke(p.key_id)
         key, _ = self.create(BOOTSTRAP_NAME, "default", "admin")
         return key
+
+    def register(self, key: str, name: str = DEPLOY_NAME, tenant: str = "default",
+                 role: str = "admin") -> Principal:
+        """Store a key made outside (a deployment's Secret) and revoke every other
+        key of the same name, so rotating the Secret retires the old key. Idempotent.
+
+        Raises:
+            ValueError: For a malformed key, or one revoked earlier (a rotated-out
+                key is never brought back).
+        """
+        stored = stored_key(key, name, tenant, role)
+        kid = stored.principal.key_id
+        current = self.get(kid)
+        if current is not None:
+            if current.digest != stored.digest:
+                raise ValueError(f"key id {kid} is taken by another key; generate a new key")
+            if current.principal.revoked_at is not None:
+                raise ValueError(f"key {kid} was revoked; put a newly generated key in its place")
+        else:
+            self.r.hset(self.key, kid, _dump(stored))
+            current = stored
+        for p in self.list():
+            if p.name == name and p.key_id != kid:
+                self.revoke(p.key_id)
+        return current.principal
 
 
 def _dump(stored: StoredKey) -> str:

@@ -9,6 +9,7 @@ resource per GPU, so the placement solver can pin ranks to exact GPU ids.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -70,6 +71,7 @@ class JoinOptions:
     gpus: int | None = None
     nvlink: str | None = None
     cpus: int | None = None
+    extra: tuple[str, ...] = ()  # more `ray start` flags, as given
 
 
 def node_for(opts: JoinOptions) -> NodeInfo:
@@ -97,15 +99,23 @@ def ray_start_args(opts: JoinOptions, node: NodeInfo) -> list[str]:
         args.append(f"--resources={json.dumps({gpu_resource(g): 1 for g in range(node.gpus)})}")
     if opts.cpus is not None:
         args.append(f"--num-cpus={opts.cpus}")
-    return args
+    return [*args, *opts.extra]
 
 
-def join(opts: JoinOptions) -> NodeInfo:
-    """Run `ray start` for this node. Raises `TopologyError` if Ray refuses."""
+def join(opts: JoinOptions, block: bool = False) -> NodeInfo:
+    """Run `ray start` for this node. Raises `TopologyError` if Ray refuses.
+
+    With `block`, this process becomes the raylet's `ray start --block`: a
+    container's stop signal then reaches Ray, and the container ends with it.
+    """
     node = node_for(opts)
     ray = Path(sys.executable).parent / "ray"
-    out = subprocess.run([str(ray), "start", *ray_start_args(opts, node), "--disable-usage-stats"],
-                         capture_output=True, text=True, timeout=300)
+    args = [str(ray), "start", *ray_start_args(opts, node), "--disable-usage-stats"]
+    if block:
+        print(f"{node.name}: {node.gpus} GPU(s), islands {[list(i) for i in node.islands]}, "
+              f"leaf {node.leaf}; joining {opts.address}", file=sys.stderr, flush=True)
+        os.execv(str(ray), [*args, "--block"])
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         raise TopologyError(f"`ray start` failed to join {opts.address}:\n{out.stderr[-2000:]}")
     return node

@@ -100,7 +100,7 @@ class Stack:
         return doc
 
     def wait_state(self, job_id: str, states: set[str], timeout: float = 300) -> dict[str, Any]:
-        return wait_for(lambda: (j := self.client.job(job_id))["state"] in states and j,
+        return wait_for(lambda: (j := self.client.get(job_id))["state"] in states and j,
                         timeout, f"job {job_id} to reach {states}")
 
 

@@ -87,7 +87,7 @@ def test_revoked_and_expired_keys_are_refused_and_audited(stack):
     assert c.whoami()["role"] == "viewer"
     key_id = c.whoami()["key_id"]
     stack.client.revoke_key(key_id)
-    assert status_of(c.jobs) == 401
+    assert status_of(c.list) == 401
     short = Client(stack.state["api_url"], new_key(stack, "ex", "viewer", ttl_s=1.5))
     wait_for(lambda: _refused(short), 30, "the short-lived key to expire")
     reasons = [r["reason"] for r in denials(stack, limit=50) if r["action"] == "api.authenticate"]
@@ -100,7 +100,7 @@ def test_revoked_and_expired_keys_are_refused_and_audited(stack):
 
 def _refused(c: Client) -> bool:
     try:
-        c.jobs()
+        c.list()
         return False
     except ApiError as exc:
         return exc.status == 401
@@ -108,7 +108,7 @@ def _refused(c: Client) -> bool:
 
 def test_roles_viewer_cannot_submit_or_cancel_and_is_audited(stack, tenants):
     viewer = as_(stack, tenants, "a", "viewer")
-    assert tenants["job_a"] in {j["id"] for j in viewer.jobs()}
+    assert tenants["job_a"] in {j["id"] for j in viewer.list()}
     assert status_of(viewer.submit, stack.job_doc()) == 403
     assert status_of(viewer.cancel, tenants["job_a"]) == 403
     assert status_of(viewer.create_key, "x", "y", "admin") == 403
@@ -126,23 +126,23 @@ def test_roles_viewer_cannot_submit_or_cancel_and_is_audited(stack, tenants):
 def test_a_tenant_never_learns_of_another_tenants_jobs(stack, tenants):
     b_sub = as_(stack, tenants, "b", "submitter")
     job_a = tenants["job_a"]
-    assert job_a not in {j["id"] for j in b_sub.jobs()}
-    assert tenants["job_b"] in {j["id"] for j in b_sub.jobs()}
-    missing = status_of(b_sub.job, "no-such-job-at-all")
-    for fn, args in ((b_sub.job, (job_a,)), (b_sub.cancel, (job_a,)), (b_sub.logs, (job_a,)),
+    assert job_a not in {j["id"] for j in b_sub.list()}
+    assert tenants["job_b"] in {j["id"] for j in b_sub.list()}
+    missing = status_of(b_sub.get, "no-such-job-at-all")
+    for fn, args in ((b_sub.get, (job_a,)), (b_sub.cancel, (job_a,)), (b_sub.logs, (job_a,)),
                      (b_sub.events, (job_a,)), (b_sub.samples, (job_a,)),
                      (b_sub.scale, (job_a, 2))):
         with pytest.raises(ApiError) as info:
             fn(*args)
         assert info.value.status == missing == 404
         assert info.value.detail == f"no job with id {job_a!r}; `kc list` shows the known jobs"
-    assert stack.client.job(job_a)["state"] == "QUEUED"  # the attempts changed nothing
-    job = as_(stack, tenants, "a", "viewer").job(job_a)
+    assert stack.client.get(job_a)["state"] == "QUEUED"  # the attempts changed nothing
+    job = as_(stack, tenants, "a", "viewer").get(job_a)
     assert job["tenant"] == tenants["a"] and job["owner"] == f"submitter-{tenants['a']}"
     hidden = [r for r in denials(stack, job=job_a) if r["reason"].startswith("job belongs to")]
     assert {r["action"] for r in hidden} >= {"job.read", "job.cancel", "job.scale"}
     # The admin sees every tenant; the job's own submitter may cancel it.
-    assert job_a in {j["id"] for j in stack.client.jobs()}
+    assert job_a in {j["id"] for j in stack.client.list()}
     assert as_(stack, tenants, "a", "submitter").cancel(job_a)["state"] == "CANCELLED"
     allowed = [r for r in stack.client.audit(job=job_a, action="allow")]
     assert [r["action"] for r in allowed] == ["job.submit", "job.cancel"]

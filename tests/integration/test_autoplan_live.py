@@ -60,5 +60,5 @@ def test_auto_spec_that_fits_nowhere_gets_422_naming_parallel_auto(stack):
     [detail] = resp.json()["detail"]
     assert detail["field"] == "parallel.auto" and detail["loc"] == ["parallel", "auto"]
     assert "fits 1 x a100-40gb" in detail["msg"] and "parallel.gpus" in detail["msg"]
-    names = [j["name"] for j in stack.client.jobs()]
+    names = [j["name"] for j in stack.client.list()]
     assert "auto-too-big" not in names  # nothing was stored

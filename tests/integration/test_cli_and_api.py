@@ -53,7 +53,7 @@ def test_kc_status_exits_2_for_an_unknown_job(stack):
 
 
 def test_jobs_survive_a_restart_of_the_api_server(stack):
-    before = {j["id"]: j["state"] for j in stack.client.jobs()}
+    before = {j["id"]: j["state"] for j in stack.client.list()}
     assert before, "earlier tests should have left jobs behind"
     pid, port = stack.state["api_pid"], stack.state["api_port"]
     if alive(pid):
@@ -69,7 +69,7 @@ def test_jobs_survive_a_restart_of_the_api_server(stack):
                             stderr=subprocess.STDOUT, start_new_session=True)
     stack.state["api_pid"] = proc.pid
     wait_for(lambda: port_open(port), 60, "the restarted API server")
-    after = {j["id"]: j["state"] for j in stack.client.jobs()}
+    after = {j["id"]: j["state"] for j in stack.client.list()}
     assert set(before) <= set(after)
     finished = {"SUCCEEDED", "FAILED", "CANCELLED"}
     assert {k: after[k] for k, v in before.items() if v in finished} == {

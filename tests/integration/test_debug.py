@@ -21,7 +21,7 @@ def _running_job(stack, name: str, **fault_tolerance) -> str:
     job_id = stack.client.submit(doc)["id"]
 
     def stepping():
-        job = stack.client.job(job_id)
+        job = stack.client.get(job_id)
         assert job["state"] not in ("FAILED", "CANCELLED", "SUCCEEDED"), job.get("message")
         return job["state"] == "RUNNING" and (job.get("progress") or {}).get("step", 0) >= 3
     wait_for(stepping, 300, f"job {job_id} to train")

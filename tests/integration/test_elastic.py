@@ -82,7 +82,7 @@ def elastic_doc(stack: Stack, name: str, steps: int, **elastic) -> dict:
 
 def at(stack: Stack, job_id: str, replicas: int, after_step: int = 0) -> dict | None:
     """The job, once RUNNING at `replicas` and past `after_step`."""
-    j = stack.client.job(job_id)
+    j = stack.client.get(job_id)
     ok = (j["state"] == "RUNNING" and j["replicas"] == replicas
           and j["progress"]["step"] > after_step)
     return j if ok else None
@@ -149,7 +149,7 @@ def test_priority_job_shrinks_an_elastic_job_which_grows_back(elastic):
     assert entry["for_job"] == high["id"] and entry["path"] == "live"
     done = elastic.wait_state(high["id"], DONE, timeout=300)
     assert done["state"] == "SUCCEEDED", done["message"]
-    step = client.job(low["id"])["progress"]["step"]
+    step = client.get(low["id"])["progress"]["step"]
     # Rank 0 closes a resize's entry with its first step at the new size.
     grown = wait_for(lambda: (j := at(elastic, low["id"], 3, after_step=step))
                      and all("resize_s" in e for e in j["resize_log"]) and j, 300,

@@ -61,9 +61,9 @@ def past_first_checkpoint(stack: Stack, name: str, steps: int) -> tuple[dict, li
     """Submit a job (a checkpoint every 50 steps) and wait until it has one; return it
     and where its ranks run."""
     job = stack.client.submit(job_doc(stack, name, steps=steps, interval=50))
-    wait_for(lambda: stack.client.job(job["id"])["progress"]["step"] >= 60, 400,
+    wait_for(lambda: stack.client.get(job["id"])["progress"]["step"] >= 60, 400,
              "a first checkpoint")
-    return job, stack.client.job(job["id"])["placement"]
+    return job, stack.client.get(job["id"])["placement"]
 
 
 def checkpoint_steps(stack: Stack, job_id: str) -> list[int]:
@@ -75,7 +75,7 @@ def checkpoint_steps(stack: Stack, job_id: str) -> list[int]:
 def test_redis_restart_mid_job_is_ridden_out(infra):
     client: Client = infra.client
     job = client.submit(job_doc(infra, "infra-redis", steps=4000, interval=100))
-    wait_for(lambda: client.job(job["id"])["progress"]["step"] >= 100, 400, "training to start")
+    wait_for(lambda: client.get(job["id"])["progress"]["step"] >= 100, 400, "training to start")
     before = checkpoint_steps(infra, job["id"])
     down_at = time.monotonic()
     infra.redis.stop()
@@ -101,7 +101,7 @@ def test_a_node_failing_twice_is_quarantined_and_the_job_moves(infra):
     node = first[1]["node"]
     os.kill(first[1]["pid"], signal.SIGKILL)
     # The first failure is repaired in place, on the same node.
-    again = wait_for(lambda: (j := client.job(job["id"]))["state"] == "RUNNING"
+    again = wait_for(lambda: (j := client.get(job["id"]))["state"] == "RUNNING"
                      and j["restarts"] == 1 and j["placement"][1]["pid"] != first[1]["pid"]
                      and j["progress"]["step"] > j["restart_log"][0].get("resumed_step", 1e9)
                      and j, 300, "the in-place recovery")

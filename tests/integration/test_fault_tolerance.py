@@ -33,9 +33,9 @@ def test_sigkilled_worker_recovers_to_the_failure_free_loss(stack):
     killed = spec(stack, "ft-killed")
     killed["fault_tolerance"] = {"spare_workers": True}  # training math is the same
     victim = stack.client.submit(killed)
-    wait_for(lambda: stack.client.job(victim["id"])["progress"]["step"] >= 60, 400,
+    wait_for(lambda: stack.client.get(victim["id"])["progress"]["step"] >= 60, 400,
              "the job to pass its first checkpoint")
-    rank1 = next(p for p in stack.client.job(victim["id"])["placement"] if p["rank"] == 1)
+    rank1 = next(p for p in stack.client.get(victim["id"])["placement"] if p["rank"] == 1)
     assert alive(rank1["pid"])
     os.kill(rank1["pid"], signal.SIGKILL)
 
@@ -74,9 +74,9 @@ def test_stopped_worker_is_detected_as_hung_and_replaced(stack):
     d["fault_tolerance"] = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5,
                             "hang_timeout_s": 20}
     job = stack.client.submit(d)
-    wait_for(lambda: stack.client.job(job["id"])["progress"]["step"] >= 60, 400,
+    wait_for(lambda: stack.client.get(job["id"])["progress"]["step"] >= 60, 400,
              "the job to pass its first checkpoint")
-    rank1 = next(p for p in stack.client.job(job["id"])["placement"] if p["rank"] == 1)
+    rank1 = next(p for p in stack.client.get(job["id"])["placement"] if p["rank"] == 1)
     stopped_at = time.time()
     os.kill(rank1["pid"], signal.SIGSTOP)
     try:
@@ -100,7 +100,7 @@ def test_stopped_worker_is_detected_as_hung_and_replaced(stack):
 
 def test_killed_controller_is_restarted_and_recovers_its_job(stack):
     job = stack.client.submit(spec(stack, "ft-controller"))
-    wait_for(lambda: stack.client.job(job["id"])["progress"]["step"] >= 60, 400,
+    wait_for(lambda: stack.client.get(job["id"])["progress"]["step"] >= 60, 400,
              "the job to pass its first checkpoint")
     store = JobStore.from_url(stack.env["KC_REDIS_URL"], stack.env["KC_REDIS_PREFIX"])
     pid = int(store.controller(job["id"]).rsplit("/", 1)[1])
@@ -113,7 +113,7 @@ def test_killed_controller_is_restarted_and_recovers_its_job(stack):
 
 def test_killed_scheduler_comes_back_and_keeps_scheduling(stack, ray_driver):
     running = stack.client.submit(spec(stack, "ft-sched-running"))
-    wait_for(lambda: stack.client.job(running["id"])["state"] == "RUNNING", 300, "a running job")
+    wait_for(lambda: stack.client.get(running["id"])["state"] == "RUNNING", 300, "a running job")
     scheduler = ray_driver.get_actor("kc-scheduler", namespace="kuangchao")
     pid = ray_driver.get(scheduler.info.remote(), timeout=60)["pid"]
     os.kill(pid, signal.SIGKILL)
@@ -124,7 +124,7 @@ def test_killed_scheduler_comes_back_and_keeps_scheduling(stack, ray_driver):
     for job_id in (running["id"], later["id"]):
         done = stack.wait_state(job_id, DONE, timeout=600)
         assert done["state"] == "SUCCEEDED", done["message"]
-    assert stack.client.job(running["id"])["restarts"] == 0
+    assert stack.client.get(running["id"])["restarts"] == 0
 
 
 def _scheduler_pid(ray, scheduler):
@@ -155,9 +155,9 @@ def test_truncated_newest_checkpoint_is_skipped_on_restore(stack):
     d = spec(stack, "ft-truncated")
     d["training"]["steps"] = 400
     job = stack.client.submit(d)
-    wait_for(lambda: stack.client.job(job["id"])["progress"]["step"] >= 160, 400,
+    wait_for(lambda: stack.client.get(job["id"])["progress"]["step"] >= 160, 400,
              "three checkpoints")
-    pids = [p["pid"] for p in stack.client.job(job["id"])["placement"]]
+    pids = [p["pid"] for p in stack.client.get(job["id"])["placement"]]
     # Freeze every rank: rank 0 alone could still commit a background write that
     # rank 1 had already done its part of, after the listing below.
     for pid in pids:

@@ -28,9 +28,9 @@ def hybrid(stack, name: str) -> dict:
 
 def test_a_pipelined_zero1_job_recovers_from_a_killed_rank_to_the_uninterrupted_loss(stack):
     victim = stack.client.submit(hybrid(stack, "hybrid-killed"))
-    wait_for(lambda: stack.client.job(victim["id"])["progress"]["step"] >= 25, 600,
+    wait_for(lambda: stack.client.get(victim["id"])["progress"]["step"] >= 25, 600,
              "the hybrid job to pass its first checkpoint")
-    last_stage = next(p for p in stack.client.job(victim["id"])["placement"] if p["rank"] == 3)
+    last_stage = next(p for p in stack.client.get(victim["id"])["placement"] if p["rank"] == 3)
     assert alive(last_stage["pid"])
     os.kill(last_stage["pid"], signal.SIGKILL)
     done = stack.wait_state(victim["id"], DONE, timeout=900)

@@ -51,9 +51,9 @@ def test_ddp_job_succeeds_with_lower_loss_identical_replicas_and_loadable_checkp
 
 def test_cancel_mid_run_removes_workers_and_placement_group(stack, ray_driver):
     job = stack.client.submit(stack.job_doc(training__steps=100_000, task={"name": "to-cancel"}))
-    wait_for(lambda: stack.client.job(job["id"])["progress"]["step"] >= 2, 300,
+    wait_for(lambda: stack.client.get(job["id"])["progress"]["step"] >= 2, 300,
              "the job to make progress")
-    pids = [p["pid"] for p in stack.client.job(job["id"])["placement"]]
+    pids = [p["pid"] for p in stack.client.get(job["id"])["placement"]]
     assert pids and all(alive(p) for p in pids)
     stack.client.cancel(job["id"])
     done = stack.wait_state(job["id"], {"CANCELLED", "FAILED", "SUCCEEDED"}, timeout=120)
@@ -100,7 +100,7 @@ def test_job_larger_than_cluster_stays_queued_with_reason(stack):
     job = stack.client.submit_yaml(body)  # YAML bodies are accepted as well as JSON
     assert job["name"] == "too-big" and job["world_size"] == 64
     try:
-        queued = wait_for(lambda: (j := stack.client.job(job["id"]))["waiting_for"] and j, 60,
+        queued = wait_for(lambda: (j := stack.client.get(job["id"]))["waiting_for"] and j, 60,
                           "a waiting reason")
         assert queued["state"] == "QUEUED"
         assert queued["waiting_for"] == "needs 64 GPUs, the cluster has 32"

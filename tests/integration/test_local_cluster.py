@@ -32,7 +32,7 @@ def test_ray_job_submit_runs_kc_train_and_registers_the_job(stack):
          "--set", "model.d_model=32", "--set", "data.max_bytes=200000"],
         cwd=ROOT, env=stack.env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    jobs = [j for j in stack.client.jobs() if j["name"] == "via-ray-job"]
+    jobs = [j for j in stack.client.list() if j["name"] == "via-ray-job"]
     assert len(jobs) == 1
     assert jobs[0]["state"] == "SUCCEEDED" and jobs[0]["driver"] == "external"
     assert jobs[0]["progress"]["step"] == 12

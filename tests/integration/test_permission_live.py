@@ -47,7 +47,7 @@ def test_ranks_use_their_jobs_redis_user_never_the_admin_credentials(stack):
                         task={"name": "acl-user"})
     jid = stack.client.submit(doc)["id"]
     try:
-        job = wait_for(lambda: (j := stack.client.job(jid))["state"] == "RUNNING"
+        job = wait_for(lambda: (j := stack.client.get(jid))["state"] == "RUNNING"
                        and j["progress"]["step"] > 0 and j, 180, "the job to train")
         user = f"kc-job-{jid}"
         assert admin.acl_getuser(user) is not None
@@ -73,7 +73,7 @@ def test_a_revoked_token_stops_the_ranks_collectives(stack, ray_driver):
     doc = stack.job_doc(training={"steps": 100000, "seed": 7, "log_interval": 50},
                         task={"name": "revoked"}, fault_tolerance={"max_restarts": 0})
     jid = stack.client.submit(doc)["id"]
-    wait_for(lambda: (j := stack.client.job(jid))["state"] == "RUNNING"
+    wait_for(lambda: (j := stack.client.get(jid))["state"] == "RUNNING"
              and j["progress"]["step"] > 0, 180, "the job to train")
     authority = ray_driver.get_actor("kc-token-authority", namespace="kuangchao")
     assert ray_driver.get(authority.revoke_job.remote(jid, "revoked by the test")) == 2

@@ -203,14 +203,14 @@ def test_dashboards_and_alerts_evaluate_over_live_series(stack, prom):
         assert len(health) == sum(len(g["rules"]) for g in rules["groups"])
         assert all(h == "ok" for h, _ in health.values()), health
     finally:
-        if stack.client.job(job_id)["state"] not in ("FAILED", "CANCELLED", "SUCCEEDED"):
+        if stack.client.get(job_id)["state"] not in ("FAILED", "CANCELLED", "SUCCEEDED"):
             stack.client.cancel(job_id)
         stack.wait_state(job_id, {"CANCELLED", "SUCCEEDED", "FAILED"}, timeout=300)
 
 
 def _running(stack, job_id: str) -> None:
     def check():
-        job = stack.client.job(job_id)
+        job = stack.client.get(job_id)
         assert job["state"] not in ("FAILED", "CANCELLED", "SUCCEEDED"), (
             f"{job['state']}: {job.get('message')}\n{stack.client.events(job_id)}")
         return job["state"] == "RUNNING"
@@ -227,9 +227,9 @@ def _exercise(stack, prom, job_id: str) -> None:
         assert series["metric"]["job"] == job_id
     saved = f'sum(kc_checkpoint_save_seconds_count{{job="{job_id}"}})'
     wait_for(lambda: (prom.value(saved) or 0) >= 1, 180, "a checkpoint in Prometheus")
-    pid = next(p["pid"] for p in stack.client.job(job_id)["placement"] if p["rank"] == 1)
+    pid = next(p["pid"] for p in stack.client.get(job_id)["placement"] if p["rank"] == 1)
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: stack.client.job(job_id)["restarts"] >= 1, 120, "the restart")
+    wait_for(lambda: stack.client.get(job_id)["restarts"] >= 1, 120, "the restart")
     _running(stack, job_id)
     for expr, what in ((f'sum(kc_job_restarts_total{{job="{job_id}",cause="died"}})', "restart"),
                        ('sum(kc_failure_detection_seconds_count{cause="died"})', "detection"),

@@ -22,7 +22,7 @@ def doc(stack, name, dp=1, tp=1, gpus_per_rank=1, steps=100_000, **sections):
 
 def cancel_all(stack, ids):
     for job_id in ids:
-        if stack.client.job(job_id)["state"] not in DONE:
+        if stack.client.get(job_id)["state"] not in DONE:
             stack.client.cancel(job_id)
     for job_id in ids:
         stack.wait_state(job_id, DONE, timeout=120)
@@ -48,19 +48,19 @@ def test_each_tenant_stays_within_its_quota(stack):
     a1 = stack.client.submit(doc(stack, "a1", dp=2, gpus_per_rank=4, task={"queue": "team-a"}))
     ids = [a1["id"]]
     try:
-        wait_for(lambda: stack.client.job(a1["id"])["state"] == "RUNNING", 300, "a1 to run")
+        wait_for(lambda: stack.client.get(a1["id"])["state"] == "RUNNING", 300, "a1 to run")
         a2 = stack.client.submit(doc(stack, "a2", dp=1, gpus_per_rank=4, task={"queue": "team-a"}))
         b1 = stack.client.submit(doc(stack, "b1", dp=2, gpus_per_rank=4, task={"queue": "team-b"}))
         ids += [a2["id"], b1["id"]]
-        waiting = wait_for(lambda: (j := stack.client.job(a2["id"]))["waiting_for"] and j, 60,
+        waiting = wait_for(lambda: (j := stack.client.get(a2["id"]))["waiting_for"] and j, 60,
                            "a2's waiting reason")
         assert waiting["state"] == "QUEUED"
         assert waiting["waiting_for"] == "quota team-a: 8/8 GPUs in use"
-        wait_for(lambda: stack.client.job(b1["id"])["state"] == "RUNNING", 300, "b1 to run")
+        wait_for(lambda: stack.client.get(b1["id"])["state"] == "RUNNING", 300, "b1 to run")
         queues = {q["name"]: q for q in stack.client.queues()["queues"]}
         assert queues["team-a"]["gpus_in_use"] == 8 and queues["team-a"]["queued"] == 1
         assert queues["team-b"]["gpus_in_use"] == 8
-        assert stack.client.job(a2["id"])["state"] == "QUEUED"
+        assert stack.client.get(a2["id"])["state"] == "QUEUED"
     finally:
         cancel_all(stack, ids)
 
@@ -72,7 +72,7 @@ def test_high_priority_job_preempts_a_low_priority_one_which_resumes_and_finishe
                                               "path": stack.job_doc()["checkpoint"]["path"]}))
     ids = [low["id"]]
     try:
-        wait_for(lambda: stack.client.job(low["id"])["progress"]["step"] >= 3, 300,
+        wait_for(lambda: stack.client.get(low["id"])["progress"]["step"] >= 3, 300,
                  "the low-priority job to make progress")
         high = stack.client.submit(doc(stack, "high", dp=2, gpus_per_rank=4, steps=5,
                                        task={"priority": "high"}))
