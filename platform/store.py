@@ -8,7 +8,7 @@ Keys (all under the configured prefix, default `kc:`):
     {p}job:{id}:events        list of JSON events
     {p}job:{id}:logs          list of JSON log lines (capped)
     {p}job:{id}:progress      hash: step, total_steps, loss, initial_loss, tokens_per_s, step_s
-    {p}job:{id}:metrics       list of JSON points {step, ts, loss, ...}, one per logged step (capped)
+    {p}job:{id}:curve         list of JSON points {step, ts, loss, ...}, one per logged step (capped)
     {p}job:{id}:checkpoints   list of JSON {step, path, bytes}
     {p}job:{id}:cancel        set when a cancel was requested
     {p}job:{id}:preempt       set (to the job it yields to) when preemption was requested
@@ -220,7 +220,7 @@ class JobStore:
     def add_metrics(self, job_id: str, points: list[dict[str, Any]]) -> None:
         if not points:
             return
-        k = self.key("job", job_id, "metrics")
+        k = self.key("job", job_id, "curve")
         with self.r.pipeline() as pipe:
             pipe.rpush(k, *[json.dumps(p) for p in points])
             pipe.ltrim(k, -METRICS_CAP, -1)
@@ -229,7 +229,7 @@ class JobStore:
     def metrics(self, job_id: str, start: int = 0) -> list[dict[str, Any]]:
         """Logged points from `start` on, oldest first. A step replayed after a
         recovery appears again, with the recovered run's values."""
-        return [json.loads(e) for e in self.r.lrange(self.key("job", job_id, "metrics"), start, -1)]
+        return [json.loads(e) for e in self.r.lrange(self.key("job", job_id, "curve"), start, -1)]
 
     def set_progress(self, job_id: str, progress: dict[str, Any]) -> None:
         """Merge progress fields; `initial_loss` is written once and kept across restarts."""

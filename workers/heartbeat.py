@@ -249,7 +249,7 @@ def _queue_points(pipe: Any, progress_key: str, points: list[dict[str, Any]]) ->
     """The store's metrics append (JobStore.add_metrics), next to the progress key."""
     from kuangchao.platform.store import METRICS_CAP
 
-    key = progress_key.rsplit(":", 1)[0] + ":metrics"
+    key = progress_key.rsplit(":", 1)[0] + ":curve"
     pipe.rpush(key, *[json.dumps(p) for p in points])
     pipe.ltrim(key, -METRICS_CAP, -1)
 
