@@ -11,15 +11,18 @@ JOB ?= examples/tiny-gpt.yaml
 
 install: $(VENV)/.installed
 
-# Debian's Prometheus (with promtool) for the observability tests.
+# Debian packages the tests need: Prometheus (with promtool) for the observability
+# tests, Chromium and its driver for the console's browser test.
+APT_TOOLS := prometheus chromium chromium-driver
 tools:
-	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null && \
+	  command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
 	  if [ "$$(id -u)" != 0 ]; then \
-	    echo "the tests need Prometheus: run 'sudo apt-get install prometheus'" >&2; exit 2; fi; \
+	    echo "the tests need: sudo apt-get install $(APT_TOOLS)" >&2; exit 2; fi; \
 	  export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || { \
+	  apt-get install -y -q --no-install-recommends $(APT_TOOLS) >/dev/null 2>&1 || { \
 	    apt-get update -q >/dev/null && \
-	    apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }
+	    apt-get install -y -q --no-install-recommends $(APT_TOOLS) >/dev/null; }; }
 
 # torch is installed first and pinned: the CPU build serves here, and an
 # unpinned `torch` could pull a multi-GB CUDA build.

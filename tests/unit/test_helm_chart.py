@@ -1,0 +1,489 @@
+"""The Helm chart in helm/kuangchao: lint, render, validate every manifest, and
+check what the chart promises (secrets, topology, NetworkPolicies, dashboards,
+least privilege). Offline: helm-python-sdk carries Helm's own Go library, so
+no helm binary and no cluster are involved (`lookup` finds nothing there).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import pytest
+import yaml
+from cryptography.hazmat.primitives import serialization as ser
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from kubernetes_validate.utils import schema_contents
+from referencing import Registry, Resource
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "kuangchao"
+DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
+# The KubeRay CRD schemas live next to the checkout (see the design brief).
+RAYCLUSTER_CRD = ROOT.parent / "shared" / "data" / "kuberay" / "ray.io_rayclusters.yaml"
+K8S_VERSION = "1.34.0"
+GPU_VALUES = yaml.safe_load((CHART / "ci" / "gpu-values.yaml").read_text())
+# yaml.safe_load_all's loader, in C when PyYAML has it: the dashboards' JSON strings take
+# the pure-Python scanner seconds.
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# The other branches: a Secret of the operator's, no PVC, no policies, no dashboards, queues.
+OTHER_VALUES = {"secrets": {"existingSecret": "my-kc"}, "redis": {"persistence": {"enabled": False}},
+                "networkPolicy": {"enabled": False}, "grafana": {"dashboards": {"enabled": False}},
+                "api": {"replicas": 1, "serviceAccount": {"create": False}}, "monitoring": {"enabled": True},
+                "controlPlane": {"queues": {"queues": [{"name": "a", "guaranteed_gpus": 8}]}}}
+ADMIN_KEY = re.compile(r"^kc_[0-9a-f]{16}_[A-Za-z0-9_-]{43}$")
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values, name="kc", namespace="ml")
+    return [doc for path, text in sorted(out.items()) if not path.endswith("NOTES.txt")
+            for doc in yaml.load_all(text, Loader=SAFE_LOADER) if doc]
+
+
+def find(docs: list[dict], kind: str, name_suffix: str = "") -> list[dict]:
+    return [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(name_suffix)]
+
+
+def one(docs: list[dict], kind: str, name_suffix: str = "") -> dict:
+    found = find(docs, kind, name_suffix)
+    assert len(found) == 1, f"expected one {kind} *{name_suffix}, got {len(found)}"
+    return found[0]
+
+
+def secret_data(doc: dict) -> dict[str, str]:
+    return {k: base64.b64decode(v).decode() for k, v in doc.get("data", {}).items()}
+
+
+def pod_specs(docs: list[dict]) -> dict[str, dict]:
+    """Every pod template the render creates, as {name: template} (metadata + spec)."""
+    pods = {d["metadata"]["name"]: d["spec"]["template"]
+            for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    for rc in find(docs, "RayCluster"):
+        pods["ray-head"] = rc["spec"]["headGroupSpec"]["template"]
+        for g in rc["spec"]["workerGroupSpecs"]:
+            pods[f"ray-worker-{g['groupName']}"] = g["template"]
+    return pods
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+@pytest.fixture(scope="module")
+def default_docs() -> list[dict]:
+    return render()
+
+
+@pytest.fixture(scope="module")
+def gpu_docs() -> list[dict]:
+    return render(GPU_VALUES)
+
+
+@pytest.mark.parametrize("values", [None, GPU_VALUES], ids=["default", "gpu"])
+def test_helm_lint_is_clean(values: dict | None) -> None:
+    report = helm.lint(CHART, values, strict=True)
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    print(json.dumps(report, indent=1))
+    assert not problems, f"helm lint: {problems}"
+
+
+@functools.cache
+def k8s_validator(kind: str, api_version: str) -> jsonschema.Draft202012Validator | None:
+    """kubernetes-validate's strict schema for a kind, built once: its own `validate`
+    re-reads the multi-megabyte definitions on every call (seconds per manifest)."""
+    folder = f"kubernetes-json-schema/v{K8S_VERSION}-local-strict"
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)  # apps/v1 -> apps-v1
+    try:
+        schema = schema_contents(f"{folder}/{kind.lower()}-{group_version}.json", K8S_VERSION)
+    except FileNotFoundError:
+        return None
+    definitions = Resource.from_contents(schema_contents(f"{folder}/_definitions.json", K8S_VERSION))
+    registry = definitions @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+def k8s_validate(doc: dict) -> bool:
+    """Validate against the Kubernetes schemas; False when they do not know the kind."""
+    validator = k8s_validator(doc["kind"], doc["apiVersion"])
+    if validator is not None:
+        validator.validate(doc)
+    return validator is not None
+
+
+def _no_unknown_fields(obj: Any, schema: dict, path: str = "") -> list[str]:
+    """The API server would prune fields a CRD schema does not declare; flag them instead."""
+    bad: list[str] = []
+    if isinstance(obj, dict) and "properties" in schema and not (
+            schema.get("additionalProperties") or schema.get("x-kubernetes-preserve-unknown-fields")):
+        for key, value in obj.items():
+            if key not in schema["properties"]:
+                bad.append(f"{path}.{key}")
+            elif path.endswith(".template") and key == "metadata":
+                continue  # ObjectMeta is checked by kubernetes-validate below
+            else:
+                bad += _no_unknown_fields(value, schema["properties"][key], f"{path}.{key}")
+    elif isinstance(obj, list) and "items" in schema:
+        for i, item in enumerate(obj):
+            bad += _no_unknown_fields(item, schema["items"], f"{path}[{i}]")
+    return bad
+
+
+@functools.cache
+def raycluster_schema() -> dict:
+    if not RAYCLUSTER_CRD.exists():
+        pytest.skip(f"no KubeRay CRD at {RAYCLUSTER_CRD}")
+    crd = yaml.load(RAYCLUSTER_CRD.read_text(), Loader=SAFE_LOADER)
+    return next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+
+
+def validate_raycluster(doc: dict) -> None:
+    schema = raycluster_schema()
+    assert doc["apiVersion"] == "ray.io/v1"
+    jsonschema.Draft7Validator(schema).validate(doc)  # not jsonschema.validate: no meta-check of 1 MB
+    assert not _no_unknown_fields(doc["spec"], schema["properties"]["spec"], "spec")
+    # The pod templates inside are core PodTemplateSpecs: strict Kubernetes schemas apply.
+    spec = doc["spec"]
+    for tpl in [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]:
+        assert k8s_validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                             "template": tpl})
+    # KubeRay's own admission rules (ray-operator utils/validation.go) that a schema cannot say.
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        assert "labels" not in group.get("rayStartParams", {}), "KubeRay rejects rayStartParams.labels"
+        assert not (group.get("resources") and set(group.get("rayStartParams", {})) &
+                    {"num-cpus", "num-gpus", "memory", "resources"}), "resources set twice"
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"])
+
+
+def validate_monitor(doc: dict) -> None:
+    # The Prometheus Operator ships no offline JSON schema we can use here, so
+    # the fields Prometheus needs are checked by hand.
+    spec = doc["spec"]
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1" and spec["selector"]["matchLabels"]
+    key = "endpoints" if doc["kind"] == "ServiceMonitor" else "podMetricsEndpoints"
+    for ep in spec[key]:
+        assert isinstance(ep["port"], str) and ep["path"] == "/metrics"
+        assert set(ep) <= {"port", "path", "interval", "honorLabels", "authorization", "relabelings"}
+    if doc["kind"] == "ServiceMonitor":
+        auth = spec["endpoints"][0]["authorization"]
+        assert auth["type"] == "Bearer" and set(auth["credentials"]) == {"name", "key"}
+
+
+CRD_VALIDATORS = {"RayCluster": validate_raycluster, "ServiceMonitor": validate_monitor,
+                  "PodMonitor": validate_monitor}
+
+
+@pytest.mark.parametrize("which", ["default", "gpu", "other"])
+def test_every_manifest_validates(which: str, request: pytest.FixtureRequest) -> None:
+    docs = render(OTHER_VALUES) if which == "other" else request.getfixturevalue(f"{which}_docs")
+    assert docs
+    for doc in docs:
+        if not k8s_validate(doc):
+            assert doc["kind"] in CRD_VALIDATORS, f"{doc['kind']} is validated by nothing"
+            CRD_VALIDATORS[doc["kind"]](doc)
+
+
+def group(**kw: Any) -> dict:
+    """Values with one worker group: a valid one, changed by `kw`."""
+    g = {"name": "g", "replicas": 1, "minReplicas": 0, "maxReplicas": 1, "gpus": 0, "cpu": 2,
+         "memory": "4Gi", "leaf": "l0"}
+    return {"ray": {"workerGroups": [{**g, **kw}]}}
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    (group(gpus=-1), "gpus"),
+    ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
+    ({"api": {"replicaCount": 3}}, "replicaCount"),
+    ({"secrets": {"adminKey": "kc_short"}}, "adminKey"),
+    ({"monitoring": {"enabled": "yes"}}, "enabled"),
+    (group(gpus=8, nvlink="0-1"), "nvlink"),
+    # Checks the templates make (the schema cannot compare two fields).
+    (group(replicas=5, maxReplicas=2), "maxReplicas"),
+    (group(gpus=8, nvlink="0.1.2.3_4.5.6"), "nvlink"),
+    ({"redis": {"external": {"url": "redis://a:b@r:6379/0", "existingSecret": "x"}}}, "existingSecret"),
+])
+def test_bad_values_are_refused_naming_the_field(values: dict, field: str) -> None:
+    with pytest.raises(helm.HelmError) as err:
+        render(values)
+    assert field in str(err.value), str(err.value)
+
+
+def kc_secrets(docs: list[dict]) -> dict[str, str]:
+    """The chart's two Secrets of generated values, merged (the Redis one only when bundled)."""
+    return {**secret_data(one(docs, "Secret", "-secrets")),
+            **{k: v for d in find(docs, "Secret", "-redis") for k, v in secret_data(d).items()}}
+
+
+def test_secrets_are_generated_random_and_well_formed(default_docs: list[dict]) -> None:
+    first = kc_secrets(default_docs)
+    assert set(first) == {"signing-key.pem", "admin-key", "metrics-token", "password", "users.acl", "url"}
+    assert all(v.strip() for v in first.values())
+    second = kc_secrets(render())
+    for key in ("signing-key.pem", "admin-key", "metrics-token", "password"):
+        assert first[key] != second[key], f"{key} is a constant, not generated"
+    # The formats the deploy contract asks for.
+    key = ser.load_pem_private_key(first["signing-key.pem"].encode(), password=None)
+    assert isinstance(key, Ed25519PrivateKey)
+    assert ADMIN_KEY.match(first["admin-key"]), first["admin-key"]
+    pw = first["password"]
+    assert first["url"] == f"redis://kc-admin:{pw}@kc-kuangchao-redis.ml.svc.cluster.local:6379/0"
+    assert first["users.acl"].splitlines() == ["user default off", f"user kc-admin on >{pw} ~* &* +@all"]
+
+
+def test_values_yaml_holds_no_secret() -> None:
+    text = (CHART / "values.yaml").read_text()
+    values = yaml.safe_load(text)
+    assert values["secrets"] == {"existingSecret": "", "signingKey": "", "adminKey": "", "metricsToken": ""}
+    assert values["redis"]["password"] == "" and values["redis"]["external"]["url"] == ""
+    assert "PRIVATE KEY" not in text and not re.search(r"kc_[0-9a-f]{16}_", text)
+    # Comments may show the URL's shape (USER:PASSWORD); the values themselves hold none.
+    assert not re.search(r"rediss?://[^\s\"']*:[^\s\"'@]+@", yaml.safe_dump(values))
+
+
+def test_given_secrets_are_used_as_given() -> None:
+    pem = Ed25519PrivateKey.generate().private_bytes(
+        ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption()).decode()
+    given = {"signingKey": pem, "adminKey": "kc_0123456789abcdef_" + "A" * 20 + "b-_" + "9" * 20,
+             "metricsToken": "m" * 32}
+    docs = render({"secrets": given, "redis": {"password": "p" * 24}})
+    s = kc_secrets(docs)
+    assert (s["signing-key.pem"], s["admin-key"], s["metrics-token"]) == (
+        given["signingKey"], given["adminKey"], given["metricsToken"])
+    assert ":" + "p" * 24 + "@" in s["url"]
+    scrape = one(docs, "Secret", "-kc-workers")["stringData"]["kc-workers.yaml"]
+    assert yaml.safe_load(scrape)[0]["http_sd_configs"][0]["authorization"]["credentials"] == "m" * 32
+
+
+def test_one_generated_value_per_render_and_checksums_follow_it(default_docs: list[dict]) -> None:
+    s = kc_secrets(default_docs)
+    scrape = yaml.safe_load(one(default_docs, "Secret", "-kc-workers")["stringData"]["kc-workers.yaml"])
+    sd = scrape[0]["http_sd_configs"][0]
+    assert sd["authorization"]["credentials"] == s["metrics-token"]
+    assert sd["url"] == "http://kc-kuangchao-api.ml.svc.cluster.local:8000/v1/metrics/targets"
+    sha = lambda v: hashlib.sha256(v.encode()).hexdigest()  # noqa: E731
+    url = s["url"]
+    api = one(default_docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    head = one(default_docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["metadata"]["annotations"]
+    assert api == {"checksum/redis": sha(url), "checksum/metrics-token": sha(s["metrics-token"])}
+    assert head == {"checksum/redis": sha(url), "checksum/signing-key": sha(s["signing-key.pem"]),
+                    "checksum/admin-key": sha(s["admin-key"])}
+
+
+def test_control_plane_sidecar_and_head(default_docs: list[dict]) -> None:
+    rc = one(default_docs, "RayCluster")
+    assert rc["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    head_group = rc["spec"]["headGroupSpec"]
+    assert head_group["rayStartParams"] == {"num-gpus": "0", "dashboard-host": "0.0.0.0",
+                                            "metrics-export-port": "8080"}
+    assert head_group["labels"] == {"kc.io/role": "head"}
+    pod = head_group["template"]["spec"]
+    head, cp = pod["containers"]
+    # `args`, not `command`: the image's entrypoint (tini) runs first.
+    assert "command" not in head and "command" not in cp
+    assert head["name"] == "ray-head" and head["args"][:3] == ["ray", "start", "--head"]
+    assert {"--labels=kc.io/role=head", "--num-gpus=0", "--metrics-export-port=8080", "--block"} <= set(
+        head["args"])
+    assert "kc control-plane start --address 127.0.0.1:6379 --watch 30" in cp["args"][-1]
+    assert pod["shareProcessNamespace"] is True  # a Ray driver looks for the raylet's process
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for container, names in ((head, {"KC_SIGNING_KEY_FILE"}),
+                             (cp, {"KC_SIGNING_KEY_FILE", "KC_ADMIN_KEY_FILE"})):
+        env = env_of(container)
+        assert env["KC_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "kc-kuangchao-redis",
+                                                                    "key": "url"}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        for name in names:  # the file the variable names is where a Secret item lands
+            folder, file = env[name]["value"].rsplit("/", 1)
+            items = volumes[mounts[folder]]["secret"]["items"]
+            assert [i["path"] for i in items] == [file]
+    assert "KC_ADMIN_KEY_FILE" not in env_of(head)
+
+
+def test_api_deployment(default_docs: list[dict], gpu_docs: list[dict]) -> None:
+    dep = one(default_docs, "Deployment")
+    assert dep["spec"]["replicas"] == 2
+    pod = dep["spec"]["template"]["spec"]
+    (api,) = pod["containers"]
+    assert api["args"] == ["python", "-m", "kuangchao.api.server", "--host", "0.0.0.0", "--port", "8000"]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert api[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert api["ports"] == [{"name": "http", "containerPort": 8000}]
+    assert api["securityContext"]["readOnlyRootFilesystem"] is True
+    home = next(m for m in api["volumeMounts"] if m["mountPath"] == env_of(api)["KC_HOME"]["value"])
+    assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == home["name"])
+    assert env_of(api)["KC_RAY_ADDRESS"]["value"] == "kc-kuangchao-head-svc.ml.svc.cluster.local:6379"
+    assert pod["automountServiceAccountToken"] is False
+    assert one(default_docs, "ServiceAccount")["automountServiceAccountToken"] is False
+    assert not find(default_docs, "Ingress") and one(gpu_docs, "Ingress")["spec"]["tls"]
+
+
+def test_external_redis_renders_no_redis_and_reaches_api_and_head(gpu_docs: list[dict]) -> None:
+    for docs, ref in ((gpu_docs, {"name": "kc-redis", "key": "url"}),
+                      (render({"redis": {"external": {"url": "redis://kc-admin:x@r.example:6379/0"}}}),
+                       {"name": "kc-kuangchao-redis", "key": "url"})):
+        assert not find(docs, "StatefulSet") and not find(docs, "NetworkPolicy", "-redis")
+        pods = pod_specs(docs)
+        for name in ("kc-kuangchao-api", "ray-head"):
+            for c in pods[name]["spec"]["containers"]:
+                assert env_of(c)["KC_REDIS_URL"]["valueFrom"]["secretKeyRef"] == ref, (name, c["name"])
+        # Workers get no admin Redis URL: ranks use the per-job users the authority mints.
+        assert all("KC_REDIS_URL" not in env_of(c) for n, p in pods.items() if n.startswith("ray-worker")
+                   for c in p["spec"]["containers"])
+    assert secret_data(one(docs, "Secret", "-redis")) == {"url": "redis://kc-admin:x@r.example:6379/0"}
+
+
+def test_workers_carry_topology_and_gpus(gpu_docs: list[dict]) -> None:
+    groups = {g["groupName"]: g for g in one(gpu_docs, "RayCluster")["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {g["name"] for g in GPU_VALUES["ray"]["workerGroups"]}
+    for want in GPU_VALUES["ray"]["workerGroups"]:
+        g = groups[want["name"]]
+        (c,) = g["template"]["spec"]["containers"]
+        cmd = c["args"]
+        arg = functools.partial(lambda cmd, flag: cmd[cmd.index(flag) + 1], cmd)
+        assert "command" not in c and cmd[:3] == ["kc", "node", "join"] and cmd[-1] == "--block"
+        assert arg("--address") == "$(RAY_HEAD):6379" and arg("--name") == "$(POD_NAME)"
+        assert env_of(c)["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert (arg("--leaf"), arg("--nvlink"), arg("--gpus"), arg("--spine")) == (
+            want["leaf"], want["nvlink"], "8", "spine-0")
+        assert g["labels"] == {"kc.io/leaf": want["leaf"], "kc.io/spine": "spine-0",
+                               "kc.io/nvlink": want["nvlink"]}
+        pod_labels = g["template"]["metadata"]["labels"]
+        assert pod_labels["kc.io/leaf"] == want["leaf"] and pod_labels["kc.io/nvlink"] == want["nvlink"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        assert g["resources"] == {"CPU": str(want["cpu"]), "GPU": "8",
+                                  **{f"kc_gpu_{i}": "1" for i in range(8)}}
+        assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
+        assert "--ray-arg=--metrics-export-port=8080" in cmd
+    assert {"nodeSelector", "tolerations"} <= set(groups["a100-leaf-a"]["template"]["spec"])
+
+
+def test_default_workers_are_cpu_only_and_checkpoints_shared(default_docs: list[dict],
+                                                             gpu_docs: list[dict]) -> None:
+    (g,) = one(default_docs, "RayCluster")["spec"]["workerGroupSpecs"]
+    (c,) = g["template"]["spec"]["containers"]
+    assert "--gpus" not in c["args"] and "--nvlink" not in c["args"]
+    assert "nvidia.com/gpu" not in c["resources"]["limits"] and "GPU" not in g["resources"]
+    for docs, kind in ((default_docs, "emptyDir"), (gpu_docs, "persistentVolumeClaim")):
+        for name, tpl in pod_specs(docs).items():
+            if name.startswith("ray-"):
+                vol = next(v for v in tpl["spec"]["volumes"] if v["name"] == "checkpoints")
+                assert kind in vol
+                mounts = {m["name"]: m["mountPath"] for m in tpl["spec"]["containers"][0]["volumeMounts"]}
+                assert mounts["checkpoints"] == "/var/lib/kuangchao/checkpoints"
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, "the test only evaluates matchLabels"
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def admitted(policy: dict, pods: dict[str, dict]) -> dict[str, list]:
+    """Pods of the release namespace the policy lets in, with the ports of the admitting rule."""
+    out: dict[str, list] = {}
+    for rule in policy["spec"]["ingress"]:
+        for peer in rule["from"]:
+            if set(peer) != {"podSelector"}:
+                continue  # other namespaces or IP blocks: not one of the release's pods
+            for name, tpl in pods.items():
+                if selects(peer["podSelector"], tpl["metadata"]["labels"]):
+                    out.setdefault(name, []).append(rule.get("ports", "all"))
+    return out
+
+
+def test_redis_admits_only_api_and_ray_pods(default_docs: list[dict]) -> None:
+    pods = pod_specs(default_docs)
+    policy = one(default_docs, "NetworkPolicy", "-redis")
+    assert selects(policy["spec"]["podSelector"], pods["kc-kuangchao-redis"]["metadata"]["labels"])
+    assert [set(peer) for rule in policy["spec"]["ingress"] for peer in rule["from"]] == [{"podSelector"}] * 2
+    let_in = admitted(policy, pods)
+    assert set(let_in) == {"kc-kuangchao-api", "ray-head", "ray-worker-cpu"}
+    assert all(p == [[{"port": 6379, "protocol": "TCP"}]] for p in let_in.values())
+
+
+def test_ray_and_api_policies(default_docs: list[dict]) -> None:
+    pods = pod_specs(default_docs)
+    ray = one(default_docs, "NetworkPolicy", "-ray")
+    # Ray pods reach each other on every port; the API only the GCS port of KC_RAY_ADDRESS.
+    assert admitted(ray, pods) == {"ray-head": ["all"], "ray-worker-cpu": ["all"],
+                                   "kc-kuangchao-api": [[{"port": 6379, "protocol": "TCP"}]]}
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                  "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    # Prometheus reaches every port of the Ray pods (8080 and the ranks' ephemeral ports).
+    assert any(prometheus in r["from"] and "ports" not in r for r in ray["spec"]["ingress"])
+    assert not any({"port": 8265, "protocol": "TCP"} in r.get("ports", []) for r in ray["spec"]["ingress"])
+    api = one(default_docs, "NetworkPolicy", "-api")
+    rule = next(r for r in api["spec"]["ingress"] if r.get("ports"))
+    assert rule["ports"] == [{"port": 8000, "protocol": "TCP"}] and prometheus in rule["from"]
+    opened = render({"networkPolicy": {"rayDashboardFrom": [{"podSelector": {"matchLabels": {"a": "b"}}}],
+                                       "apiFrom": [], "prometheus": None}})
+    ray = one(opened, "NetworkPolicy", "-ray")
+    assert {"from": [{"podSelector": {"matchLabels": {"a": "b"}}}],
+            "ports": [{"port": 8265, "protocol": "TCP"}]} in ray["spec"]["ingress"]
+    # No sources for the API port: no rule at all, rather than an empty `from` (= everyone).
+    assert one(opened, "NetworkPolicy", "-api")["spec"]["ingress"] == []
+    assert not admitted(one(default_docs, "NetworkPolicy", "-api"), pods)
+
+
+def test_monitors_only_when_enabled(default_docs: list[dict], gpu_docs: list[dict]) -> None:
+    # Default "auto": offline there is no monitoring.coreos.com API, so no monitors.
+    assert not find(default_docs, "ServiceMonitor") and not find(default_docs, "PodMonitor")
+    sm, pm = one(gpu_docs, "ServiceMonitor"), one(gpu_docs, "PodMonitor")
+    pods = pod_specs(gpu_docs)
+    assert selects(sm["spec"]["selector"], one(gpu_docs, "Service", "-api")["metadata"]["labels"])
+    assert sm["spec"]["endpoints"][0]["authorization"]["credentials"] == {
+        "name": "kc-kuangchao-secrets", "key": "metrics-token"}
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    # The scrape job names deploy/prometheus/alerts.yml and the dashboards expect.
+    for mon, job in ((sm["spec"]["endpoints"][0], "kc-api"), (pm["spec"]["podMetricsEndpoints"][0], "ray")):
+        assert {"targetLabel": "job", "replacement": job} in mon["relabelings"]
+    ray_pods = {n for n, p in pods.items() if selects(pm["spec"]["selector"], p["metadata"]["labels"])}
+    assert ray_pods == {n for n in pods if n.startswith("ray-")}
+    for n in ray_pods:
+        ports = {p["name"]: p["containerPort"] for p in pods[n]["spec"]["containers"][0]["ports"]}
+        assert ports[pm["spec"]["podMetricsEndpoints"][0]["port"]] == 8080
+    assert one(gpu_docs, "Secret", "-kc-workers")["metadata"]["namespace"] == "monitoring"
+
+
+def test_dashboard_copies_equal_deploy_dashboards() -> None:
+    originals = sorted(p.name for p in DASHBOARDS.glob("*.json"))
+    assert len(originals) == 4
+    assert sorted(p.name for p in (CHART / "dashboards").glob("*.json")) == originals
+    for name in originals:
+        assert (CHART / "dashboards" / name).read_bytes() == (DASHBOARDS / name).read_bytes(), (
+            f"helm/kuangchao/dashboards/{name} differs from deploy/grafana/dashboards/{name}: copy it")
+
+
+def test_dashboards_configmap(default_docs: list[dict]) -> None:
+    cm = one(default_docs, "ConfigMap", "-dashboards")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["data"] == {p.name: p.read_text() for p in DASHBOARDS.glob("*.json")}
+    relabelled = render({"grafana": {"dashboards": {"label": "kc_dash", "labelValue": "yes"}}})
+    assert one(relabelled, "ConfigMap", "-dashboards")["metadata"]["labels"]["kc_dash"] == "yes"
+
+
+def test_every_container_is_unprivileged(default_docs: list[dict], gpu_docs: list[dict]) -> None:
+    for docs in (default_docs, gpu_docs):
+        for name, tpl in pod_specs(docs).items():
+            spec = tpl["spec"]
+            assert spec["securityContext"]["runAsNonRoot"] is True, name
+            assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+            assert spec["securityContext"]["runAsUser"] > 0, name
+            for c in spec["containers"]:
+                sc = c["securityContext"]
+                assert sc["runAsNonRoot"] is True, (name, c["name"])
+                assert sc["allowPrivilegeEscalation"] is False, (name, c["name"])
+                assert sc["capabilities"] == {"drop": ["ALL"]} and sc["privileged"] is False
+                assert c["resources"]["requests"], (name, c["name"])
+            if name.startswith("ray-worker") or name.endswith("-api"):
+                assert spec["automountServiceAccountToken"] is False, name
+        autoscaler = one(docs, "RayCluster")["spec"].get("autoscalerOptions")
+        if autoscaler:
+            assert autoscaler["securityContext"]["allowPrivilegeEscalation"] is False
+            assert autoscaler["securityContext"]["capabilities"] == {"drop": ["ALL"]}
