@@ -32,7 +32,7 @@ def start(address: Annotated[str | None, typer.Option(
           ) -> None:
     """Start the scheduler, registry and token authority (idempotent). Run it on the
     head node: the token authority reads KC_SIGNING_KEY_FILE there."""
-    from kuangchao.platform.bootstrap import BootstrapOptions, run
+    from kuangchao.platform.bootstrap import BootstrapOptions, WatchEnded, run
     from kuangchao.platform.settings import Settings
 
     settings = Settings.from_env()
@@ -45,5 +45,7 @@ def start(address: Annotated[str | None, typer.Option(
                             queues_file=str(queues_file) if queues_file else None, watch_s=watch)
     try:
         run(opts, settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except WatchEnded as exc:
+        fail(exc.message, code=1)
     except KuangchaoError as exc:
         fail(exc.message)

@@ -28,6 +28,10 @@ from kuangchao.platform.settings import RAY_NAMESPACE, Settings
 from kuangchao.platform.store import JobStore, redact
 
 
+class WatchEnded(ClusterError):
+    """The watch lost Ray after the control plane was up (not a configuration error)."""
+
+
 @dataclass(frozen=True)
 class BootstrapOptions:
     """Args:
@@ -120,8 +124,7 @@ def run(opts: BootstrapOptions, settings: Settings, log: Callable[[str], None] =
     from kuangchao.platform.actors import start_control_plane, wait_for_nodes
 
     check(settings)
-    store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
-    store.r.ping()
+    store = JobStore.from_url(settings.redis_url, settings.redis_prefix)  # fails fast, clearly
     log(f"redis      {redact(settings.redis_url)} (prefix {settings.redis_prefix})")
     prepare(store, opts, log)
     try:
@@ -138,8 +141,12 @@ def run(opts: BootstrapOptions, settings: Settings, log: Callable[[str], None] =
     log("control    kc-scheduler, kc-registry, kc-token-authority are up")
     while opts.watch_s > 0:
         sleep(opts.watch_s)
-        gone = control_plane_missing()
-        if gone:
-            log(f"control    {', '.join(gone)} gone; starting again")
-            start_control_plane(settings)
-            log("control    up again")
+        try:
+            gone = control_plane_missing()
+            if gone:
+                log(f"control    {', '.join(gone)} gone; starting again")
+                start_control_plane(settings)
+                log("control    up again")
+        except Exception as exc:  # Ray went away under us: end, and be restarted
+            raise WatchEnded(f"lost the Ray cluster at {settings.ray_address} ({exc}); exiting "
+                             "so that the container is restarted") from None
