@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 
 from kuangchao.api import metrics
 from kuangchao.api.auth import Caller
-from kuangchao.api.routers import admin, audit, debug, health, jobs, nodes, queues
+from kuangchao.api.routers import admin, audit, debug, health, jobs, nodes, queues, ui
 from kuangchao.platform.errors import StoreUnavailable
 from kuangchao.platform.version import __version__
 
@@ -17,10 +17,10 @@ from kuangchao.platform.version import __version__
 def create_app() -> FastAPI:
     # /docs and /redoc would load their assets from a CDN, which an offline
     # cluster cannot reach; they are off. /openapi.json is served to callers
-    # with a key, like every route but /healthz.
+    # with a key, like every route but /healthz and the console's static files (/ui).
     app = FastAPI(title="kuangchao", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    for module in (health, jobs, debug, queues, nodes, admin, audit):
+    for module in (health, jobs, debug, queues, nodes, admin, audit, ui):
         app.include_router(module.router)
     metrics.install(app)
 
