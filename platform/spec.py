@@ -283,7 +283,8 @@ def validate_spec(data: Any) -> JobSpec:
     if "extends" in data:
         raise SpecError([(
             "extends",
-            "is resolved from files by the CLI (`kc submit FILE`); send the merged spec instead",
+            "is resolved from files by the CLI (`kc submit FILE`), or by the console's Submit "
+            "page when the files it names are uploaded with the job; send the merged spec instead",
         )])
     data = expand_auto(data)
     try:

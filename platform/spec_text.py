@@ -87,3 +87,53 @@ def _check_scalar(value: Any, path: list[str]) -> None:
     elif not isinstance(value, float | datetime.date | None):
         raise SpecError([(where, f"is a YAML {type(value).__name__}; a job spec holds only mappings, "
                                  "lists, text, numbers, booleans, dates and null")])
+
+
+# A job YAML together with the files its `extends:` chain names, as the web
+# console uploads them: `{"main": NAME, "files": {NAME: text, ...}}`.
+BUNDLE_TYPE = "application/vnd.kuangchao.bundle+json"
+MAX_BUNDLE_FILES = 16
+
+
+def parse_bundle(text: str) -> dict[str, Any]:
+    """Resolve a bundle's `extends:` chain among its own files and return the
+    merged document. The server reads no file: a parent is looked up by its
+    file name among those uploaded (an upload carries no folders).
+
+    Raises:
+        SpecError: A malformed bundle, a parent that was not uploaded, a
+            cycle, or any file `parse_spec_text` refuses (its name leads the path).
+    """
+    from pathlib import PurePosixPath
+
+    from kuangchao.platform.spec import deep_merge
+
+    try:
+        bundle = json.loads(text)
+    except ValueError:
+        bundle = None
+    files = bundle.get("files") if isinstance(bundle, dict) else None
+    if (not isinstance(files, dict) or not files or len(files) > MAX_BUNDLE_FILES
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+            or bundle.get("main") not in files):
+        raise SpecError([("", f"a bundle is JSON {{\"main\": NAME, \"files\": {{NAME: YAML text}}}} "
+                              f"with 1 to {MAX_BUNDLE_FILES} files, `main` among them")])
+
+    def load(name: str, seen: tuple[str, ...]) -> dict[str, Any]:
+        if name in seen:
+            raise SpecError([("extends", f"cycle in extends chain: {' -> '.join((*seen, name))}")])
+        if name not in files:
+            raise SpecError([("extends", f"{seen[-1]} extends {name}, which was not uploaded "
+                                         f"(uploaded: {', '.join(sorted(files))}); add it")])
+        try:
+            doc = parse_spec_text(files[name])
+        except SpecError as exc:
+            raise SpecError([(p, f"{name}: {m}") for p, m in exc.errors]) from None
+        parent = doc.pop("extends", None)
+        if parent is None:
+            return doc
+        if not isinstance(parent, str):
+            raise SpecError([("extends", f"{name}: must be a file name, got {parent!r}")])
+        return deep_merge(load(PurePosixPath(parent).name, (*seen, name)), doc)
+
+    return load(bundle["main"], ())

@@ -14,7 +14,7 @@ from kuangchao.platform import jobs
 from kuangchao.platform.apikeys import Principal
 from kuangchao.platform.errors import InvalidTransition, SpecError
 from kuangchao.platform.spec import validate_spec
-from kuangchao.platform.spec_text import parse_spec_text
+from kuangchao.platform.spec_text import BUNDLE_TYPE, parse_bundle, parse_spec_text
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -29,15 +29,17 @@ Reader = Annotated[Principal, Depends(require("job.read"))]
 _MAX_INDEX = 2**63 - 1
 
 
-@router.post("", status_code=201, summary="Submit a job (JSON or YAML body)")
+@router.post("", status_code=201, summary="Submit a job: JSON or YAML, or a bundle of a YAML and "
+             f"the files its extends: names (Content-Type: {BUNDLE_TYPE})")
 async def submit_job(request: Request, response: Response, store: Store, who: Submitter,
                      dry_run: bool = Query(False, description="Only validate: 200 with the "
                                            "validated spec, or 422; nothing is queued")
                      ) -> dict[str, Any]:
     """Validate and queue a job; `parallel: auto` is resolved to the planner's layout here."""
     body = (await request.body()).decode("utf-8", errors="replace")
+    bundled = request.headers.get("content-type", "").startswith(BUNDLE_TYPE)
     try:
-        spec = validate_spec(parse_spec_text(body))
+        spec = validate_spec(parse_bundle(body) if bundled else parse_spec_text(body))
         if dry_run:
             response.status_code = 200
             return await run_in_threadpool(jobs.dry_run, store, spec)
