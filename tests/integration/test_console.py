@@ -21,7 +21,7 @@ from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import Select
 
-from kuangchao.platform.spec import resolve_extends
+from kuangchao.platform.spec import deep_merge, resolve_extends
 
 from .conftest import ROOT, wait_for
 from .console_page import CHROMEDRIVER, CHROMIUM, Console, Rest, png_facts, start_browser
@@ -111,18 +111,20 @@ def metric_points(admin: Rest, job_id: str) -> list[dict]:
     return admin("GET", f"/v1/jobs/{job_id}/metrics")["points"]
 
 
+def shrink(stack, name: str) -> dict:
+    """What makes tiny-gpt finish in seconds, still logging every 5 steps."""
+    return {"task": {"name": name},
+            "model": {"n_layers": 1, "n_heads": 2, "d_model": 32, "seq_len": 32},
+            "data": {"max_bytes": 200_000},
+            "parallel": {"micro_batch_size": 4, "gradient_accumulation_steps": 1},
+            "optimizer": {"warmup_steps": 2},
+            "training": {"steps": 30, "log_interval": 5},
+            "checkpoint": {"interval_steps": 10, "path": str(Path(stack.env["KC_HOME"]) / "ckpt")}}
+
+
 def tiny_gpt(stack, name: str) -> dict:
-    """examples/tiny-gpt.yaml with `extends` merged (the API takes merged specs)
-    and shrunk to finish in seconds, still logging every 5 steps."""
-    doc = resolve_extends(ROOT / "examples" / "tiny-gpt.yaml")
-    doc["task"]["name"] = name
-    doc["model"].update(n_layers=1, n_heads=2, d_model=32, seq_len=32)
-    doc["data"]["max_bytes"] = 200_000
-    doc["parallel"].update(micro_batch_size=4, gradient_accumulation_steps=1)
-    doc["optimizer"]["warmup_steps"] = 2
-    doc["training"].update(steps=30, log_interval=5)
-    doc["checkpoint"].update(interval_steps=10, path=str(Path(stack.env["KC_HOME"]) / "ckpt"))
-    return doc
+    """examples/tiny-gpt.yaml with `extends` merged, shrunk (for jobs set up through the API)."""
+    return deep_merge(resolve_extends(ROOT / "examples" / "tiny-gpt.yaml"), shrink(stack, name))
 
 
 def map_cells_for(ui: Console, job_id: str) -> dict[tuple[str, int], str]:
@@ -169,11 +171,11 @@ def test_console_is_served_offline_with_strict_headers(stack, monkeypatch):
     assert 'data-grafana-url=""' in client.get("/ui").text
 
 
-def test_submit_from_the_console_and_follow_the_job(stack, admin, ui, runner, tmp_path):
+def test_submit_from_the_console_and_follow_the_job(stack, admin, ui, runner):
     name = f"console-tiny-{uid()}"
-    doc = tiny_gpt(stack, name)
-    spec_file = tmp_path / f"{name}.yaml"
-    spec_file.write_text(yaml.safe_dump(doc, sort_keys=False))
+    # The example as it is, with the base its `extends:` names: the page sends both.
+    examples = [ROOT / "examples" / "tiny-gpt.yaml", ROOT / "examples" / "base.yaml"]
+    child = deep_merge(yaml.safe_load(examples[0].read_text()), shrink(stack, name))
 
     who = ui.sign_in(stack.key)
     assert "role admin" in who and "tenant default" in who
@@ -183,8 +185,13 @@ def test_submit_from_the_console_and_follow_the_job(stack, admin, ui, runner, tm
 
     ui.find("nav a[href='#/submit']").click()
     ui.wait(lambda d: ui.find("#spec").is_displayed(), 30, "the submit page")
-    ui.find("#spec-file").send_keys(str(spec_file))
-    ui.wait(lambda d: name in ui.find("#spec").get_attribute("value"), 30, "the file in the textarea")
+    ui.find("#spec-file").send_keys("\n".join(str(p) for p in examples))
+    ui.wait(lambda d: ui.find("#spec").get_attribute("value") == examples[0].read_text(), 30,
+            "tiny-gpt.yaml, the file no other extends, in the textarea")
+    assert "base.yaml" in ui.find("#spec-bases").text
+    # Shrunk in the textarea, as a user would edit it; `extends: base.yaml` stays.
+    ui.js("const t = document.getElementById('spec'); t.value = arguments[0];"
+          "t.dispatchEvent(new Event('input'));", yaml.safe_dump(child, sort_keys=False))
     ui.find("#validate").click()
     ui.wait(lambda d: ui.find("#spec-result").text.startswith("Valid"), 30, "the dry run to pass")
     assert name not in {j["name"] for j in admin.jobs()}, "Validate must queue nothing"
@@ -205,7 +212,7 @@ def test_submit_from_the_console_and_follow_the_job(stack, admin, ui, runner, tm
     ui.wait(lambda d: ui.find("#job-state").text == "SUCCEEDED", JOB_DEADLINE, f"{job_id} to succeed")
 
     # One loss-curve point per logged step: rank 0 logs step 1, every log_interval, and the last.
-    steps, every = doc["training"]["steps"], doc["training"]["log_interval"]
+    steps, every = child["training"]["steps"], child["training"]["log_interval"]
     cadence = {1, steps, *range(every, steps + 1, every)}
     logged = {p["step"] for p in metric_points(admin, job_id) if p["loss"] is not None}
     assert logged == cadence
