@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,6 +29,7 @@ from .conftest import ROOT, redis_prefix, wait_for
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
+STORE = 128 * 1024 * 1024  # object store per raylet, as `kc up` gives them: the ranks need little
 
 
 class Deployed:
@@ -46,6 +47,24 @@ class Deployed:
                                 env=env or self.env, start_new_session=True)
         self.procs.append(proc)
         return proc
+
+    def raylet(self, args: Callable[[], list[str]], log: str,
+               env: dict[str, str] | None = None) -> None:
+        """Start a `--block` raylet and wait until it is up. A raylet that times out
+        at start on a loaded machine (its own `ray start` gives up) is started once
+        more, with fresh ports; a second failure fails the test with its log."""
+        for attempt in (1, 2):
+            proc = self.spawn(args(), log, env)
+            wait_for(lambda p=proc: "block forever" in self.log(log) or p.poll() is not None,
+                     240, f"{log} to start")
+            if proc.poll() is None:
+                return
+            assert attempt == 1, f"{log} did not start twice:\n{self.log(log)}"
+            try:  # what the failed start left behind (its GCS or raylet) goes with it
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            (self.home / f"{log}.log").rename(self.home / f"{log}-failed.log")
 
     def log(self, name: str) -> str:
         return (self.home / f"{name}.log").read_text(errors="replace")[-4000:]
@@ -83,23 +102,22 @@ def deployed(tmp_path_factory) -> Iterator[Deployed]:
         d = Deployed(home, head_env, f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}",
                      f"http://127.0.0.1:{api_port}", key, temp_dir)
         try:
-            d.spawn([str(BIN / "ray"), "start", "--head", f"--port={port}", "--num-gpus=0",
-                     "--num-cpus=1", f"--temp-dir={temp_dir}", "--labels=kc.io/role=head",
-                     "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                     f"--dashboard-agent-listen-port={procs.free_port()}",
-                     f"--ray-client-server-port={procs.free_port()}",
-                     "--disable-usage-stats", "--block"], "head")
-            wait_for(lambda: "block forever" in d.log("head"), 180, "the Ray head")
+            d.raylet(lambda: [str(BIN / "ray"), "start", "--head", f"--port={port}",
+                              "--num-gpus=0", "--num-cpus=1", f"--temp-dir={temp_dir}",
+                              "--labels=kc.io/role=head", "--dashboard-host=127.0.0.1",
+                              f"--dashboard-port={dash}", f"--object-store-memory={STORE}",
+                              f"--dashboard-agent-listen-port={procs.free_port()}",
+                              f"--ray-client-server-port={procs.free_port()}",
+                              "--disable-usage-stats", "--block"], "head")
             for i in range(2):
-                d.spawn([str(BIN / "kc"), "node", "join", "--address", d.head,
-                         "--name", f"dnode-{i}", "--leaf", f"leaf-{i}", "--gpus", "4",
-                         "--nvlink", "0.1_2.3", "--cpus", "2",
-                         f"--ray-arg=--dashboard-agent-listen-port={procs.free_port()}",
-                         "--block"], f"worker-{i}", worker_env)
                 # One raylet at a time: raylets starting together on one machine race
                 # for local ports and time out (on separate hosts they do not).
-                wait_for(lambda i=i: "block forever" in d.log(f"worker-{i}"), 180,
-                         f"worker {i} to join")
+                d.raylet(lambda i=i: [
+                    str(BIN / "kc"), "node", "join", "--address", d.head, "--name", f"dnode-{i}",
+                    "--leaf", f"leaf-{i}", "--gpus", "4", "--nvlink", "0.1_2.3", "--cpus", "2",
+                    f"--ray-arg=--dashboard-agent-listen-port={procs.free_port()}",
+                    f"--ray-arg=--object-store-memory={STORE}", "--block"], f"worker-{i}",
+                    worker_env)
             d.spawn([str(BIN / "kc"), "control-plane", "start", "--address", d.head,
                      "--wait-nodes", "3", "--watch", "1"], "control-plane")
             d.spawn([sys.executable, "-m", "kuangchao.api.server", "--port", str(api_port)],
