@@ -293,6 +293,7 @@ def _start_api(state: dict[str, Any], settings: Settings, port: int) -> None:
         state.update(api_pid=proc.pid, api_port=use, api_url=f"http://127.0.0.1:{use}")
         if _api_answers(proc, state["api_url"]):
             _log(f"api        {state['api_url']} (OpenAPI at {state['api_url']}/openapi.json)")
+            _log(f"console    {state['api_url']}/ui (sign in with the api_key in {credentials_file()})")
             return
         proc.kill()
     raise ClusterError(f"API server did not start; see {kc_home()}/logs/api.log")
