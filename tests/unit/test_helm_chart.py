@@ -10,6 +10,7 @@ import base64
 import functools
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kuangchao"
 DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
 # The KubeRay CRD schemas live next to the checkout (see the design brief).
-RAYCLUSTER_CRD = ROOT.parent / "shared" / "data" / "kuberay" / "ray.io_rayclusters.yaml"
+# The KubeRay CRD schemas the workplace provides beside the checkout (a clean
+# clone elsewhere finds them at the workplace's own path); KC_KUBERAY_CRDS
+# names another folder.
+CRD_DIRS = [Path(p) for p in (os.environ.get("KC_KUBERAY_CRDS"),) if p] + [
+    ROOT.parent / "shared" / "data" / "kuberay", Path("/work/shared/data/kuberay")]
 K8S_VERSION = "1.34.0"
 GPU_VALUES = yaml.safe_load((CHART / "ci" / "gpu-values.yaml").read_text())
 # yaml.safe_load_all's loader, in C when PyYAML has it: the dashboards' JSON strings take
@@ -138,9 +143,10 @@ def _no_unknown_fields(obj: Any, schema: dict, path: str = "") -> list[str]:
 
 @functools.cache
 def raycluster_schema() -> dict:
-    if not RAYCLUSTER_CRD.exists():
-        pytest.skip(f"no KubeRay CRD at {RAYCLUSTER_CRD}")
-    crd = yaml.load(RAYCLUSTER_CRD.read_text(), Loader=SAFE_LOADER)
+    found = [d / "ray.io_rayclusters.yaml" for d in CRD_DIRS if (d / "ray.io_rayclusters.yaml").exists()]
+    assert found, (f"no KubeRay CRD schema (ray.io_rayclusters.yaml) in {[str(d) for d in CRD_DIRS]}; "
+                   "set KC_KUBERAY_CRDS to the folder holding it")
+    crd = yaml.load(found[0].read_text(), Loader=SAFE_LOADER)
     return next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
 
 

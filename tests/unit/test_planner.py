@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import time
 
 import pytest
 
@@ -93,11 +92,9 @@ def test_plans_are_ranked_by_step_time(case):
     assert len(set(plans)) == len(plans)
 
 
-def test_175b_on_4096_h100s_is_planned_within_a_second_and_splits_the_model():
-    start = time.perf_counter()
+def test_175b_on_4096_h100s_splits_the_model():
+    # How fast the search runs is bench/planner.py's `planner_search_ms`, not a timed test.
     plans = plan(GPT3_175B, ClusterShape(4096, 8), H100, 1536)
-    elapsed = time.perf_counter() - start
-    assert elapsed <= 1.0, f"search took {elapsed:.3f} s"
     assert plans
     best = plans[0]
     assert best.tp > 1 and best.pp > 1, describe(best)
