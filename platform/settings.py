@@ -23,7 +23,9 @@ DEFAULT_DASHBOARD_PORT = 8265
 
 def kc_home() -> Path:
     """Folder for local state (`KC_HOME`, default `~/.kuangchao`)."""
-    return Path(os.environ.get("KC_HOME", Path.home() / ".kuangchao")).expanduser()
+    # An empty KC_HOME counts as unset: Path("") is the working directory, which
+    # differs between the CLI and the ranks.
+    return Path(os.environ.get("KC_HOME") or Path.home() / ".kuangchao").expanduser()
 
 
 def credentials_file() -> Path:
