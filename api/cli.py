@@ -17,7 +17,7 @@ import typer
 from kuangchao.api.admin_cli import admin_app, audit, doctor, whoami
 from kuangchao.api.checkpoint_cli import checkpoint_app
 from kuangchao.api.cli_common import Json, call, client, fail
-from kuangchao.api.client import Client
+from kuangchao.api.client import Client, load_file
 from kuangchao.api.debug_cli import debug_app, profile
 from kuangchao.api.deploy_cli import control_plane_app
 from kuangchao.api.plan_cli import plan_command
@@ -33,7 +33,7 @@ from kuangchao.api.render import (
 )
 from kuangchao.platform.errors import KuangchaoError, SpecError
 from kuangchao.platform.settings import DEFAULT_API_PORT, DEFAULT_DASHBOARD_PORT, Settings
-from kuangchao.platform.spec import load_spec_document, validate_spec
+from kuangchao.platform.spec import validate_spec
 
 app = typer.Typer(help="kuangchao: elastic, topology-aware training on Ray.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -43,17 +43,12 @@ TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
 
 def load_job_doc(path: Path, sets: list[str] | None) -> dict[str, Any]:
-    """Read a spec file, validate it, and make a relative `data.path` absolute."""
+    """Read a spec file as the SDK does (`extends:`, sets, a relative `data.path` made
+    absolute) and validate it here, so a bad file exits 2 before any request."""
     try:
-        doc = load_spec_document(path, sets or [])
-        spec = validate_spec(doc)
+        return validate_spec(load_file(path, sets or [])).model_dump(mode="json")
     except SpecError as exc:
         fail(f"{path}:\n" + "\n".join(f"  {p or '.'}: {m}" for p, m in exc.errors))
-    doc = spec.model_dump(mode="json")
-    # A relative data path means "relative to where I ran kc", not to the server.
-    if doc["data"]["path"]:
-        doc["data"]["path"] = str(Path(doc["data"]["path"]).expanduser().absolute())
-    return doc
 
 
 def follow(c: Client, job_id: str, as_json: bool) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def start(address: Annotated[str | None, typer.Option(
         settings = dataclasses.replace(settings, ray_address=address)
     key_file = admin_key_file or os.environ.get("KC_ADMIN_KEY_FILE") or None
     queues_file = queues or os.environ.get("KC_QUEUES_FILE") or None
-    opts = BootstrapOptions(address=settings.ray_address, wait_nodes=wait_nodes,
+    opts = BootstrapOptions(wait_nodes=wait_nodes,
                             admin_key_file=str(key_file) if key_file else None,
                             queues_file=str(queues_file) if queues_file else None, watch_s=watch)
     try:

@@ -35,14 +35,12 @@ class WatchEnded(ClusterError):
 @dataclass(frozen=True)
 class BootstrapOptions:
     """Args:
-        address: Ray GCS address (host:port); default `KC_RAY_ADDRESS`/`RAY_ADDRESS`.
         wait_nodes: Wait until this many Ray nodes are alive (the head counts).
         admin_key_file: A file holding one API key to register as an admin key.
         queues_file: A queues YAML to store (`kc up --queues` takes the same).
         watch_s: Keep the control plane up, checking at this period; 0 = once.
     """
 
-    address: str | None = None
     wait_nodes: int = 1
     admin_key_file: str | None = None
     queues_file: str | None = None
