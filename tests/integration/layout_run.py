@@ -1,4 +1,5 @@
-"""Runs a few training steps of the built-in model under one layout (spawned by test_layouts.py).
+"""Runs a few training steps of the built-in model under each of a list of layouts
+(spawned by test_layouts.py).
 
 Every rank runs `kuangchao.workers.engine.Engine` over real gloo process groups,
 with the data a single process would see split by data-parallel rank; rank 0
@@ -7,9 +8,12 @@ writes the per-step losses (and gradient norms) as JSON.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
+import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,6 +26,8 @@ from kuangchao.workers.model import build_model
 from kuangchao.workers.trainer import model_config
 
 STEPS = 5
+# A case whose rank failed times its peers out after this long, instead of hanging.
+GROUP_TIMEOUT_S = 60
 
 
 def global_batches(spec, steps: int) -> list[torch.Tensor]:
@@ -55,63 +61,84 @@ def reference(doc: dict, steps: int = STEPS) -> dict:
     return {"losses": losses, "norms": norms}
 
 
-def _rank(rank: int, world: int, port: int, doc: dict, nodes: list[str], out: str,
-          ckpt: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _train_case(rank: int, world: int, case: dict) -> None:
+    """One layout's STEPS steps on the current process group; rank 0 writes case["out"]."""
+    doc, nodes, ckpt = case["doc"], case.get("nodes") or [], case.get("ckpt") or {}
+    spec = validate_spec(doc)
+    torch.manual_seed(spec.training.seed)
+    model = build_model(model_config(spec))
+    engine = Engine(spec, model, rank=rank, world_size=world, device=torch.device("cpu"),
+                    node_of=dict(enumerate(nodes)) if nodes else None)
+    manager = None
+    first = 0
+    if ckpt:
+        manager = CheckpointManager(ckpt["dir"], "layouts", rank, world, spec.spec_hash())
+        if ckpt.get("resume"):
+            path, _ = manager.latest_verified()
+            manager.load(path, engine.holder, engine.optimizer)
+            first = ckpt["at"]
+    p = spec.parallel
+    d = engine.coords.dp
+    per = p.micro_batch_size * p.gradient_accumulation_steps
+    losses, norms = [], []
+    for step, batch in enumerate(global_batches(spec, STEPS)):
+        if step < first:
+            continue
+        mine = batch[d * per:(d + 1) * per]
+        micro = [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(p.micro_batch_size)]
+        loss = engine.forward_backward(micro)
+        norms.append(engine.clip(spec.optimizer.grad_clip))
+        engine.step()
+        t = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(t)
+        losses.append(float(t) / world)
+        if manager is not None and not ckpt.get("resume") and step + 1 == ckpt["at"]:
+            manager.save(step + 1, engine.holder, engine.optimizer, rank_state={})
+    if rank == 0:
+        with open(case["out"], "w") as fh:
+            json.dump({"losses": losses, "norms": norms,
+                       "hierarchy": engine.hierarchy is not None,
+                       "wrapped": [type(w).__name__ for w in engine.wrapped],
+                       "optimizer": type(engine.optimizer).__name__}, fh)
+    dist.barrier()
+
+
+def _rank(rank: int, world: int, cases: list[dict], rendezvous: str) -> None:
+    """Run every case in turn, each on a process group of its own.
+
+    Importing torch and spawning the ranks is most of a case's cost on a small
+    machine, so one set of ranks runs them all. A fresh group per case (a file
+    rendezvous each, so no port can be taken) keeps the cases apart, as the
+    elastic worker re-forms its group in-process. A failing case leaves its
+    traceback in `<out>.rank<r>.error` and the ranks go on with the next one;
+    its peers' collectives time out rather than hang.
+    """
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        spec = validate_spec(doc)
-        torch.manual_seed(spec.training.seed)
-        model = build_model(model_config(spec))
-        engine = Engine(spec, model, rank=rank, world_size=world, device=torch.device("cpu"),
-                        node_of=dict(enumerate(nodes)) if nodes else None)
-        manager = None
-        first = 0
-        if ckpt:
-            manager = CheckpointManager(ckpt["dir"], "layouts", rank, world, spec.spec_hash())
-            if ckpt.get("resume"):
-                path, _ = manager.latest_verified()
-                manager.load(path, engine.holder, engine.optimizer)
-                first = ckpt["at"]
-        p = spec.parallel
-        d = engine.coords.dp
-        per = p.micro_batch_size * p.gradient_accumulation_steps
-        losses, norms = [], []
-        for step, batch in enumerate(global_batches(spec, STEPS)):
-            if step < first:
-                continue
-            mine = batch[d * per:(d + 1) * per]
-            micro = [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(p.micro_batch_size)]
-            loss = engine.forward_backward(micro)
-            norms.append(engine.clip(spec.optimizer.grad_clip))
-            engine.step()
-            t = torch.tensor([loss], dtype=torch.float64)
-            dist.all_reduce(t)
-            losses.append(float(t) / world)
-            if manager is not None and not ckpt.get("resume") and step + 1 == ckpt["at"]:
-                manager.save(step + 1, engine.holder, engine.optimizer, rank_state={})
-        if rank == 0:
-            with open(out, "w") as fh:
-                json.dump({"losses": losses, "norms": norms,
-                           "hierarchy": engine.hierarchy is not None,
-                           "wrapped": [type(w).__name__ for w in engine.wrapped],
-                           "optimizer": type(engine.optimizer).__name__}, fh)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    for i, case in enumerate(cases):
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/case-{i}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+        try:
+            _train_case(rank, world, case)
+        except Exception:
+            with open(f"{case['out']}.rank{rank}.error", "w") as fh:
+                fh.write(traceback.format_exc())
+        finally:
+            dist.destroy_process_group()
+            gc.collect()
     # Gloo and DDP objects torn down at interpreter exit can wait on peers that are gone.
     os._exit(0)
 
 
-def run(doc: dict, world: int, port: int, out: str, nodes: list[str] | None = None,
-        ckpt: dict | None = None) -> None:
-    """Train STEPS steps on `world` ranks; `ckpt` = {"dir", "at"} saves after step `at`,
-    and with "resume": true restores that checkpoint and trains the steps after it."""
-    mp.start_processes(_rank, args=(world, port, doc, nodes or [], out, ckpt or {}), nprocs=world,
-                       start_method="spawn")
+def run(cases: list[dict], world: int, rendezvous: str) -> None:
+    """Train STEPS steps of each case on `world` ranks.
+
+    A case is {"doc", "out", "nodes"?, "ckpt"?}; `ckpt` = {"dir", "at"} saves after
+    step `at`, and with "resume": true restores that checkpoint and trains the steps
+    after it (so the saving case must come earlier in `cases`).
+    """
+    mp.start_processes(_rank, args=(world, cases, rendezvous), nprocs=world, start_method="spawn")
 
 
 if __name__ == "__main__":
     args = json.loads(sys.argv[1])
-    run(args["doc"], args["world"], args["port"], args["out"], args.get("nodes"), args.get("ckpt"))
+    run(args["cases"], args["world"], args["rendezvous"])

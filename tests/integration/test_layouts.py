@@ -13,6 +13,10 @@ Tolerances, relative to the single-process loss:
 * PowerSGD (rank 1, exact for its first 2 steps): 1e-2; it is a lossy low-rank
   approximation by design, with error feedback.
 
+All cases run on one set of 4 rank processes, one after another, each on a
+process group of its own: starting the ranks (importing torch) is most of a
+case's cost here.
+
 Checkpoints are layout-independent: one written under a layout resumes under
 another with the same losses as the uninterrupted run.
 """
@@ -20,7 +24,6 @@ another with the same losses as the uninterrupted run.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[2]
 GPT = {"type": "gpt", "n_layers": 4, "n_heads": 4, "d_model": 32, "seq_len": 16, "vocab_size": 64}
 LLAMA = {**GPT, "type": "llama"}
 FP32, LOW, POWERSGD = 1e-5, 2e-3, 1e-2
+# The module's first test also waits for the whole batch of cases to run.
+pytestmark = pytest.mark.timeout(1200)
 
 
 def _doc(parallel: dict, model: dict = GPT) -> dict:
@@ -40,29 +45,38 @@ def _doc(parallel: dict, model: dict = GPT) -> dict:
             "optimizer": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+WORLD = 4  # every case below runs on 4 ranks
 
 
-def run_layout(doc: dict, out: Path, nodes: list[str] | None = None, ckpt: dict | None = None
-               ) -> dict:
-    """Run layout_run.py on the layout's ranks and return rank 0's record."""
-    p = doc["parallel"]
-    world = (p.get("data_parallel_size", 1) * p.get("tensor_parallel_size", 1)
-             * p.get("pipeline_parallel_size", 1))
-    for attempt in range(2):
-        args = {"doc": doc, "world": world, "port": _free_port(), "out": str(out),
-                "nodes": nodes, "ckpt": ckpt}
-        proc = subprocess.run([sys.executable, "-m", "tests.integration.layout_run", json.dumps(args)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
-        # The free port can be taken between the probe and rank 0's bind: try another once.
-        if proc.returncode != 0 and attempt == 0 and "address already in use" in proc.stderr.lower():
-            continue
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        return json.loads(out.read_text())
-    raise AssertionError("unreachable")
+def run_layouts(cases: dict[str, dict], workdir: Path) -> dict[str, dict]:
+    """Run every case (in order) on one set of 4 gloo ranks; name -> rank 0's record.
+
+    A case that failed maps to {"error": its ranks' tracebacks}, so only its own
+    test fails.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "rendezvous").mkdir()
+    batch = [{**case, "out": str(workdir / f"{name}.json")} for name, case in cases.items()]
+    args = {"cases": batch, "world": WORLD, "rendezvous": str(workdir / "rendezvous")}
+    proc = subprocess.run([sys.executable, "-m", "tests.integration.layout_run", json.dumps(args)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    results = {}
+    for name, case in zip(cases, batch, strict=True):
+        out = Path(case["out"])
+        errors = sorted(workdir.glob(f"{name}.json.rank*.error"))
+        if errors:
+            results[name] = {"error": "\n".join(e.read_text() for e in errors)}
+        elif out.exists():
+            results[name] = json.loads(out.read_text())
+        else:
+            results[name] = {"error": f"no record (exit {proc.returncode}): {proc.stderr[-4000:]}"}
+    return results
+
+
+def record(results: dict[str, dict], name: str) -> dict:
+    got = results[name]
+    assert "error" not in got, f"{name} failed:\n{got['error'][-4000:]}"
+    return got
 
 
 def _reference_doc(doc: dict) -> dict:
@@ -123,18 +137,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_layout_trains_like_one_process(name: str, tmp_path: Path) -> None:
-    parallel, model, nodes, rtol, shows = CASES[name]
-    doc = _doc(parallel, model)
-    got = run_layout(doc, tmp_path / "out.json", nodes=nodes)
-    want = reference(_reference_doc(doc))
-    _close(got["losses"], want["losses"], rtol)
-    _close(got["norms"], want["norms"], max(rtol, 1e-4) * 10)
-    wiring = " ".join([*got["wrapped"], got["optimizer"], "hierarchy" if got["hierarchy"] else ""])
-    assert shows in wiring, f"{name} was wired as {wiring}"
-    if "hierarchical" not in name:
-        assert not got["hierarchy"]
+def _world(parallel: dict) -> int:
+    return (parallel.get("data_parallel_size", 1) * parallel.get("tensor_parallel_size", 1)
+            * parallel.get("pipeline_parallel_size", 1))
 
 
 PORTABLE = {
@@ -149,13 +154,44 @@ PORTABLE = {
     "tp-to-zero1": ({"data_parallel_size": 2, "tensor_parallel_size": 2,
                      "gradient_accumulation_steps": 2}, {"data_parallel_size": 4, "zero_stage": 1}),
 }
+RESUME_AT = 3
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    """Every case of this module, run once on one set of ranks.
+
+    The checkpoint cases go last: each whole run saves at RESUME_AT, and its
+    resumed run under the other layout comes after it.
+    """
+    work = tmp_path_factory.mktemp("layouts")
+    cases = {name: {"doc": _doc(parallel, model), "nodes": nodes}
+             for name, (parallel, model, nodes, _, _) in CASES.items()}
+    for name, (first, second) in PORTABLE.items():
+        ckpt = {"dir": str(work / f"ckpt-{name}"), "at": RESUME_AT}
+        cases[f"{name}/whole"] = {"doc": _doc(first), "ckpt": ckpt}
+        cases[f"{name}/resumed"] = {"doc": _doc(second), "ckpt": {**ckpt, "resume": True}}
+    assert {_world(c["doc"]["parallel"]) for c in cases.values()} == {WORLD}
+    return run_layouts({n.replace("/", "--"): c for n, c in cases.items()}, work)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layout_trains_like_one_process(name: str, results: dict[str, dict]) -> None:
+    parallel, model, nodes, rtol, shows = CASES[name]
+    doc = _doc(parallel, model)
+    got = record(results, name)
+    want = reference(_reference_doc(doc))
+    _close(got["losses"], want["losses"], rtol)
+    _close(got["norms"], want["norms"], max(rtol, 1e-4) * 10)
+    wiring = " ".join([*got["wrapped"], got["optimizer"], "hierarchy" if got["hierarchy"] else ""])
+    assert shows in wiring, f"{name} was wired as {wiring}"
+    if "hierarchical" not in name:
+        assert not got["hierarchy"]
 
 
 @pytest.mark.parametrize("name", list(PORTABLE))
-def test_a_checkpoint_resumes_under_another_layout(name: str, tmp_path: Path) -> None:
-    first, second = PORTABLE[name]
-    ckpt = {"dir": str(tmp_path / "ckpt"), "at": 3}
-    whole = run_layout(_doc(first), tmp_path / "a.json", ckpt=ckpt)
-    resumed = run_layout(_doc(second), tmp_path / "b.json", ckpt={**ckpt, "resume": True})
-    assert len(resumed["losses"]) == STEPS - 3
-    _close(resumed["losses"], whole["losses"][3:], FP32)
+def test_a_checkpoint_resumes_under_another_layout(name: str, results: dict[str, dict]) -> None:
+    whole = record(results, f"{name}--whole")
+    resumed = record(results, f"{name}--resumed")
+    assert len(resumed["losses"]) == STEPS - RESUME_AT
+    _close(resumed["losses"], whole["losses"][RESUME_AT:], FP32)
