@@ -235,9 +235,14 @@ def _start_ray(state: dict[str, Any], topo: ClusterTopology, opts: UpOptions) ->
     for node in topo.nodes:
         labels = ",".join(f"{k}={v}" for k, v in node.labels().items())
         pinned = json.dumps({gpu_resource(g): 1 for g in range(node.gpus)})
+        # Every node of this cluster writes its worker logs to the head's session
+        # folder, which the head's log monitor already forwards to drivers; a
+        # monitor per node would scan the same files again (and forward them
+        # twice), and on a small machine their polling is a good share of the CPU.
         proc = _ray_start([f"--address=127.0.0.1:{port}", f"--num-cpus={int(node.cpus)}",
                            f"--num-gpus={node.gpus}", f"--labels={labels}",
-                           f"--resources={pinned}"], _ray_env(state, admin=False),
+                           f"--resources={pinned}", "--include-log-monitor=False"],
+                          _ray_env(state, admin=False),
                           f"ray-{node.name}.log")
         if proc.wait(timeout=300) != 0:
             raise ClusterError(f"`ray start` for {node.name} failed; see "
