@@ -35,8 +35,9 @@ JOINED = "node-d"
 # Logged losses of an elastic run against a fixed-size run: the same samples in every
 # step, but gradients summed in another order (2 replicas x 3 micro-batches against
 # 3 x 2), so float32 rounding differs from step to step. Measured: 2e-8 relative after
-# 4000 steps and two resizes, 5e-8 at the worst logged step of a 300-step run. 1e-4 leaves room for other machines' kernels and thread
-# counts; skipped or repeated samples are caught by the sample record itself.
+# 4000 steps and two resizes, 5e-8 at the worst logged step of a 300-step run. 1e-4
+# leaves room for other machines' kernels and thread counts; skipped or repeated
+# samples are caught by the sample record itself.
 LOSS_RTOL = 1e-4
 
 

@@ -74,7 +74,9 @@ def checkpoint_steps(stack: Stack, job_id: str) -> list[int]:
 
 def test_redis_restart_mid_job_is_ridden_out(infra):
     client: Client = infra.client
-    job = client.submit(job_doc(infra, "infra-redis", steps=4000, interval=100))
+    # Long enough to train through the outage and past the heartbeats' return on a
+    # fast machine (some 15 ms a step: 100 steps, 6 s down, a checkpoint, a beat).
+    job = client.submit(job_doc(infra, "infra-redis", steps=2000, interval=100))
     wait_for(lambda: client.get(job["id"])["progress"]["step"] >= 100, 400, "training to start")
     before = checkpoint_steps(infra, job["id"])
     down_at = time.monotonic()
@@ -97,7 +99,9 @@ def test_redis_restart_mid_job_is_ridden_out(infra):
 
 def test_a_node_failing_twice_is_quarantined_and_the_job_moves(infra):
     client: Client = infra.client
-    job, first = past_first_checkpoint(infra, "infra-flaky", steps=3000)
+    # Still training when the second kill comes: it follows the in-place recovery's
+    # first step, well inside 800 steps.
+    job, first = past_first_checkpoint(infra, "infra-flaky", steps=800)
     node = first[1]["node"]
     os.kill(first[1]["pid"], signal.SIGKILL)
     # The first failure is repaired in place, on the same node.

@@ -27,6 +27,8 @@ def hybrid(stack, name: str) -> dict:
 
 
 def test_a_pipelined_zero1_job_recovers_from_a_killed_rank_to_the_uninterrupted_loss(stack):
+    # The uninterrupted run trains beside it, on GPUs of its own.
+    clean = stack.client.submit(hybrid(stack, "hybrid-clean"))
     victim = stack.client.submit(hybrid(stack, "hybrid-killed"))
     wait_for(lambda: stack.client.get(victim["id"])["progress"]["step"] >= 25, 600,
              "the hybrid job to pass its first checkpoint")
@@ -44,7 +46,6 @@ def test_a_pipelined_zero1_job_recovers_from_a_killed_rank_to_the_uninterrupted_
     assert any("restored checkpoint" in m for m in logs)
     assert done["checkpoints"], "no checkpoint listed"
 
-    clean = stack.client.submit(hybrid(stack, "hybrid-clean"))
     reference = stack.wait_state(clean["id"], DONE, timeout=900)
     assert reference["state"] == "SUCCEEDED" and reference["restarts"] == 0
     assert done["progress"]["loss"] == pytest.approx(reference["progress"]["loss"], rel=1e-6)
