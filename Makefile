@@ -40,7 +40,7 @@ run: install
 	grep -E '^(state|step|loss|checkpoint) ' /tmp/kc-demo.out
 
 test: install tools
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 unit: install
 	$(PY) -m pytest -q tests/unit
