@@ -169,10 +169,10 @@ def results(tmp_path_factory) -> dict[str, dict]:
              for name, (parallel, model, nodes, _, _) in CASES.items()}
     for name, (first, second) in PORTABLE.items():
         ckpt = {"dir": str(work / f"ckpt-{name}"), "at": RESUME_AT}
-        cases[f"{name}/whole"] = {"doc": _doc(first), "ckpt": ckpt}
-        cases[f"{name}/resumed"] = {"doc": _doc(second), "ckpt": {**ckpt, "resume": True}}
+        cases[f"{name}--whole"] = {"doc": _doc(first), "ckpt": ckpt}
+        cases[f"{name}--resumed"] = {"doc": _doc(second), "ckpt": {**ckpt, "resume": True}}
     assert {_world(c["doc"]["parallel"]) for c in cases.values()} == {WORLD}
-    return run_layouts({n.replace("/", "--"): c for n, c in cases.items()}, work)
+    return run_layouts(cases, work)
 
 
 @pytest.mark.parametrize("name", list(CASES))
