@@ -212,7 +212,7 @@ def test_node_loss_shrinks_and_a_new_node_grows_without_losing_a_sample(elastic)
     grown = wait_for(lambda: at(elastic, job["id"], 3), 300, "the job grown back to 3")
     assert JOINED in {p["node"] for p in grown["placement"]}
     # Two logged steps past the grow, so the curve holds steps trained at 3 again.
-    interval = 50
+    interval = grown["spec"]["training"]["log_interval"]
     upto = (grown["progress"]["step"] // interval + 2) * interval
     wait_for(lambda: upto in loss_curve(elastic, job["id"]), 300, f"the job to log step {upto}")
     client.cancel(job["id"])

@@ -27,7 +27,6 @@ from referencing import Registry, Resource
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kuangchao"
 DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
-# The KubeRay CRD schemas live next to the checkout (see the design brief).
 # The KubeRay CRD schemas the workplace provides beside the checkout (a clean
 # clone elsewhere finds them at the workplace's own path); KC_KUBERAY_CRDS
 # names another folder.
