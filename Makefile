@@ -57,9 +57,9 @@ fuzz: install
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy platform/spec.py platform/state.py platform/placement.py \
-		platform/policies.py platform/topology.py platform/errors.py platform/queues.py \
-		platform/placement_score.py platform/scheduler.py
+	$(VENV)/bin/mypy platform/spec/jobspec.py platform/jobs/state.py platform/scheduling/placement.py \
+		platform/scheduling/policies.py platform/cluster/topology.py platform/errors.py platform/scheduling/queues.py \
+		platform/scheduling/placement_score.py platform/scheduling/scheduler.py
 
 up: install
 	$(KC) up --cluster $(CLUSTER)

@@ -62,10 +62,10 @@ import redis  # noqa: E402
 from bench.api_load import Conn, Result, closed_loop, encode_request, open_loop  # noqa: E402
 from bench.harness import REDIS_URL, emit, log, median, wait_for_quiet  # noqa: E402
 from kuangchao.platform import jobs  # noqa: E402
-from kuangchao.platform.keystore import KeyStore  # noqa: E402
-from kuangchao.platform.procs import free_port  # noqa: E402
-from kuangchao.platform.spec import validate_spec  # noqa: E402
-from kuangchao.platform.store import JobStore  # noqa: E402
+from kuangchao.platform.jobs.store import JobStore  # noqa: E402
+from kuangchao.platform.runtime.procs import free_port  # noqa: E402
+from kuangchao.platform.security.keystore import KeyStore  # noqa: E402
+from kuangchao.platform.spec.jobspec import validate_spec  # noqa: E402
 
 BENCH = "api"
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -2,7 +2,7 @@
 
 * `app`: the baseline, a FastAPI app with one trivial route (`POST /ping`
   reads the body and answers `{"ok": true}`); `python bench/api_load.py
-  --port P` serves it through kuangchao's own `api/server.py` `main()` with
+  --port P` serves it through kuangchao's own `api/server/serve.py` `main()` with
   only the app swapped, so both servers run with identical uvicorn settings;
 * `Conn`: a minimal HTTP/1.1 keep-alive client on a raw socket. Requests are
   encoded once and replayed; a response is read by its `Content-Length`. A
@@ -243,8 +243,7 @@ def serve_baseline() -> None:
     kuangchao's, so that every uvicorn setting (host, port, log level, access
     log, loop, workers, the frozen heap) is the one `python -m kuangchao.api.server` uses."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from kuangchao.api import server
-
+    from kuangchao.api.server import serve as server
     server.main(app)
 
 

@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
 
 from bench.harness import emit, log, median, wait_for_quiet  # noqa: E402
-from kuangchao.workers.checkpoint import CheckpointManager  # noqa: E402
-from kuangchao.workers.model import ModelConfig, build_model  # noqa: E402
+from kuangchao.workers.checkpoint.manager import CheckpointManager  # noqa: E402
+from kuangchao.workers.models.factory import ModelConfig, build_model  # noqa: E402
 
 REPEATS = 5
 MODEL = ModelConfig(type="gpt", n_layers=4, n_heads=6, d_model=384, seq_len=128, vocab_size=256)

@@ -34,13 +34,13 @@ from typing import Any, TextIO
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from kuangchao.platform import localcluster
+from kuangchao.platform.runtime import localcluster
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings, read_credentials
-from kuangchao.platform.spec import JobSpec, load_spec_document, validate_spec
-from kuangchao.workers.context import TrainContext
-from kuangchao.workers.data import BatchSource, batch_indices, load_corpus
-from kuangchao.workers.model import build_model
-from kuangchao.workers.trainer import model_config
+from kuangchao.platform.spec.jobspec import JobSpec, load_spec_document, validate_spec
+from kuangchao.workers.data.sampling import BatchSource, batch_indices, load_corpus
+from kuangchao.workers.models.factory import build_model
+from kuangchao.workers.runtime.context import TrainContext
+from kuangchao.workers.trainer.loop import model_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REDIS_URL = os.environ.get("KCBENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -166,7 +166,7 @@ def local_cluster(nodes: int = 2, gpus: int = 4, cpus: int = 4) -> Iterator[Benc
     stopped on exit, even when the block raises; the logs are kept (and their
     folder printed) only when it does.
     """
-    from kuangchao.platform.procs import free_port
+    from kuangchao.platform.runtime.procs import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="kcbench-"))
     prefix = f"kcbench-{secrets.token_hex(4)}:"

@@ -4,7 +4,7 @@ What is simulated:
 
 * Ranks. `--ranks` (16,384) ranks each beat once per second, spread evenly
   over the second, from `--writers` (4) forked processes that each own a
-  contiguous shard. Every beat is what `workers/heartbeat.py` sends: one
+  contiguous shard. Every beat is what `workers/runtime/heartbeat.py` sends: one
   round trip of `SET {prefix}job:{id}:hb:{rank} <Beat.encode()> PX 10000`,
   `GET {prefix}job:{id}:stackreq:{rank}` (keys from `beat_key` /
   `stack_request_key`), `EXISTS` of the job's preempt and cancel flags, and
@@ -60,15 +60,15 @@ from urllib.parse import urlparse
 
 import redis
 
-from kuangchao.platform import store
-from kuangchao.platform.heartbeat import (
+from kuangchao.platform.execution.heartbeat import (
     Beat,
     Classifier,
     Verdict,
     beat_key,
     read_beats,
 )
-from kuangchao.platform.store import JobStore
+from kuangchao.platform.jobs import store
+from kuangchao.platform.jobs.store import JobStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
 

@@ -6,7 +6,7 @@
   cleans up). `raise_fd_limit` makes room for one connection per rank.
 * `beat_writer`: one forked writer process beating its contiguous shard of
   ranks once a second, each beat on the wire exactly what
-  `workers/heartbeat.py` sends in its one round trip (see the module
+  `workers/runtime/heartbeat.py` sends in its one round trip (see the module
   docstring of bench/heartbeats.py), over raw sockets with the RESP replies
   counted, not parsed. `WriterConfig` is one writer's part, `WriterShared`
   what the writers and the driver share.
@@ -35,8 +35,8 @@ from pathlib import Path
 import redis
 
 from bench.harness import REDIS_URL, log
-from kuangchao.platform.heartbeat import Beat, beat_key, stack_request_key
-from kuangchao.platform.procs import free_port
+from kuangchao.platform.execution.heartbeat import Beat, beat_key, stack_request_key
+from kuangchao.platform.runtime.procs import free_port
 
 JOB = "hbbench"
 HEARTBEAT_TIMEOUT_S = 10.0  # fault_tolerance.heartbeat_timeout_s default: key TTL and expiry

@@ -1,6 +1,6 @@
 """Worker metrics: what a rank's Prometheus instrumentation costs a training step.
 
-  metrics_overhead   median step time of the built-in trainer (`workers/trainer.py`
+  metrics_overhead   median step time of the built-in trainer (`workers/trainer/loop.py`
                      `train`) with the rank's `WorkerTelemetry` over the same run
                      without it (`telemetry=None`, what `KC_WORKER_METRICS=0`
                      gives). 2 gloo ranks on this machine, one torch thread each,
@@ -52,9 +52,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from bench.harness import emit, log, median, wait_for_quiet  # noqa: E402
-from kuangchao.platform.procs import free_port  # noqa: E402
-from kuangchao.platform.spec import validate_spec  # noqa: E402
-from kuangchao.workers.context import TrainContext  # noqa: E402
+from kuangchao.platform.runtime.procs import free_port  # noqa: E402
+from kuangchao.platform.spec.jobspec import validate_spec  # noqa: E402
+from kuangchao.workers.runtime.context import TrainContext  # noqa: E402
 
 RANKS = 2
 STEPS = 120
@@ -104,12 +104,12 @@ def _rank(rank: int, port: int, variant: str, steps: int, tmp: str, out: Any) ->
     """One rank: join the gloo group, build the TrainContext as a worker does, train."""
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from kuangchao.platform.tokens import Minter, Scope, generate_key
+    from kuangchao.platform.security.tokens import Minter, Scope, generate_key
     from kuangchao.workers import collectives
-    from kuangchao.workers.checkpoint import CheckpointManager
-    from kuangchao.workers.joblog import JobLogSink
-    from kuangchao.workers.telemetry import WorkerTelemetry
-    from kuangchao.workers.trainer import train
+    from kuangchao.workers.checkpoint.manager import CheckpointManager
+    from kuangchao.workers.runtime.joblog import JobLogSink
+    from kuangchao.workers.runtime.telemetry import WorkerTelemetry
+    from kuangchao.workers.trainer.loop import train
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     spec = validate_spec(spec_doc(steps, tmp))

@@ -68,7 +68,7 @@ def _read_run(submitted: float, out: Path) -> Run:
 
 def run_kuangchao(cluster: BenchCluster, out: Path, steps: int) -> Run:
     """The real `kc train` path: queue with the scheduler, wait, run the controller here."""
-    from kuangchao.platform.driver import run_as_driver
+    from kuangchao.platform.runtime.driver import run_as_driver
 
     doc = tiny_spec(steps, out=out, name="bench-overhead")
     submitted = time.time()

@@ -27,18 +27,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kuangchao.platform import policies
-from kuangchao.platform.placement import (
+from kuangchao.platform.cluster.topology import NodeInfo
+from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
+from kuangchao.platform.scheduling import policies
+from kuangchao.platform.scheduling.placement import (
     Infeasible,
     JobShape,
     PlacementPlan,
     RankSlot,
     place,
 )
-from kuangchao.platform.placement_score import PlacementScore, Traffic, score
-from kuangchao.platform.policies import Snapshot, make_policy
-from kuangchao.platform.state import JobRecord, JobState, PlacedRank
-from kuangchao.platform.topology import NodeInfo
+from kuangchao.platform.scheduling.placement_score import PlacementScore, Traffic, score
+from kuangchao.platform.scheduling.policies import Snapshot, make_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import random
 
-from kuangchao.platform.placement import (
+from kuangchao.platform.cluster.topology import NodeInfo
+from kuangchao.platform.scheduling.placement import (
     Infeasible,
     JobShape,
     PlacementPlan,
     RankSlot,
     traffic_from_spec,
 )
-from kuangchao.platform.topology import NodeInfo
 
 SEED = 20240611
 

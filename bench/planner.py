@@ -2,7 +2,7 @@
 
   planner_step_time_error  median relative error |predicted - measured| / measured
                            of `evaluate(...).predicted_step_s` against the step
-                           time of the built-in trainer (`workers/trainer.py`
+                           time of the built-in trainer (`workers/trainer/loop.py`
                            `train`), measured on this machine's CPU as
                            bench/metrics.py measures it: gloo ranks on 127.0.0.1
                            spawned with torch.multiprocessing, a TrainContext
@@ -102,8 +102,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from bench.harness import emit, log, median, wait_for_quiet  # noqa: E402
 from bench.metrics import WARMUP_STEPS, _TimedContext, spec_doc, step_times  # noqa: E402
-from kuangchao.platform.hardware import CATALOG, Accelerator, calibrated  # noqa: E402
-from kuangchao.platform.planner import (  # noqa: E402
+from kuangchao.platform.cluster.hardware import CATALOG, Accelerator, calibrated  # noqa: E402
+from kuangchao.platform.planning.planner import (  # noqa: E402
     SCHEDULES,
     ClusterShape,
     ModelShape,
@@ -112,9 +112,9 @@ from kuangchao.platform.planner import (  # noqa: E402
     evaluate,
     plan,
 )
-from kuangchao.platform.procs import free_port  # noqa: E402
-from kuangchao.platform.spec import validate_spec  # noqa: E402
-from kuangchao.workers.layout import Layout as Layout3D  # noqa: E402
+from kuangchao.platform.runtime.procs import free_port  # noqa: E402
+from kuangchao.platform.spec.jobspec import validate_spec  # noqa: E402
+from kuangchao.workers.parallel.layout import Layout as Layout3D  # noqa: E402
 
 JOB = "bench-planner"
 STEPS = 30  # WARMUP_STEPS (bench/metrics.py) skipped, then the gaps of 20 reports
@@ -207,11 +207,11 @@ def _allreduce_rank(rank: int, world: int, port: int, sizes: list[int], reps: in
 
 def _train_rank(rank: int, world: int, port: int, doc: dict[str, Any], out: Any) -> None:
     """One rank of the built-in trainer, its TrainContext built as a worker builds it."""
-    from kuangchao.platform.tokens import Minter, Scope, generate_key
+    from kuangchao.platform.security.tokens import Minter, Scope, generate_key
     from kuangchao.workers import collectives
-    from kuangchao.workers.checkpoint import CheckpointManager
-    from kuangchao.workers.joblog import JobLogSink
-    from kuangchao.workers.trainer import train
+    from kuangchao.workers.checkpoint.manager import CheckpointManager
+    from kuangchao.workers.runtime.joblog import JobLogSink
+    from kuangchao.workers.trainer.loop import train
 
     _group(rank, world, port)
     spec = validate_spec(doc)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import log, median, tiny_spec
-from kuangchao.platform.spec import validate_spec
+from kuangchao.platform.spec.jobspec import validate_spec
 
 DETECT_KILL_AFTER = 2  # extra kills for crash_detect_ms come this many steps into the restarted loop
 # Kuangchao's fault-tolerance settings for every run of this benchmark.

@@ -32,7 +32,7 @@ from bench.recovery_common import (
 
 
 def _store(cluster: BenchCluster):
-    from kuangchao.platform.store import JobStore
+    from kuangchao.platform.jobs.store import JobStore
 
     return JobStore.from_url(cluster.settings.redis_url, cluster.settings.redis_prefix)
 
@@ -43,7 +43,7 @@ def _find_job(store, name: str, since: float) -> str | None:
 
 
 def _start_kc(cluster: BenchCluster, doc: dict[str, Any]) -> tuple[Background, str]:
-    from kuangchao.platform.driver import run_as_driver
+    from kuangchao.platform.runtime.driver import run_as_driver
 
     store = _store(cluster)
     since = time.time() - 1
@@ -125,7 +125,7 @@ def kc_mttr(cluster: BenchCluster, targets: list[int], steps: int, every: int,
         job = run.join(WAIT_S, "the kuangchao job")
     except BaseException:
         with contextlib.suppress(Exception):
-            from kuangchao.platform import jobs
+            from kuangchao.platform.jobs import operations as jobs
             jobs.cancel(store, job_id)
         raise
     if run.error is not None:
@@ -154,8 +154,7 @@ def kc_mttr(cluster: BenchCluster, targets: list[int], steps: int, every: int,
 
 def kc_hang(cluster: BenchCluster, at_step: int, every: int, bound_s: float) -> float | None:
     """SIGSTOP rank 1; seconds until kuangchao marks a rank failed, None if not within bound_s."""
-    from kuangchao.platform import jobs
-
+    from kuangchao.platform.jobs import operations as jobs
     folder = cluster.tmp / "kc-hang"
     doc = recovery_spec(100_000, folder, every, 1, "bench-hang")
     tail = TraceTail(folder)

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from bench.harness import build_loop_parts
-from kuangchao.platform.spec import JobSpec, validate_spec
-from kuangchao.workers.data import batch_indices
+from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
+from kuangchao.workers.data.sampling import batch_indices
 
 Hook = Callable[[int, torch.nn.Module, torch.optim.Optimizer], None]
 

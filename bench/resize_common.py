@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import BenchCluster, log
-from kuangchao.platform import localcluster, procs
-from kuangchao.platform.topology import LABEL_LEAF, LABEL_NODE, NodeInfo, gpu_resource
+from kuangchao.platform.cluster.topology import LABEL_LEAF, LABEL_NODE, NodeInfo, gpu_resource
+from kuangchao.platform.runtime import localcluster, procs
 
 LEAF = "leaf-0"  # the leaf of every node `local_cluster` starts
 

@@ -26,8 +26,8 @@ from bench.harness import BenchCluster, connect, log
 from bench.recovery_common import wait_until
 from bench.resize_common import add_node, kill_node, leaf_nodes
 from bench.resize_rt import CKPT_EVERY, GLOBAL_BATCH, MICRO_BATCH, WAIT_S, resize_spec
-from kuangchao.api.client import Client
-from kuangchao.platform.spec import validate_spec
+from kuangchao.api.sdk.client import Client
+from kuangchao.platform.spec.jobspec import validate_spec
 
 
 def kc_spec(mode: str, gpus_per_node: int) -> dict[str, Any]:

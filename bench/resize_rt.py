@@ -104,8 +104,8 @@ from bench.harness import BenchCluster, _env, build_loop_parts, connect, log, ti
 from bench.recovery_common import Background, wait_until  # noqa: E402
 from bench.recovery_ray import Trace, ray_restore  # noqa: E402
 from bench.resize_common import add_node, kill_node, leaf_nodes, node_of_pid  # noqa: E402
-from kuangchao.platform.spec import validate_spec  # noqa: E402
-from kuangchao.workers.data import batch_indices  # noqa: E402
+from kuangchao.platform.spec.jobspec import validate_spec  # noqa: E402
+from kuangchao.workers.data.sampling import batch_indices  # noqa: E402
 
 GLOBAL_BATCH = 48  # samples per optimizer step, whatever the world size (divisible by 1, 2, 3)
 MICRO_BATCH = 8  # samples per rank per micro-step: accumulation = 48 / (8 * world)

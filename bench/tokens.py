@@ -39,8 +39,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from bench.harness import emit, log, median  # noqa: E402
-from kuangchao.platform.procs import free_port  # noqa: E402
-from kuangchao.platform.tokens import (  # noqa: E402
+from kuangchao.platform.runtime.procs import free_port  # noqa: E402
+from kuangchao.platform.security.tokens import (  # noqa: E402
     Minter,
     Scope,
     Verifier,
@@ -59,7 +59,6 @@ SCOPE = Scope(devices=(0,), groups=("world",), checkpoint_prefix="/ckpt/bench",
 
 def _rank(rank: int, port: int, pem: bytes, reps: int, calls: int, out: mp.Queue) -> None:
     from kuangchao.workers import collectives as kc
-
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, RANKS, rank == 0, timeout=timedelta(seconds=60))

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kuangchao.platform.quarantine import QuarantinePolicy
+from kuangchao.platform.cluster.quarantine import QuarantinePolicy
 
 RAY_NAMESPACE = "kuangchao"
 DEFAULT_PREFIX = "kc:"

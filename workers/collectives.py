@@ -9,7 +9,7 @@ interface is whitelisted and the group is in scope; only then does it call
 lookup and a clock read, so it costs nothing next to the collective itself
 (`bench/tokens.py`). A refusal raises `PermissionError` and is reported to
 the deny hook: the rank writes it to the job's events and the token
-authority audits it (`workers/credentials.py`).
+authority audits it (`workers/runtime/credentials.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kuangchao.platform.tokens import Claims, TokenError, check
+from kuangchao.platform.security.tokens import Claims, TokenError, check
 
 WORLD = "world"
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,

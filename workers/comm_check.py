@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kuangchao.workers import collectives as kc
-from kuangchao.workers.context import TrainContext
+from kuangchao.workers.runtime.context import TrainContext
 
 ROUNDS = 5
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import redis
 
-from kuangchao.api.client import Client
+from kuangchao.api.sdk.client import Client
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -56,8 +56,7 @@ def wait_for(fn, timeout: float, what: str, interval: float = 0.5) -> Any:
 
 def raylet_of(node_id: str) -> int:
     """The pid of the raylet Ray started for a node (its command line names the node id)."""
-    from kuangchao.platform import procs
-
+    from kuangchao.platform.runtime import procs
     needle = f"--node_id={node_id}"
     pids = [p for p in procs._all_pids()
             if "/raylet/raylet " in procs._cmdline(p) and needle in procs._cmdline(p)]
@@ -179,7 +178,7 @@ def redis_prefix(label: str) -> Iterator[tuple[str, str]]:
 @pytest.fixture
 def store():
     """A job store on the real Redis under a prefix of its own (no Ray needed)."""
-    from kuangchao.platform.store import JobStore
+    from kuangchao.platform.jobs.store import JobStore
 
     with redis_prefix("kctest-store") as (url, prefix):
         yield JobStore.from_url(url, prefix)

@@ -1,7 +1,7 @@
 """Runs a few training steps of the built-in model under each of a list of layouts
 (spawned by test_layouts.py).
 
-Every rank runs `kuangchao.workers.engine.Engine` over real gloo process groups,
+Every rank runs `kuangchao.workers.parallel.engine.Engine` over real gloo process groups,
 with the data a single process would see split by data-parallel rank; rank 0
 writes the per-step losses (and gradient norms) as JSON.
 """
@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kuangchao.platform.spec import validate_spec
-from kuangchao.workers.checkpoint import CheckpointManager
-from kuangchao.workers.engine import Engine
-from kuangchao.workers.model import build_model
-from kuangchao.workers.trainer import model_config
+from kuangchao.platform.spec.jobspec import validate_spec
+from kuangchao.workers.checkpoint.manager import CheckpointManager
+from kuangchao.workers.models.factory import build_model
+from kuangchao.workers.parallel.engine import Engine
+from kuangchao.workers.trainer.loop import model_config
 
 STEPS = 5
 # A case whose rank failed times its peers out after this long, instead of hanging.
@@ -43,7 +43,7 @@ def reference(doc: dict, steps: int = STEPS) -> dict:
     spec = validate_spec(doc)
     torch.manual_seed(spec.training.seed)
     model = build_model(model_config(spec))
-    from kuangchao.workers.engine import make_optimizer
+    from kuangchao.workers.parallel.engine import make_optimizer
 
     opt = make_optimizer(model, spec)
     losses, norms = [], []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import redis
 
-from kuangchao.platform.procs import free_port
+from kuangchao.platform.runtime.procs import free_port
 
 from .conftest import wait_for
 

@@ -31,11 +31,11 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from kuangchao.api.app import app
-from kuangchao.platform.keystore import KeyStore
-from kuangchao.platform.procs import free_port
-from kuangchao.platform.spec import JobSpec
-from kuangchao.platform.store import JobStore
+from kuangchao.api.server.app import app
+from kuangchao.platform.jobs.store import JobStore
+from kuangchao.platform.runtime.procs import free_port
+from kuangchao.platform.security.keystore import KeyStore
+from kuangchao.platform.spec.jobspec import JobSpec
 
 from .conftest import redis_prefix, wait_for
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import redis
 
-from kuangchao.platform.audit import AuditLog, AuditRecord
+from kuangchao.platform.security.audit import AuditLog, AuditRecord
 
 pytestmark = pytest.mark.integration
 

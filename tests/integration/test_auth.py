@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kuangchao.api.client import ApiError, Client
+from kuangchao.api.sdk.client import ApiError, Client
 
 from .conftest import kc, wait_for
 
@@ -206,7 +206,7 @@ def test_cli_keys_audit_and_the_private_credentials_file(stack, tmp_path):
 def test_kc_up_refuses_a_default_or_unreadable_signing_key(tmp_path):
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from kuangchao.platform.tokens import private_pem
+    from kuangchao.platform.security.tokens import private_pem
 
     default = tmp_path / "default.pem"
     default.write_bytes(private_pem(Ed25519PrivateKey.from_private_bytes(bytes([7]) * 32)))

@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-from kuangchao.platform.audit import AuditLog
-from kuangchao.platform.authority import TokenAuthority, load_signing_key
 from kuangchao.platform.errors import ClusterError
-from kuangchao.platform.state import JobRecord, JobState
-from kuangchao.platform.tokens import TokenError, generate_key, private_pem
+from kuangchao.platform.jobs.state import JobRecord, JobState
+from kuangchao.platform.security.audit import AuditLog
+from kuangchao.platform.security.authority import TokenAuthority, load_signing_key
+from kuangchao.platform.security.tokens import TokenError, generate_key, private_pem
 from kuangchao.workers import collectives
-from kuangchao.workers.credentials import TokenHolder
+from kuangchao.workers.runtime.credentials import TokenHolder
 
 from .conftest import wait_for
 

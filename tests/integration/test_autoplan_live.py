@@ -9,7 +9,7 @@ import httpx
 import pytest
 import yaml
 
-from kuangchao.api.render import plan_line
+from kuangchao.api.cli.render import plan_line
 
 from .conftest import kc
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from kuangchao.platform.procs import alive, port_open
+from kuangchao.platform.runtime.procs import alive, port_open
 
 from .conftest import ROOT, kc, wait_for
 

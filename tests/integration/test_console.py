@@ -21,7 +21,7 @@ from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import Select
 
-from kuangchao.platform.spec import deep_merge, resolve_extends
+from kuangchao.platform.spec.jobspec import deep_merge, resolve_extends
 
 from .conftest import ROOT, wait_for
 from .console_page import CHROMEDRIVER, CHROMIUM, Console, Rest, png_facts, start_browser
@@ -156,14 +156,14 @@ def test_console_is_served_offline_with_strict_headers(stack, monkeypatch):
     page = httpx.get(base + "/ui").text
     assert "<style" not in page and " style=" not in page and "<script>" not in page
     # Nothing from a CDN: no asset names another host (the SVG namespace is a name, not a load).
-    from kuangchao.api.routers.ui import ASSETS
+    from kuangchao.api.server.routers.ui import ASSETS
     for asset in ASSETS.iterdir():
         text = asset.read_text().replace("http://www.w3.org/2000/svg", "")
         assert "http://" not in text and "https://" not in text and "//cdn" not in text, asset.name
     # KC_GRAFANA_URL reaches the page escaped; a non-http(s) one is dropped.
     from fastapi.testclient import TestClient
 
-    from kuangchao.api.app import create_app
+    from kuangchao.api.server.app import create_app
     client = TestClient(create_app())
     monkeypatch.setenv("KC_GRAFANA_URL", 'https://grafana.example/"><script>x</script>')
     assert 'data-grafana-url="https://grafana.example/&quot;&gt;&lt;script&gt;' in client.get("/ui").text

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from kuangchao.platform.jobs import node_view
-from kuangchao.platform.state import JobRecord, JobState, PlacedRank
-from kuangchao.workers.heartbeat import Heartbeat
+from kuangchao.platform.jobs.operations import node_view
+from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
+from kuangchao.workers.runtime.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.integration
 

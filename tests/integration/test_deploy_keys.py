@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kuangchao.platform.apikeys import authenticate, new_key
-from kuangchao.platform.bootstrap import BootstrapOptions, prepare, read_admin_key
 from kuangchao.platform.errors import ClusterError
-from kuangchao.platform.keystore import KeyStore
+from kuangchao.platform.runtime.bootstrap import BootstrapOptions, prepare, read_admin_key
+from kuangchao.platform.security.apikeys import authenticate, new_key
+from kuangchao.platform.security.keystore import KeyStore
 
 pytestmark = pytest.mark.integration
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from kuangchao.api.client import ApiError, Client
-from kuangchao.platform import procs
-from kuangchao.platform.apikeys import new_key
-from kuangchao.platform.tokens import generate_key, private_pem
+from kuangchao.api.sdk.client import ApiError, Client
+from kuangchao.platform.runtime import procs
+from kuangchao.platform.security.apikeys import new_key
+from kuangchao.platform.security.tokens import generate_key, private_pem
 
 from .conftest import ROOT, redis_prefix, wait_for
 

@@ -23,8 +23,8 @@ import uuid
 import pytest
 import redis
 
-from kuangchao.api.client import ApiError, Client
-from kuangchao.platform import procs
+from kuangchao.api.sdk.client import ApiError, Client
+from kuangchao.platform.runtime import procs
 
 from .conftest import HERE, Stack, kc, raylet_of, shared_redis_url, wait_for
 

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from kuangchao.platform.quarantine import QuarantinePolicy, active, holds
-from kuangchao.platform.recovery import Failure, record_failure
-from kuangchao.platform.scheduler import _readmitted
-from kuangchao.platform.state import JobRecord, JobState
-from kuangchao.platform.topology import NodeInfo
+from kuangchao.platform.cluster.quarantine import QuarantinePolicy, active, holds
+from kuangchao.platform.cluster.topology import NodeInfo
+from kuangchao.platform.execution.recovery import Failure, record_failure
+from kuangchao.platform.jobs.state import JobRecord, JobState
+from kuangchao.platform.scheduling.scheduler import _readmitted
 
 pytestmark = pytest.mark.integration
 

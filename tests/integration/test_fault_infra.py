@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kuangchao.api.client import Client
+from kuangchao.api.sdk.client import Client
 
 from .conftest import HERE, Stack, kc, raylet_of, wait_for
 from .private_redis import PrivateRedis

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kuangchao.platform.procs import alive
-from kuangchao.platform.store import JobStore
+from kuangchao.platform.jobs.store import JobStore
+from kuangchao.platform.runtime.procs import alive
 
 from .conftest import wait_for
 

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from kuangchao.platform.procs import alive
+from kuangchao.platform.runtime.procs import alive
 
 from .conftest import wait_for
 

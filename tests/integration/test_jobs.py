@@ -10,10 +10,10 @@ import pytest
 import torch
 import yaml
 
-from kuangchao.api.client import ApiError
-from kuangchao.platform.procs import alive
-from kuangchao.workers.checkpoint import load_model_state
-from kuangchao.workers.model import ModelConfig, build_model
+from kuangchao.api.sdk.client import ApiError
+from kuangchao.platform.runtime.procs import alive
+from kuangchao.workers.checkpoint.manager import load_model_state
+from kuangchao.workers.models.factory import ModelConfig, build_model
 
 from .conftest import wait_for
 

@@ -1,7 +1,7 @@
 """Layout equivalence: every supported parallel layout trains like one process.
 
 Each case runs the built-in model for a few steps on 4 real gloo ranks
-(`layout_run.py`, through `kuangchao.workers.engine.Engine`, the wiring the
+(`layout_run.py`, through `kuangchao.workers.parallel.engine.Engine`, the wiring the
 trainer uses), and compares the per-step global loss and gradient norm with
 single-process training on the same global batch.
 

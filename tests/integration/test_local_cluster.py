@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kuangchao.platform import procs
+from kuangchao.platform.runtime import procs
 
 from .conftest import HERE, ROOT, kc
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kuangchao.platform import procs
+from kuangchao.platform.runtime import procs
 
 from .conftest import kc, wait_for
 

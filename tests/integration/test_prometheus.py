@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from kuangchao.platform import procs
+from kuangchao.platform.runtime import procs
 
 from .conftest import ROOT, wait_for
 

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from kuangchao.platform.orphans import ORPHAN_AFTER_S, OrphanCheck
-from kuangchao.platform.quarantine import QuarantinePolicy, active
-from kuangchao.platform.recovery import Failure, record_failure, requeue_for_recovery
+from kuangchao.platform.cluster.quarantine import QuarantinePolicy, active
+from kuangchao.platform.execution.recovery import Failure, record_failure, requeue_for_recovery
+from kuangchao.platform.jobs.state import JobRecord, JobState
+from kuangchao.platform.scheduling.orphans import ORPHAN_AFTER_S, OrphanCheck
 from kuangchao.platform.settings import Settings
-from kuangchao.platform.state import JobRecord, JobState
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import redis
 
-from kuangchao.platform.redis_acl import grant_job_user, revoke_job_user, url_for
-from kuangchao.platform.state import JobRecord
-from kuangchao.platform.store import JobStore
+from kuangchao.platform.jobs.state import JobRecord
+from kuangchao.platform.jobs.store import JobStore
+from kuangchao.platform.security.redis_acl import grant_job_user, revoke_job_user, url_for
 
 from .private_redis import PrivateRedis
 
@@ -88,10 +88,10 @@ def test_a_wrong_password_is_refused(server):
 def test_the_authority_restores_a_running_jobs_user_that_redis_lost(server, tmp_path):
     """A restarted Redis keeps its data but not its ACL users: the authority puts the
     job's user back with the same password, so the ranks' URLs work again."""
-    from kuangchao.platform.audit import AuditLog
-    from kuangchao.platform.authority import TokenAuthority
-    from kuangchao.platform.state import JobState
-    from kuangchao.platform.tokens import generate_key
+    from kuangchao.platform.jobs.state import JobState
+    from kuangchao.platform.security.audit import AuditLog
+    from kuangchao.platform.security.authority import TokenAuthority
+    from kuangchao.platform.security.tokens import generate_key
 
     admin = redis.Redis.from_url(server.url, decode_responses=True)
     store = JobStore(admin, "kc-restore:")

@@ -1,4 +1,4 @@
-"""The Python SDK (`kuangchao.api.client.Client`) against the live API of the
+"""The Python SDK (`kuangchao.api.sdk.client.Client`) against the live API of the
 session's `kc up` stack."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from kuangchao.api.client import ApiError, Client, load_file
-from kuangchao.api.sdk_types import Event, Job, LogLine, MetricPoint
+from kuangchao.api.sdk.client import ApiError, Client, load_file
+from kuangchao.api.sdk.types import Event, Job, LogLine, MetricPoint
 from kuangchao.platform.errors import SpecError
 
 from .conftest import ROOT, wait_for

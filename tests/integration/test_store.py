@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from kuangchao.platform.state import JobRecord, JobState
+from kuangchao.platform.jobs.state import JobRecord, JobState
 
 pytestmark = pytest.mark.integration
 

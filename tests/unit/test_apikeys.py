@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from kuangchao.platform.apikeys import authenticate, key_id_of, new_key
+from kuangchao.platform.security.apikeys import authenticate, key_id_of, new_key
 
 
 def refused(key, stored) -> str:

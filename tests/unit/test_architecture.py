@@ -1,30 +1,104 @@
-"""Guards on the code's shape: layering, and no shadowing of the stdlib."""
+"""Guards on the code's shape: layers as folders, layering, and no shadowing of the stdlib."""
 
 import ast
+import re
 import subprocess
 import sys
+import tomllib
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PURE = ["platform/spec.py", "platform/state.py", "platform/placement.py", "platform/policies.py",
-        "platform/queues.py", "platform/placement_score.py",
-        "platform/topology.py", "platform/scheduler.py", "platform/errors.py",
-        "platform/elastic.py", "platform/elastic_policy.py", "platform/tokens.py",
-        "platform/apikeys.py", "platform/redis_acl.py", "platform/audit.py",
-        "platform/planner.py", "platform/hardware.py", "platform/metrics.py",
-        "platform/debugreq.py", "platform/scrape_targets.py", "platform/logjson.py",
-        "platform/autoplan.py"]
+CODE_ROOTS = ("platform", "workers", "api")
+# Decisions without side effects: they take no Ray, Redis or torch import, not even
+# through the kuangchao modules they import at load time.
+PURE = [
+    "platform/errors.py",
+    "platform/spec/jobspec.py", "platform/spec/elastic.py",
+    "platform/cluster/topology.py", "platform/cluster/hardware.py",
+    "platform/scheduling/placement.py", "platform/scheduling/placement_score.py",
+    "platform/scheduling/policies.py", "platform/scheduling/elastic_policy.py",
+    "platform/scheduling/queues.py",
+    "platform/planning/planner.py", "platform/planning/autoplan.py",
+    "platform/jobs/state.py", "platform/jobs/debugreq.py",
+    "platform/security/tokens.py", "platform/security/apikeys.py",
+    "platform/security/redis_acl.py", "platform/security/audit.py",
+    "platform/observability/metrics.py", "platform/observability/scrape_targets.py",
+    "platform/observability/logjson.py",
+]
+# The scheduler's cycle is Ray-free but still takes the Redis-backed JobStore.
+RAY_FREE = [*PURE, "platform/scheduling/scheduler.py"]
+SERVICES = ("ray", "redis", "torch")
+MAX_TOP_LEVEL_MODULES = 8
 
 
-def imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
+def _is_type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def imports(path: Path, load_time_only: bool = False) -> set[str]:
+    """The modules `path` imports; with `load_time_only`, only those its import runs
+    (not inside functions, not under `if TYPE_CHECKING`)."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if load_time_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if load_time_only and isinstance(child, ast.If) and _is_type_checking(child):
+                continue
+            if isinstance(child, ast.Import):
+                out.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                out.add(child.module)
+                out.update(f"{child.module}.{a.name}" for a in child.names)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
     return out
+
+
+def module_file(module: str) -> Path | None:
+    """The file that `module` loads from (a root folder for the namespace portions)."""
+    parts = module.split(".")
+    if parts[0] != "kuangchao" or len(parts) < 2:
+        return None
+    base = ROOT.joinpath(*parts[1:])
+    if len(parts) == 2 and base.is_dir():
+        return base
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@cache
+def load_time_closure(path: Path) -> frozenset[str]:
+    """Every module importing `path` loads, following kuangchao's own modules."""
+    seen: set[str] = set()
+    todo = [path]
+    done: set[Path] = set()
+    while todo:
+        current = todo.pop()
+        if current in done:
+            continue
+        done.add(current)
+        for module in imports(current, load_time_only=True):
+            seen.add(module)
+            target = module_file(module)
+            if target is not None and target.is_file():
+                todo.append(target)
+                # a package's __init__ runs before any of its modules
+                for parent in target.relative_to(ROOT).parents:
+                    init = ROOT / parent / "__init__.py"
+                    if init.is_file():
+                        todo.append(init)
+    return frozenset(seen)
+
+
+def code_files():
+    for root in CODE_ROOTS:
+        yield from (ROOT / root).rglob("*.py")
 
 
 def test_import_platform_torch_ray_works_with_repo_root_first_on_sys_path():
@@ -37,14 +111,52 @@ def test_import_platform_torch_ray_works_with_repo_root_first_on_sys_path():
 
 
 def test_code_folders_have_no_init_file():
-    for folder in ("platform", "workers", "api"):
+    for folder in CODE_ROOTS:
         assert not (ROOT / folder / "__init__.py").exists(), folder
 
 
-def test_pure_modules_never_import_ray():
+def test_every_layer_folder_is_a_regular_package():
+    for root in CODE_ROOTS:
+        for folder in (ROOT / root).rglob("*"):
+            if folder.is_dir() and any(folder.glob("*.py")):
+                assert (folder / "__init__.py").is_file(), f"{folder.relative_to(ROOT)} has no __init__.py"
+
+
+def test_pyproject_lists_every_package_so_pip_install_ships_them_all():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {f"kuangchao.{root}" for root in CODE_ROOTS}
+    for root in CODE_ROOTS:
+        for init in (ROOT / root).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / root)
+            found.add(".".join(("kuangchao", root, *rel.parts)))
+    assert listed == found, f"missing {sorted(found - listed)}, stale {sorted(listed - found)}"
+
+
+def test_platform_and_workers_keep_at_most_eight_top_level_modules():
+    for root in ("platform", "workers"):
+        top = sorted(p.name for p in (ROOT / root).glob("*.py"))
+        assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{root}/: {top}; move them into a layer folder"
+
+
+def test_architecture_doc_names_every_layer_folder():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    for root in CODE_ROOTS:
+        for init in (ROOT / root).rglob("__init__.py"):
+            folder = init.parent.relative_to(ROOT).as_posix() + "/"
+            assert re.search(rf"`{re.escape(folder)}`", doc), f"docs/architecture.md has no line for {folder}"
+
+
+def test_pure_modules_load_no_ray_redis_or_torch():
     for rel in PURE:
-        bad = {m for m in imports(ROOT / rel) if m == "ray" or m.startswith("ray.")}
-        assert not bad, f"{rel} imports {bad}"
+        loaded = load_time_closure(ROOT / rel)
+        bad = {m for m in loaded if m.split(".")[0] in SERVICES}
+        assert not bad, f"{rel} loads {sorted(bad)}"
+
+
+def test_ray_free_modules_never_import_ray():
+    for rel in RAY_FREE:
+        bad = {m for m in load_time_closure(ROOT / rel) if m.split(".")[0] == "ray"}
+        assert not bad, f"{rel} loads {sorted(bad)}"
 
 
 def test_workers_never_import_api():
@@ -57,3 +169,12 @@ def test_platform_never_imports_api():
     for path in (ROOT / "platform").rglob("*.py"):
         bad = {m for m in imports(path) if m.startswith("kuangchao.api")}
         assert not bad, f"{path} imports {bad}"
+
+
+def test_imported_kuangchao_modules_exist():
+    for path in code_files():
+        for module in imports(path):
+            if module.startswith("kuangchao.") and module_file(module) is None:
+                # `from pkg import name`: the name is an attribute, its module the parent
+                parent = module.rpartition(".")[0]
+                assert module_file(parent) is not None, f"{path.relative_to(ROOT)} imports {module}"

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from kuangchao.platform import autoplan
+from kuangchao.platform.cluster.registry import nodes_from_ray
+from kuangchao.platform.cluster.topology import ClusterTopology, NodeInfo
 from kuangchao.platform.errors import SpecError
-from kuangchao.platform.planner import ClusterShape, ModelShape, Plan, plan
-from kuangchao.platform.registry import nodes_from_ray
-from kuangchao.platform.spec import validate_spec
-from kuangchao.platform.topology import ClusterTopology, NodeInfo
+from kuangchao.platform.planning import autoplan
+from kuangchao.platform.planning.planner import ClusterShape, ModelShape, Plan, plan
+from kuangchao.platform.spec.jobspec import validate_spec
 
 CONTRACT = ["dp", "tp", "pp", "micro_batch", "zero_stage", "recompute", "schedule",
             "memory_gb_per_gpu", "predicted_step_s", "predicted_tflops_per_gpu", "gpu", "gpus"]
@@ -256,8 +256,8 @@ class _FakeStore:
 
 
 def test_submission_resolves_on_the_registry_view_and_the_job_json_shows_plan_and_measured():
-    from kuangchao.platform import jobs
-    from kuangchao.platform.state import JobRecord, JobState
+    from kuangchao.platform.jobs import operations as jobs
+    from kuangchao.platform.jobs.state import JobRecord, JobState
 
     store = _FakeStore({"nodes": [n.to_json() for n in C4X8.nodes]}, {"step": 5, "step_s": 0.02})
     spec, rec = jobs.resolve_auto(store, validate_spec(auto_doc(gpus=2, micro_batch_size=4)))
@@ -273,7 +273,7 @@ def test_submission_resolves_on_the_registry_view_and_the_job_json_shows_plan_an
 
 
 def test_status_shows_the_plan_with_predicted_and_measured_step_time(capsys):
-    from kuangchao.api.render import plan_line, print_job
+    from kuangchao.api.cli.render import plan_line, print_job
 
     _, rec = autoplan.resolve(auto_doc(gpus=2, micro_batch_size=4), C4X8)
     line = plan_line(rec, 0.0151)
@@ -293,8 +293,7 @@ def test_rank_zero_reports_the_median_seconds_per_step(monkeypatch):
 
     import torch
 
-    from kuangchao.workers import context
-
+    from kuangchao.workers.runtime import context
     clock = iter([10.0, 10.5, 11.0, 14.0, 14.5, 100.0, 101.0])
     monkeypatch.setattr(context.time, "perf_counter", lambda: next(clock))
     store = _FakeStore()

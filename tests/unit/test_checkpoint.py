@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-import kuangchao.workers.checkpoint as ckpt
-import kuangchao.workers.checkpoint_io as ckpt_io
-from kuangchao.workers.checkpoint import CheckpointManager, load_model_state, verify
-from kuangchao.workers.checkpoint_format import CHECKSUM, checksum_file
+import kuangchao.workers.checkpoint.files as ckpt_io
+import kuangchao.workers.checkpoint.manager as ckpt
+from kuangchao.workers.checkpoint.format import CHECKSUM, checksum_file
+from kuangchao.workers.checkpoint.manager import CheckpointManager, load_model_state, verify
 from kuangchao.workers.errors import CheckpointError
-from kuangchao.workers.model import ModelConfig, build_model
+from kuangchao.workers.models.factory import ModelConfig, build_model
 
 CFG = ModelConfig(type="gpt", n_layers=1, n_heads=2, d_model=16, seq_len=8, vocab_size=32)
 

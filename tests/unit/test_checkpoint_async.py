@@ -11,14 +11,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-import kuangchao.workers.checkpoint as ckpt
-from kuangchao.platform.procs import free_port
+import kuangchao.workers.checkpoint.manager as ckpt
+from kuangchao.platform.runtime.procs import free_port
 from kuangchao.platform.version import __version__
-from kuangchao.workers.checkpoint import CheckpointManager, load_model_state, verify
-from kuangchao.workers.checkpoint_async import stage_to_cpu
-from kuangchao.workers.checkpoint_format import sha256_file
+from kuangchao.workers.checkpoint.async_save import stage_to_cpu
+from kuangchao.workers.checkpoint.format import sha256_file
+from kuangchao.workers.checkpoint.manager import CheckpointManager, load_model_state, verify
 from kuangchao.workers.errors import CheckpointError
-from kuangchao.workers.model import ModelConfig, build_model
+from kuangchao.workers.models.factory import ModelConfig, build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -263,6 +263,7 @@ def test_a_stale_temporary_folder_is_removed_by_the_next_commit(mgr):
 
 def _two_rank_worker(rank: int, port: int, root: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ddp = None
     try:
         torch.set_num_threads(1)
         cfg = ModelConfig(type="gpt", n_layers=2, n_heads=4, d_model=128, seq_len=16, vocab_size=256)
@@ -301,6 +302,7 @@ def _two_rank_worker(rank: int, port: int, root: str) -> None:
             assert verify(final.path)["step"] == 8
             assert [p.name for p in mgr.list()] == ["step_00000001", "step_00000006", "step_00000008"]
     finally:
+        ddp = None  # the reducer before the group it holds (gloo's destructor can hang otherwise)
         dist.destroy_process_group()
 
 

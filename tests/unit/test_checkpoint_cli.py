@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from kuangchao.api.cli import app
+from kuangchao.api.cli.main import app
 from kuangchao.platform.errors import JobNotFound
-from kuangchao.platform.procs import free_port
-from kuangchao.platform.state import JobRecord
-from kuangchao.platform.store import JobStore
-from kuangchao.workers.checkpoint import CheckpointManager
-from kuangchao.workers.model import ModelConfig, build_model
+from kuangchao.platform.jobs.state import JobRecord
+from kuangchao.platform.jobs.store import JobStore
+from kuangchao.platform.runtime.procs import free_port
+from kuangchao.workers.checkpoint.manager import CheckpointManager
+from kuangchao.workers.models.factory import ModelConfig, build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -5,12 +5,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-import kuangchao.workers.checkpoint_async as async_mod
-import kuangchao.workers.checkpoint_state as state_mod
-from kuangchao.workers.checkpoint import CheckpointManager
-from kuangchao.workers.checkpoint_async import StagingBuffers, stage_to_cpu
-from kuangchao.workers.checkpoint_state import StateDictReader
-from kuangchao.workers.model import build_model
+import kuangchao.workers.checkpoint.async_save as async_mod
+import kuangchao.workers.checkpoint.state_reader as state_mod
+from kuangchao.workers.checkpoint.async_save import StagingBuffers, stage_to_cpu
+from kuangchao.workers.checkpoint.manager import CheckpointManager
+from kuangchao.workers.checkpoint.state_reader import StateDictReader
+from kuangchao.workers.models.factory import build_model
 
 from .test_checkpoint_async import CFG, _staged_ptrs, make, snapshot, step
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kuangchao.platform.procs import free_port
+from kuangchao.platform.runtime.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

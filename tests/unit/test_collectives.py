@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kuangchao.platform.tokens import Minter, Scope, generate_key
+from kuangchao.platform.security.tokens import Minter, Scope, generate_key
 from kuangchao.workers import collectives as kc
 
 

@@ -28,9 +28,9 @@ import pytest
 import redis
 import yaml
 
-from kuangchao.platform import redis_acl
-from kuangchao.platform.apikeys import stored_key
-from kuangchao.platform.authority import load_signing_key
+from kuangchao.platform.security import redis_acl
+from kuangchao.platform.security.apikeys import stored_key
+from kuangchao.platform.security.authority import load_signing_key
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

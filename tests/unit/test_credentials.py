@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kuangchao.platform.tokens import Minter, Scope, generate_key, public_pem
+from kuangchao.platform.security.tokens import Minter, Scope, generate_key, public_pem
 from kuangchao.workers import collectives
-from kuangchao.workers.credentials import GuardedCheckpoints, TokenHolder
+from kuangchao.workers.runtime.credentials import GuardedCheckpoints, TokenHolder
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_a_token_not_signed_by_the_authority_is_refused_at_once():
 
 def test_the_controller_accepts_only_a_final_checkpoint_in_the_jobs_folder():
     from kuangchao.platform.errors import KuangchaoError
-    from kuangchao.platform.grants import Credentials
+    from kuangchao.platform.execution.grants import Credentials
 
     _, claims = Minter(generate_key()).mint("job-1/controller", "job-1", "controller",
                                             Scope(checkpoint_prefix="/ckpt/job-1"),

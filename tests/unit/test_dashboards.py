@@ -1,7 +1,7 @@
 """Lints the Grafana dashboards, their provisioning and the Prometheus alert rules.
 
 No Grafana, no Prometheus: the JSON and YAML are read as files and checked
-against the metric catalog (`kuangchao.platform.metrics.ALL`), so a renamed
+against the metric catalog (`kuangchao.platform.observability.metrics.ALL`), so a renamed
 metric or a dashboard pinned to one datasource or one job fails here.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kuangchao.platform.metrics import ALL
+from kuangchao.platform.observability.metrics import ALL
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"

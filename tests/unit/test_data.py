@@ -1,4 +1,4 @@
-"""Unit tests for kuangchao.workers.data (with its corpus and prefetch modules)."""
+"""Unit tests for kuangchao.workers.data.sampling (with its corpus and prefetch modules)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from kuangchao.workers import corpus as corpus_module
-from kuangchao.workers import data, prefetch
-from kuangchao.workers.data import (
+from kuangchao.workers.data import corpus as corpus_module
+from kuangchao.workers.data import prefetch
+from kuangchao.workers.data import sampling as data
+from kuangchao.workers.data.sampling import (
     BatchSource,
     DataError,
     Prefetcher,

@@ -1,8 +1,8 @@
-"""What `kc debug` makes of the ranks' answers (platform/debugreq.py)."""
+"""What `kc debug` makes of the ranks' answers (platform/jobs/debugreq.py)."""
 
 from __future__ import annotations
 
-from kuangchao.platform.debugreq import DebugRequest, comm_report, gradient_report
+from kuangchao.platform.jobs.debugreq import DebugRequest, comm_report, gradient_report
 
 
 def _grads(**params) -> dict:

@@ -1,6 +1,6 @@
 """`kc doctor`'s judgements, from facts (pure: the probes are tested live)."""
 
-from kuangchao.platform.doctor import (
+from kuangchao.platform.runtime.doctor import (
     clock_skew,
     healthy,
     local_versions,

@@ -1,14 +1,14 @@
 """Elastic jobs in the gang policy: admission in range, grow, shrink on request and for priority."""
 
-from kuangchao.platform.elastic import (
+from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
+from kuangchao.platform.scheduling.policies import Admit, Preempt, Resize, Wait
+from kuangchao.platform.spec.elastic import (
     ElasticRange,
     elastic_range,
     plan_membership,
     range_errors,
     replicas_left,
 )
-from kuangchao.platform.policies import Admit, Preempt, Resize, Wait
-from kuangchao.platform.state import JobRecord, JobState, PlacedRank
 
 from .test_gang_policy import decide, nodes, running
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kuangchao.platform.spec import validate_spec
-from kuangchao.workers.engine import Engine
-from kuangchao.workers.model import build_model
-from kuangchao.workers.trainer import model_config
+from kuangchao.platform.spec.jobspec import validate_spec
+from kuangchao.workers.models.factory import build_model
+from kuangchao.workers.parallel.engine import Engine
+from kuangchao.workers.trainer.loop import model_config
 from tests.integration.layout_run import global_batches, reference
 
 DOC = {"model": {"type": "gpt", "n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16,

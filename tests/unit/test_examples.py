@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kuangchao.platform.spec import load_spec
+from kuangchao.platform.spec.jobspec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = [p for p in sorted((ROOT / "examples").glob("*.yaml"))

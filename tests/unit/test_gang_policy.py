@@ -2,11 +2,11 @@
 
 import pytest
 
+from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.errors import SpecError
-from kuangchao.platform.policies import Admit, GangPolicy, Preempt, Snapshot, Wait
-from kuangchao.platform.queues import Queue, QueueTable, parse_queues
-from kuangchao.platform.state import JobRecord, JobState, PlacedRank
-from kuangchao.platform.topology import NodeInfo
+from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
+from kuangchao.platform.scheduling.policies import Admit, GangPolicy, Preempt, Snapshot, Wait
+from kuangchao.platform.scheduling.queues import Queue, QueueTable, parse_queues
 
 
 def nodes(n=2, gpus=8, island=4) -> tuple[NodeInfo, ...]:

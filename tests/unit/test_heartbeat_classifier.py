@@ -1,8 +1,9 @@
-"""Heartbeat records and the controller's classifier (platform/heartbeat.py), with explicit clocks."""
+"""Heartbeat records and the controller's classifier (platform/execution/heartbeat.py),
+with explicit clocks."""
 
 import pytest
 
-from kuangchao.platform.heartbeat import Beat, Classifier, beat_key, read_beats
+from kuangchao.platform.execution.heartbeat import Beat, Classifier, beat_key, read_beats
 
 TIMEOUT, HANG = 10.0, 60.0
 WALL0 = 1_700_000_000.0  # wall clock (beat ts) at monotonic 0

@@ -1,13 +1,14 @@
-"""The 3-D layout (workers/layout.py) and the layouts the spec refuses (platform/spec_parallel.py)."""
+"""The 3-D layout (workers/parallel/layout.py) and the layouts the spec refuses
+(platform/spec/parallel.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kuangchao.platform.errors import SpecError
-from kuangchao.platform.spec import validate_spec
-from kuangchao.platform.spec_parallel import ParallelSection, trainer_collectives
-from kuangchao.workers.layout import Coords, Layout, chunk_layers, node_groups
+from kuangchao.platform.spec.jobspec import validate_spec
+from kuangchao.platform.spec.parallel import ParallelSection, trainer_collectives
+from kuangchao.workers.parallel.layout import Coords, Layout, chunk_layers, node_groups
 
 
 def test_ranks_follow_placement_order_dp_then_stage_then_tp():

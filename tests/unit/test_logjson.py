@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import logging
 
-from kuangchao.platform.logjson import JsonFormatter, use_json_logs
+from kuangchao.platform.observability.logjson import JsonFormatter, use_json_logs
 
 
 def _record(msg: str, **extra) -> logging.LogRecord:
-    rec = logging.LogRecord("kuangchao.platform.scheduler", logging.WARNING, __file__, 1, msg,
+    rec = logging.LogRecord("kuangchao.platform.scheduling.scheduler", logging.WARNING, __file__, 1, msg,
                             (), None)
     for k, v in extra.items():
         setattr(rec, k, v)

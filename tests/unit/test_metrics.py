@@ -12,11 +12,11 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kuangchao.api.cluster_metrics import recorded_families
-from kuangchao.platform import metrics as m
-from kuangchao.platform.scrape_targets import groups, write_file_sd
-from kuangchao.platform.state import JobRecord, JobState
-from kuangchao.workers.telemetry import CommClock, WorkerTelemetry, timed_allreduce_hook
+from kuangchao.api.server.cluster_metrics import recorded_families
+from kuangchao.platform.jobs.state import JobRecord, JobState
+from kuangchao.platform.observability import metrics as m
+from kuangchao.platform.observability.scrape_targets import groups, write_file_sd
+from kuangchao.workers.runtime.telemetry import CommClock, WorkerTelemetry, timed_allreduce_hook
 
 
 def test_every_name_is_prefixed_unique_and_carries_its_unit():
@@ -194,6 +194,7 @@ def test_telemetry_derives_rates_and_mfu_from_one_step():
 def test_the_timed_ddp_hook_averages_and_records(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    ddp = None
     try:
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 4)
@@ -208,4 +209,7 @@ def test_the_timed_ddp_hook_averages_and_records(tmp_path):
         assert torch.equal(model.weight.grad, ref.weight.grad)
         assert clock._spans, "the all-reduce was not timed"
     finally:
+        # DDP's reducer holds the group; freed after it, gloo's destructor can hang
+        # joining its threads, so the reducer goes first.
+        ddp = None
         dist.destroy_process_group()

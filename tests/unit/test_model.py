@@ -1,4 +1,4 @@
-"""Unit tests for kuangchao.workers.model (with its gpt, llama and model_config modules)."""
+"""Unit tests for kuangchao.workers.models.factory (with its gpt, llama and model_config modules)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from kuangchao.workers import gpt, llama, model, model_config
-from kuangchao.workers.model import (
+from kuangchao.workers.models import config as model_config
+from kuangchao.workers.models import factory as model
+from kuangchao.workers.models import gpt, llama
+from kuangchao.workers.models.factory import (
     GPT,
     Llama,
     ModelConfig,
@@ -258,7 +260,7 @@ def test_config_errors_are_value_errors_when_caught_generically() -> None:
 def factory_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     name = "kc_test_custom_model"
     (tmp_path / f"{name}.py").write_text(
-        "from kuangchao.workers.model import GPT\n"
+        "from kuangchao.workers.models.factory import GPT\n"
         "def make(cfg):\n"
         "    return GPT(cfg)\n"
         "def not_a_module(cfg):\n"

@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from kuangchao.platform.errors import TopologyError
-from kuangchao.platform.nodejoin import (
+from kuangchao.platform.cluster.nodejoin import (
     JoinOptions,
     islands_from_topo_matrix,
     node_for,
     ray_start_args,
 )
+from kuangchao.platform.errors import TopologyError
 
 TOPO = """\
 \tGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tCPU Affinity\tNUMA Affinity
@@ -30,7 +30,7 @@ def test_islands_are_the_nvlink_connected_gpu_groups():
 
 
 def test_flags_describe_the_node_when_there_is_no_nvidia_smi(monkeypatch):
-    monkeypatch.setattr("kuangchao.platform.nodejoin.shutil.which", lambda _: None)
+    monkeypatch.setattr("kuangchao.platform.cluster.nodejoin.shutil.which", lambda _: None)
     opts = JoinOptions(address="h:6379", name="gpu-1", leaf="leaf-3", spine="s0", gpus=4,
                        nvlink="0.1_2.3", cpus=16)
     node = node_for(opts)
@@ -44,7 +44,7 @@ def test_flags_describe_the_node_when_there_is_no_nvidia_smi(monkeypatch):
 
 
 def test_detected_gpus_win_and_a_contradicting_flag_is_refused(monkeypatch):
-    monkeypatch.setattr("kuangchao.platform.nodejoin.detect_gpus", lambda: (4, ((0, 1), (2, 3))))
+    monkeypatch.setattr("kuangchao.platform.cluster.nodejoin.detect_gpus", lambda: (4, ((0, 1), (2, 3))))
     assert node_for(JoinOptions(address="h:1", name="n", leaf="l")).gpus == 4
     with pytest.raises(TopologyError, match="nvidia-smi shows 4 GPUs"):
         node_for(JoinOptions(address="h:1", name="n", leaf="l", gpus=8))

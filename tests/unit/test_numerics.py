@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from kuangchao.workers.numerics import GradNormGuard, data_index, data_position
+from kuangchao.workers.trainer.numerics import GradNormGuard, data_index, data_position
 
 
 def test_no_skips_means_step_equals_batch():

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from kuangchao.platform.hardware import CATALOG, GiB, calibrated, get_accelerator
-from kuangchao.platform.planner import (
+from kuangchao.platform.cluster.hardware import CATALOG, GiB, calibrated, get_accelerator
+from kuangchao.platform.planning.planner import (
     ClusterShape,
     ModelShape,
     Plan,
@@ -115,8 +115,8 @@ def test_gpt3_shapes_come_from_the_paper_and_other_sizes_are_derived():
 
 def test_param_count_matches_the_built_models():
     torch = pytest.importorskip("torch")
-    from kuangchao.workers.model import build_model
-    from kuangchao.workers.model_config import ModelConfig
+    from kuangchao.workers.models.config import ModelConfig
+    from kuangchao.workers.models.factory import build_model
 
     torch.manual_seed(0)
     for arch, d_ff in (("gpt", None), ("gpt", 200), ("llama", None), ("llama", 96)):
@@ -128,7 +128,7 @@ def test_param_count_matches_the_built_models():
 
 
 def test_from_spec_model_reads_a_job_spec():
-    from kuangchao.platform.spec import JobSpec
+    from kuangchao.platform.spec.jobspec import JobSpec
 
     spec = JobSpec().model_dump(mode="json")
     shape = ModelShape.from_spec_model(spec)

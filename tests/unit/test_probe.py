@@ -1,7 +1,7 @@
 """Measured topology: spines derived from bandwidth where labels are silent."""
 
-from kuangchao.platform.probe import apply_probe, measured_spines
-from kuangchao.platform.topology import NodeInfo
+from kuangchao.platform.cluster.probe import apply_probe, measured_spines
+from kuangchao.platform.cluster.topology import NodeInfo
 
 
 def pair(a, b, la, lb, gbps):

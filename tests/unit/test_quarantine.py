@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kuangchao.platform.quarantine import QuarantinePolicy, active
+from kuangchao.platform.cluster.quarantine import QuarantinePolicy, active
 
 
 def test_failures_outside_the_window_do_not_count():

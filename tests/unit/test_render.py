@@ -1,6 +1,6 @@
 """How `kc status` words a recovery."""
 
-from kuangchao.api.render import restart_timings
+from kuangchao.api.cli.render import restart_timings
 
 
 def test_restart_line_names_the_path_and_each_timing_it_has():
@@ -15,7 +15,7 @@ def test_restart_line_without_timings_yet():
 
 
 def test_status_of_an_elastic_job_shows_its_size_samples_and_resizes(capsys):
-    from kuangchao.api.render import print_job
+    from kuangchao.api.cli.render import print_job
 
     print_job({"id": "e", "name": "e", "state": "RUNNING", "world_size": 2, "restarts": 1,
                "replicas": 2, "min_replicas": 1, "max_replicas": 3, "desired_replicas": None,

@@ -5,14 +5,14 @@ from pathlib import Path
 import pytest
 
 from kuangchao.platform.errors import SpecError
-from kuangchao.platform.spec import (
+from kuangchao.platform.spec.jobspec import (
     JobSpec,
     apply_overrides,
     deep_merge,
     load_spec,
     validate_spec,
 )
-from kuangchao.platform.spec_text import parse_spec_text
+from kuangchao.platform.spec.text import parse_spec_text
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

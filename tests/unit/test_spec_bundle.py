@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kuangchao.platform.errors import SpecError
-from kuangchao.platform.spec import load_spec_document, validate_spec
-from kuangchao.platform.spec_text import parse_bundle
+from kuangchao.platform.spec.jobspec import load_spec_document, validate_spec
+from kuangchao.platform.spec.text import parse_bundle
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -3,7 +3,7 @@
 import pytest
 
 from kuangchao.platform.errors import InvalidTransition
-from kuangchao.platform.state import ALLOWED, JobRecord, JobState, PlacedRank, transition
+from kuangchao.platform.jobs.state import ALLOWED, JobRecord, JobState, PlacedRank, transition
 
 
 def job(state=JobState.QUEUED) -> JobRecord:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kuangchao.platform.tokens import (
+from kuangchao.platform.security.tokens import (
     Minter,
     Scope,
     TokenError,

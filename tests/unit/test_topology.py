@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from kuangchao.platform.cluster.registry import head_node_id, nodes_from_ray
+from kuangchao.platform.cluster.topology import decode_islands, encode_islands, load_topology
 from kuangchao.platform.errors import TopologyError
-from kuangchao.platform.registry import head_node_id, nodes_from_ray
-from kuangchao.platform.topology import decode_islands, encode_islands, load_topology
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -66,7 +66,7 @@ def test_registry_reads_labels_and_leaves_out_the_head():
 
 
 def test_granted_gpu_ids_reads_plain_and_placement_group_resource_names():
-    from kuangchao.workers.worker import granted_gpu_ids
+    from kuangchao.workers.runtime.worker import granted_gpu_ids
 
     assigned = {"CPU": 1.0, "GPU": 2.0, "kc_gpu_3": 1.0, "kc_gpu_2_group_0_abcdef": 1.0,
                 "kc_gpu_2_group_abcdef": 1.0, "other_7": 1.0}

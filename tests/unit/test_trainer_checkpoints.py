@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kuangchao.platform.spec import load_spec_document, validate_spec
-from kuangchao.workers.checkpoint import CheckpointManager, verify
-from kuangchao.workers.context import TrainContext
-from kuangchao.workers.joblog import JobLogSink
-from kuangchao.workers.trainer import _settles_checkpoints, train
+from kuangchao.platform.spec.jobspec import load_spec_document, validate_spec
+from kuangchao.workers.checkpoint.manager import CheckpointManager, verify
+from kuangchao.workers.runtime.context import TrainContext
+from kuangchao.workers.runtime.joblog import JobLogSink
+from kuangchao.workers.trainer.loop import _settles_checkpoints, train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,1 @@
+"""`kc`: the command line, one module per command group."""

@@ -1,0 +1,213 @@
+"""`kc checkpoint`: list, verify and export a job's checkpoints.
+
+Every command takes a job id (looked up in Redis for its `checkpoint.path`),
+a job's checkpoint folder (`{checkpoint.path}/{job_id}`), or one step folder
+(`.../step_00000200`). Bad input exits 2 with an `error:` line, as in `kc`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from kuangchao.workers.checkpoint.format import (
+    MANIFEST,
+    read_manifest,
+    step_of,
+    verify,
+)
+from kuangchao.workers.errors import CheckpointError
+
+checkpoint_app = typer.Typer(help="List, verify and export checkpoints.", no_args_is_help=True)
+
+Target = Annotated[str, typer.Argument(
+    metavar="JOB_ID|PATH", help="A job id, a job's checkpoint folder, or one step folder.")]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+LIST_HINT = "`kc checkpoint list {target}` shows every checkpoint and whether it verifies"
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    # The same shape as kc's own `fail` (api/cli/main.py imports this module, so it cannot be imported here).
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+# -- finding the checkpoints --------------------------------------------------
+
+def job_checkpoint_dir(job_id: str) -> Path:
+    """`{checkpoint.path}/{job_id}` of a job recorded in Redis."""
+    from kuangchao.platform.errors import KuangchaoError
+    from kuangchao.platform.jobs.store import JobStore
+    from kuangchao.platform.settings import Settings, kc_home
+
+    settings = Settings.from_env()
+    try:
+        job = JobStore.from_url(settings.redis_url, settings.redis_prefix).get(job_id)
+    except KuangchaoError as exc:
+        fail(f"{job_id!r} is not a folder, and looking it up as a job failed: {exc.message}. "
+             "Pass a checkpoint folder instead, e.g. ~/.kuangchao/checkpoints/<job id>")
+    root = Path(job.spec.get("checkpoint", {}).get("path", "checkpoints")).expanduser()
+    if not root.is_absolute():  # records from before paths were resolved at submission
+        root = kc_home() / root
+    return root / job.id
+
+
+def resolve(target: str) -> Path:
+    """The folder `target` names: an existing folder as given, else a job's folder."""
+    path = Path(target).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            fail(f"{path} is a file; pass a checkpoint folder (a job's or one step_* folder) or a job id")
+        return path
+    if os.sep in target or target.startswith((".", "~")):
+        fail(f"{path} does not exist; pass an existing checkpoint folder or a job id")
+    return job_checkpoint_dir(target)
+
+
+def is_step_folder(path: Path) -> bool:
+    return (step_of(path) is not None or (path / MANIFEST).exists()
+            or (path / ".metadata").exists())
+
+
+def step_folders(folder: Path) -> list[Path]:
+    """The step folders `folder` stands for, oldest first: itself, or its `step_*` children."""
+    if is_step_folder(folder):
+        return [folder]
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=lambda p: step_of(p) or 0)
+
+
+def newest(target: str) -> Path:
+    """The step folder to verify or export: the given one, or the job's newest."""
+    folder = resolve(target)
+    found = step_folders(folder)
+    if not found:
+        fail(f"no checkpoints in {folder}; a job writes its first one after "
+             "`checkpoint.interval_steps` steps")
+    return found[-1]
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """One step folder: step, bytes, creation time, and whether it verifies (and why not)."""
+    reason = None
+    try:
+        manifest: dict[str, Any] | None = verify(path)
+    except CheckpointError as exc:
+        reason = exc.message
+        try:
+            manifest = read_manifest(path)  # for step and time; the files may still be bad
+        except CheckpointError:
+            manifest = None
+    if manifest is not None:
+        step = manifest.get("step")
+        size = sum(int(m.get("bytes", 0)) for m in manifest["files"].values() if isinstance(m, dict))
+        created = manifest.get("created_at")
+    else:
+        step = step_of(path)
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        created = path.stat().st_mtime
+    return {"step": step, "path": str(path), "bytes": size, "created_at": created,
+            "verified": reason is None, "reason": reason,
+            "format": manifest.get("format") if manifest else None}
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+# -- commands -------------------------------------------------------------------
+
+@checkpoint_app.command("list")
+def list_(target: Target, as_json: Json = False) -> None:
+    """List a job's checkpoints: step, size, time, and whether each verifies."""
+    folder = resolve(target)
+    rows = [describe(p) for p in step_folders(folder)]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    if not rows:
+        typer.echo(f"no checkpoints in {folder}")
+        return
+    typer.echo(f"{'STEP':>8}  {'BYTES':>14}  {'CREATED':<19}  VERIFIED  PATH")
+    for r in rows:
+        step = "?" if r["step"] is None else r["step"]
+        typer.echo(f"{step:>8}  {r['bytes']:>14,}  {_when(r['created_at']):<19}  "
+                   f"{'yes' if r['verified'] else 'no':<8}  {r['path']}")
+        if r["reason"]:
+            typer.echo(f"{'':>10}not verified: {r['reason']}")
+
+
+@checkpoint_app.command("verify")
+def verify_(target: Target, as_json: Json = False) -> None:
+    """Verify the newest checkpoint of a job or folder, or the given step folder.
+
+    Exit 0 when every file matches the manifest, 2 with the reason when not.
+    """
+    row = describe(newest(target))
+    if as_json:
+        typer.echo(json.dumps(row))
+        if not row["verified"]:
+            raise typer.Exit(2)
+        return
+    if not row["verified"]:
+        fail(f"{row['reason']}\n{LIST_HINT.format(target=target)}; a job resumes from the newest "
+             "one that verifies")
+    typer.echo(f"verified: step {row['step']} at {row['path']} ({row['bytes']:,} bytes, "
+               f"format {row['format']})")
+
+
+@checkpoint_app.command("export")
+def export(target: Target,
+           out: Annotated[Path, typer.Option("--out", help="The file to write.")],
+           fmt: Annotated[str, typer.Option("--format", help="torch or safetensors.")] = "safetensors",
+           as_json: Json = False) -> None:
+    """Write the model weights of a checkpoint (no optimizer) to one file, for inference.
+
+    Takes the newest checkpoint of a job or folder, or the given step folder,
+    and refuses one that does not verify. Keys are the model's state_dict keys.
+    """
+    from kuangchao.workers.checkpoint.export import FORMATS
+
+    if fmt not in FORMATS:
+        fail(f"unknown --format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    out = out.expanduser()
+    _check_writable(out)
+    path = newest(target)
+    try:
+        verify(path)
+    except CheckpointError as exc:
+        fail(f"{exc.message}; not exporting it.\n{LIST_HINT.format(target=target)}; pass the step "
+             "folder of one that does")
+    from kuangchao.workers.checkpoint.export import export_model
+
+    try:
+        result = export_model(path, out, fmt, check=False)  # just verified
+    except CheckpointError as exc:
+        fail(exc.message)
+    except OSError as exc:
+        fail(f"cannot write {out}: {exc.strerror or exc}; choose another --out")
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    typer.echo(f"exported {result['tensors']} tensors of step {result['step']} to {result['out']} "
+               f"({result['bytes']:,} bytes, {fmt})")
+
+
+def _check_writable(out: Path) -> None:
+    """Fail before the (slow) verification when `out` cannot be written anyway."""
+    if out.is_dir():
+        fail(f"--out {out} is a folder; give a file name, e.g. {out / 'model.safetensors'}")
+    parent = out.parent
+    if parent.exists() and not parent.is_dir():
+        fail(f"--out {out}: {parent} is not a folder; choose another --out")
+    if not parent.exists():
+        fail(f"--out {out}: folder {parent} does not exist; create it or choose another --out")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        fail(f"--out {out}: folder {parent} is not writable; choose another --out")

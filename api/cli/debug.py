@@ -1,0 +1,151 @@
+"""`kc debug comm|gradient|memory JOB` and `kc profile JOB --steps N`.
+
+Exit codes: 0 when the diagnosis finds nothing wrong, 1 when it does (a
+group whose ranks disagree, replicas whose gradients differ, a rank that did
+not answer), 2 for bad input (unknown job, a job not running).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kuangchao.api.cli.common import Json, call, client, fail
+
+debug_app = typer.Typer(help="Diagnose a running job's ranks.", no_args_is_help=True)
+Timeout = Annotated[float, typer.Option("--timeout", min=1, max=600,
+                                        help="Seconds to wait for every rank.")]
+MiB = 1024 * 1024
+
+
+def _done(report: dict[str, Any], as_json: bool, bad: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(report, indent=1))
+    if report.get("missing"):
+        typer.echo(f"rank(s) {report['missing']} did not answer (dead, or not yet started?)",
+                   err=True)
+    raise typer.Exit(1 if bad or report.get("missing") else 0)
+
+
+@debug_app.command("comm")
+def comm(job_id: str, timeout: Timeout = 30.0, as_json: Json = False) -> None:
+    """Every rank's process groups (members, backend, rank order) and its pending or
+    last collective; groups whose ranks disagree on the order are flagged."""
+    report = call(client().debug, job_id, "comm", None, timeout)
+    if not as_json:
+        for rank, a in report["ranks"].items():
+            typer.echo(f"rank {rank} on {a.get('node')}: {a.get('collectives_done', 0)} "
+                       "collective(s) done")
+            for g in a.get("groups", []):
+                typer.echo(f"  group {g['name']:<8} {g['backend']:<5} rank {g['rank']}/"
+                           f"{g['size']} members {g['ranks']} (generation {g['generation']})")
+            pending, last = a.get("pending"), a.get("last")
+            if pending:
+                typer.echo(f"  WAITING in {pending['op']} on {pending['group']} for "
+                           f"{pending['waited_s']:.2f}s")
+            if last:
+                typer.echo(f"  last: {last['op']} on {last['group']}, took {last['took_s']:.4f}s, "
+                           f"{last['ended_ago_s']:.2f}s ago")
+        for p in report["problems"]:
+            typer.echo(f"PROBLEM: {p}")
+        if report["healthy"]:
+            typer.echo("no inconsistency between the ranks' groups")
+    _done(report, as_json, not report["healthy"])
+
+
+@debug_app.command("gradient")
+def gradient(job_id: str,
+             step: Annotated[int | None, typer.Option("--step", min=1, help=(
+                 "The optimizer step to capture (default: the next one)."))] = None,
+             timeout: Timeout = 60.0, as_json: Json = False) -> None:
+    """Compare the gradients of every data-parallel replica after the all-reduce, and
+    name the parameters that differ most (silent divergence)."""
+    report = call(client().debug, job_id, "gradient", step, timeout)
+    if not as_json:
+        for rank, err in (report.get("errors") or {}).items():
+            typer.echo(f"rank {rank}: {err}")
+        typer.echo(f"step {report['step']}: {report.get('params', 0)} parameter(s) compared "
+                   f"across {report['ranks']} replica(s); max divergence "
+                   f"{report['max_divergence']:.3g}")
+        if report["identical"]:
+            typer.echo("every replica holds bit-identical gradients")
+        else:
+            typer.echo(f"{'PARAMETER':<40} {'DIVERGENCE':>10} {'RANK':>5} {'NORM r0':>12} "
+                       f"{'NORM rank':>12}")
+            for row in report["diverged"]:
+                typer.echo(f"{row['param']:<40} {row['divergence']:>10.3g} {row['rank']:>5} "
+                           f"{row['norm_rank0']:>12.6g} {row['norm_rank'] or 0:>12.6g}")
+    _done(report, as_json, not report["identical"] or bool(report.get("errors")))
+
+
+@debug_app.command("memory")
+def memory(job_id: str, timeout: Timeout = 30.0, as_json: Json = False) -> None:
+    """Per-rank memory by category (MiB): parameters, gradients, optimizer state,
+    buffers, resident set, and CUDA allocated/reserved on a GPU."""
+    report = call(client().debug, job_id, "memory", None, timeout)
+    if not as_json:
+        cols = ["parameters", "gradients", "optimizer_state", "buffers", "rss", "cuda_allocated",
+                "cuda_reserved"]
+        present = [c for c in cols if any(c in a for a in report["ranks"].values())]
+        typer.echo(f"{'RANK':>4} {'NODE':<10} " + " ".join(f"{c.upper():>16}" for c in present))
+        for rank, a in report["ranks"].items():
+            typer.echo(f"{rank:>4} {str(a.get('node')):<10} " + " ".join(
+                f"{(a.get(c) or 0) / MiB:>16.1f}" for c in present))
+    _done(report, as_json, False)
+
+
+def profile(job_id: str,
+            steps: Annotated[int, typer.Option("--steps", min=1, max=500,
+                                               help="Optimizer steps to record.")] = 5,
+            out: Annotated[Path | None, typer.Option("--out", help=(
+                "Where to write rankN.json (default ./kc-profile-JOB-ID)."))] = None,
+            timeout: Timeout = 300.0, as_json: Json = False) -> None:
+    """Record a torch.profiler trace of the next N steps on every rank; writes one
+    Chrome/Perfetto trace per rank and prints the top operators and the
+    compute/communication split."""
+    c = client()
+    started = call(c.start_profile, job_id, steps)
+    pid = started["id"]
+    deadline = time.monotonic() + timeout
+    while True:
+        status = call(c.profile, job_id, pid)
+        if status["done"]:
+            break
+        if time.monotonic() > deadline:
+            fail(f"profile {pid}: rank(s) {status['missing']} did not finish {steps} step(s) "
+                 f"within {timeout:.0f}s; `kc status {job_id}` shows whether it still trains", 1)
+        time.sleep(1.0)
+    folder = out or Path(f"kc-profile-{job_id}-{pid}")
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in status["files"]:
+        data = gzip.decompress(call(c.profile_file, job_id, pid, name))
+        path = folder / name.removesuffix(".gz")
+        path.write_bytes(data)
+        written.append(str(path))
+    status["written"] = written
+    errors = {r: a["error"] for r, a in status["ranks"].items() if a.get("error")}
+    if as_json:
+        typer.echo(json.dumps(status, indent=1))
+    else:
+        for rank, a in status["ranks"].items():
+            if a.get("error"):
+                typer.echo(f"rank {rank}: {a['error']}")
+                continue
+            typer.echo(f"rank {rank}: steps {a['first_step']}..{a['first_step'] + a['steps'] - 1},"
+                       f" compute {a['compute_ms']:.1f} ms, communication {a['comm_ms']:.1f} ms "
+                       f"({a['comm_share']:.0%})")
+        first = next((a for a in status["ranks"].values() if not a.get("error")), None)
+        if first:
+            typer.echo(f"top operators (rank {next(iter(status['ranks']))}, self time):")
+            for row in first["top_ops"][:10]:
+                typer.echo(f"  {row['self_ms']:>10.2f} ms {row['calls']:>6}x  {row['op']}"
+                           + ("  [comm]" if row["comm"] else ""))
+        typer.echo(f"traces: {', '.join(written)} (open in https://ui.perfetto.dev or "
+                   "chrome://tracing)")
+    raise typer.Exit(1 if errors else 0)

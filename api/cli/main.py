@@ -1,0 +1,342 @@
+"""`kc`: the command line. Every command that prints data takes `--json`.
+
+Exit codes: 0 success; 1 the job or operation failed; 2 bad input (spec, flag,
+unknown job, unreachable service), with a message saying what to change.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kuangchao.api.cli.admin import admin_app, audit, doctor, whoami
+from kuangchao.api.cli.checkpoint import checkpoint_app
+from kuangchao.api.cli.common import Json, call, client, fail
+from kuangchao.api.cli.debug import debug_app, profile
+from kuangchao.api.cli.deploy import control_plane_app
+from kuangchao.api.cli.plan import plan_command
+from kuangchao.api.cli.render import (
+    print_events,
+    print_job,
+    print_jobs,
+    print_log_lines,
+    print_nodes,
+    print_plan,
+    print_queues,
+    progress_line,
+)
+from kuangchao.api.sdk.client import Client, load_file
+from kuangchao.platform.errors import KuangchaoError, SpecError
+from kuangchao.platform.settings import DEFAULT_API_PORT, DEFAULT_DASHBOARD_PORT, Settings
+from kuangchao.platform.spec.jobspec import validate_spec
+
+app = typer.Typer(help="kuangchao: elastic, topology-aware training on Ray.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+Sets = Annotated[list[str] | None, typer.Option("--set", help="Override a field: a.b=value.")]
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+
+
+def load_job_doc(path: Path, sets: list[str] | None) -> dict[str, Any]:
+    """Read a spec file as the SDK does (`extends:`, sets, a relative `data.path` made
+    absolute) and validate it here, so a bad file exits 2 before any request."""
+    try:
+        return validate_spec(load_file(path, sets or [])).model_dump(mode="json")
+    except SpecError as exc:
+        fail(f"{path}:\n" + "\n".join(f"  {p or '.'}: {m}" for p, m in exc.errors))
+
+
+def follow(c: Client, job_id: str, as_json: bool) -> dict[str, Any]:
+    """Poll a job until it ends, showing step/total and loss on a terminal."""
+    out = sys.stderr if as_json else sys.stdout
+    last = [""]
+
+    def show(job: dict[str, Any]) -> None:
+        line = progress_line(job)
+        if line != last[0]:
+            out.write("\r\033[K" + line if out.isatty() else line + "\n")
+            out.flush()
+            last[0] = line
+
+    job = call(c.wait, job_id, on_update=show)
+    if out.isatty():
+        out.write("\n")
+    return job
+
+
+@app.command()
+def submit(spec: Annotated[Path, typer.Argument(help="Job YAML.")], set_: Sets = None,
+           wait: Annotated[bool, typer.Option("--wait", help="Follow the job to its end.")] = False,
+           as_json: Json = False) -> None:
+    """Submit a job to the control plane."""
+    doc = load_job_doc(spec, set_)
+    c = client()
+    job = call(c.submit, doc)
+    if wait:
+        job = follow(c, job["id"], as_json)
+    if as_json:
+        typer.echo(json.dumps(job))
+    elif wait:
+        print_job(job)
+    else:
+        typer.echo(job["id"])
+    if wait and job["state"] != "SUCCEEDED":
+        raise typer.Exit(1)
+
+
+@app.command()
+def status(job_id: str, as_json: Json = False) -> None:
+    """Show one job."""
+    job = call(client().get, job_id)
+    typer.echo(json.dumps(job)) if as_json else print_job(job)
+
+
+@app.command("list")
+def list_(as_json: Json = False) -> None:
+    """List jobs."""
+    jobs = call(client().list)
+    typer.echo(json.dumps(jobs)) if as_json else print_jobs(jobs)
+
+
+@app.command()
+def cancel(job_id: str, as_json: Json = False) -> None:
+    """Cancel a job."""
+    job = call(client().cancel, job_id)
+    typer.echo(json.dumps(job)) if as_json else typer.echo(f"{job_id}: cancel requested "
+                                                           f"(state {job['state']})")
+
+
+@app.command()
+def scale(job_id: str,
+          replicas: int = typer.Option(..., "--replicas", min=1,
+                                       help="data-parallel replicas to run at"),
+          as_json: Json = False) -> None:
+    """Resize an elastic job (within its elastic.min_replicas..max_replicas)."""
+    job = call(client().scale, job_id, replicas)
+    if as_json:
+        typer.echo(json.dumps(job))
+        return
+    typer.echo(f"{job_id}: asked for {replicas} replica(s); now {job.get('replicas')} "
+               f"(state {job['state']}); the scheduler resizes it as capacity allows")
+
+
+@app.command()
+def events(job_id: str, as_json: Json = False) -> None:
+    """Show a job's events."""
+    evs = call(client().events, job_id)["events"]
+    typer.echo(json.dumps(evs)) if as_json else print_events(evs)
+
+
+@app.command()
+def logs(job_id: str,
+         follow_: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing.")] = False,
+         rank: Annotated[int | None, typer.Option("--rank", min=0,
+                                                  help="Only this rank's lines.")] = None,
+         module: Annotated[str | None, typer.Option(
+             "--module", help="Only this module's lines (train, worker, stdout, stderr, "
+                              "heartbeat, permission, telemetry).")] = None,
+         as_json: Json = False) -> None:
+    """Print a job's logs from every rank (JSON lines with --json)."""
+    c, start = client(), 0
+    while True:
+        page = call(c.logs, job_id, start, rank, module)
+        print_log_lines(page["logs"], as_json)
+        start = page["next"]
+        if not follow_:
+            return
+        if not page["logs"] and call(c.get, job_id)["state"] in TERMINAL:
+            if not call(c.logs, job_id, start, rank, module)["logs"]:
+                return
+        time.sleep(1.0)
+
+
+node_app = typer.Typer(help="Manage this machine as a node of a cluster.", no_args_is_help=True)
+app.add_typer(node_app, name="node")
+
+
+topology_app = typer.Typer(help="Measure the cluster's network.", no_args_is_help=True)
+app.add_typer(topology_app, name="topology")
+app.add_typer(checkpoint_app, name="checkpoint")
+app.add_typer(admin_app, name="admin")
+app.command()(audit)
+app.command()(whoami)
+app.command()(doctor)
+app.add_typer(debug_app, name="debug")
+app.add_typer(control_plane_app, name="control-plane")
+app.command()(profile)
+app.command("plan")(plan_command)
+
+
+@topology_app.command("probe")
+def topology_probe(size_mb: Annotated[float, typer.Option(help="Payload per transfer, MiB.")] = 16.0,
+                   rounds: Annotated[int, typer.Option(help="Transfers per pair.")] = 5,
+                   as_json: Json = False) -> None:
+    """Measure latency and bandwidth between every pair of nodes; store them in Redis."""
+    import ray
+
+    from kuangchao.platform.cluster.probe import measure
+    from kuangchao.platform.cluster.registry import nodes_from_ray
+    from kuangchao.platform.jobs.store import JobStore
+    from kuangchao.platform.settings import RAY_NAMESPACE
+
+    settings = Settings.from_env()
+    try:
+        store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
+        ray.init(address=settings.ray_address or "auto", namespace=RAY_NAMESPACE,
+                 log_to_driver=False, logging_level="ERROR")
+    except KuangchaoError as exc:
+        fail(exc.message)
+    except ConnectionError as exc:
+        fail(f"cannot connect to Ray ({exc}); run `kc up`, or set RAY_ADDRESS")
+    result = measure(nodes_from_ray(ray.nodes()), size_mb, rounds)
+    store.set_info("probe", result)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    for p in result["pairs"]:
+        typer.echo(f"{p['a']:<14} {p['b']:<14} {p['latency_us']:>9.1f} us {p['bandwidth_gbps']:>8.2f} Gbit/s")
+
+
+@app.command()
+def nodes(as_json: Json = False) -> None:
+    """Show the nodes: topology, liveness, and the GPUs jobs hold on each."""
+    data = call(client().nodes)
+    typer.echo(json.dumps(data)) if as_json else print_nodes(data)
+
+
+@node_app.command("join")
+def node_join(address: Annotated[str, typer.Option(help="Ray head address, host:port.")],
+              leaf: Annotated[str, typer.Option(help="Leaf switch this node hangs off.")],
+              name: Annotated[str | None, typer.Option(help="Node name (default: hostname).")] = None,
+              spine: Annotated[str | None, typer.Option(help="Spine switch.")] = None,
+              gpus: Annotated[int | None, typer.Option(help="GPUs, when nvidia-smi is absent.")] = None,
+              nvlink: Annotated[str | None, typer.Option(
+                  help="NVLink islands when nvidia-smi is absent: '0.1.2.3_4.5.6.7' or 'full'.")] = None,
+              cpus: Annotated[int | None, typer.Option(help="CPUs to offer.")] = None,
+              ray_arg: Annotated[list[str] | None, typer.Option(
+                  "--ray-arg", help="Passed to `ray start` as it is, e.g. "
+                                    "--ray-arg=--dashboard-agent-listen-port=52366.")] = None,
+              block: Annotated[bool, typer.Option(
+                  "--block", help="Run the raylet in the foreground, as this process (a "
+                                  "container's main process).")] = False,
+              as_json: Json = False) -> None:
+    """Join this machine to a cluster as a raylet with kuangchao's topology labels."""
+    import socket
+
+    from kuangchao.platform.cluster.nodejoin import JoinOptions, join
+
+    try:
+        node = join(JoinOptions(address=address, name=name or socket.gethostname(), leaf=leaf,
+                                spine=spine, gpus=gpus, nvlink=nvlink, cpus=cpus,
+                                extra=tuple(ray_arg or ())), block=block)
+    except KuangchaoError as exc:
+        fail(exc.message)
+    typer.echo(json.dumps(node.to_json()) if as_json else
+               f"{node.name} joined {address}: {node.gpus} GPU(s), islands "
+               f"{[list(i) for i in node.islands]}, leaf {node.leaf}")
+
+
+@node_app.command("release")
+def node_release(name: Annotated[str, typer.Argument(help="The quarantined node.")],
+                 as_json: Json = False) -> None:
+    """End a node's quarantine early, once it has been repaired."""
+    out = call(client().release_node, name)
+    typer.echo(json.dumps(out) if as_json else f"{name} released from quarantine")
+
+
+@app.command()
+def queues(as_json: Json = False) -> None:
+    """Show the queues, their quotas, and the GPUs each holds and waits for."""
+    data = call(client().queues)
+    typer.echo(json.dumps(data)) if as_json else print_queues(data)
+
+
+@app.command()
+def place(spec: Annotated[Path, typer.Argument(help="Job YAML.")],
+          cluster: Annotated[Path, typer.Option(help="Cluster topology YAML.")],
+          set_: Sets = None, as_json: Json = False) -> None:
+    """Show where a job's ranks would go on an empty cluster, and the plan's score."""
+    from kuangchao.platform.cluster.topology import load_topology
+    from kuangchao.platform.scheduling.placement import Infeasible, traffic_from_spec
+    from kuangchao.platform.scheduling.placement import place as solve
+    from kuangchao.platform.scheduling.placement_score import score
+    from kuangchao.platform.scheduling.policies import shape_of
+
+    doc = load_job_doc(spec, set_)
+    try:
+        topo = load_topology(cluster)
+    except KuangchaoError as exc:
+        fail(exc.message)
+    shape = shape_of(doc)
+    plan = solve(topo.nodes, {}, shape, traffic_from_spec(doc))
+    if isinstance(plan, Infeasible):
+        typer.echo(json.dumps({"feasible": False, "reason": plan.reason}) if as_json
+                   else f"infeasible: {plan.reason}")
+        raise typer.Exit(1)
+    sc = score(plan, topo.nodes, shape, traffic_from_spec(doc))
+    if as_json:
+        typer.echo(json.dumps({"feasible": True, "score": sc.to_json(), "plan": [
+            {"rank": s.rank, "node": s.node, "leaf": s.leaf, "gpus": list(s.gpus)}
+            for s in plan.slots]}))
+        return
+    print_plan(plan, sc, shape)
+
+
+@app.command()
+def up(cluster: Annotated[Path, typer.Option(help="Cluster topology YAML.")] = Path(
+           "examples/cluster-2x4.yaml"),
+       api_port: Annotated[int, typer.Option(
+           help="Port for the REST API (0: any free port).")] = DEFAULT_API_PORT,
+       dashboard_port: Annotated[int, typer.Option(
+           help="Port for Ray's dashboard (0: any free port).")] = DEFAULT_DASHBOARD_PORT,
+       queues: Annotated[Path | None, typer.Option(help="Queues and quotas YAML.")] = None,
+       as_json: Json = False) -> None:
+    """Start Redis, a local Ray cluster, the control plane and the API."""
+    from kuangchao.platform.runtime import localcluster
+    try:
+        state = localcluster.up(localcluster.UpOptions(cluster=cluster, api_port=api_port,
+                                                       dashboard_port=dashboard_port, queues=queues))
+    except SpecError as exc:
+        fail("\n".join(f"{p}: {m}" if p else m for p, m in exc.errors))
+    except KuangchaoError as exc:
+        fail(exc.message)
+    public = {k: v for k, v in state.items() if k != "redis_url"}
+    typer.echo(json.dumps(public) if as_json else f"kuangchao is up: API {state['api_url']}")
+
+
+@app.command()
+def down() -> None:
+    """Stop everything `kc up` started."""
+    from kuangchao.platform.runtime import localcluster
+    typer.echo("kuangchao stopped" if localcluster.down() else "nothing to stop")
+
+
+@app.command()
+def train(config: Annotated[Path, typer.Option("--config", help="Job YAML.")], set_: Sets = None,
+          as_json: Json = False) -> None:
+    """Run a job with this process as the driver (what `ray job submit` runs)."""
+    from kuangchao.platform.runtime.driver import DriverStopped, run_as_driver
+
+    doc = load_job_doc(config, set_)
+    try:
+        job = run_as_driver(doc)
+    except KuangchaoError as exc:
+        fail(exc.message)
+    except DriverStopped:
+        raise typer.Exit(143) from None  # 128 + SIGTERM, as if the signal had ended it
+    typer.echo(json.dumps(job)) if as_json else print_job(job)
+    if job["state"] != "SUCCEEDED":
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

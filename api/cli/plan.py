@@ -1,0 +1,97 @@
+"""`kc plan`: the planner's ranked layouts for a model on a cluster (platform/planning/planner.py).
+
+Runs locally: no API, no cluster. Exit 0 with plans, 1 when no layout fits,
+2 for bad input (a missing or malformed model file, an unknown GPU, a batch
+that no data-parallel size divides).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kuangchao.api.cli.common import Json, fail
+from kuangchao.platform.cluster.hardware import CATALOG, get_accelerator
+from kuangchao.platform.errors import SpecError
+from kuangchao.platform.planning.planner import ClusterShape, ModelShape, describe, plan
+from kuangchao.platform.spec.jobspec import resolve_extends, validate_spec
+
+
+def _model(path: Path, seq_len: int | None) -> tuple[ModelShape, dict[str, Any]]:
+    """A job spec (its `model`), or a bare model document; `params: 175e9` for a size only."""
+    try:
+        doc = resolve_extends(path)
+        if isinstance(doc.get("model"), dict) and "params" not in doc["model"]:
+            spec = validate_spec(doc)  # a job spec: its defaults filled in
+            par = spec.parallel
+            rank_batch = par.micro_batch_size * par.gradient_accumulation_steps
+            doc = {"model": spec.model.model_dump(),
+                   "global_batch": par.data_parallel_size * rank_batch}
+            if par.auto:  # as `parallel: auto` decides it (platform/planning/autoplan.py)
+                doc = {"model": doc["model"], "global_batch": par.global_batch,
+                       "rank_batch": rank_batch}
+    except SpecError as exc:
+        fail("; ".join(f"{p or path}: {m}" for p, m in exc.errors))
+    section = doc.get("model") if isinstance(doc.get("model"), dict) else doc
+    try:
+        if "params" in section:
+            model = ModelShape.from_param_count(float(section["params"]),
+                                                int(seq_len or section.get("seq_len", 2048)),
+                                                int(section.get("vocab_size", 50257)))
+        else:
+            model = ModelShape.from_spec_model({**section, **({"seq_len": seq_len} if seq_len
+                                                                else {})})
+    except (ValueError, TypeError) as exc:
+        fail(f"{path}: {exc}. Give n_layers, d_model, n_heads, seq_len and vocab_size "
+             "(as a job spec's `model:`), or `params: 7e9`")
+    return model, doc
+
+
+def plan_command(
+        model_file: Annotated[Path, typer.Option("--model", help=(
+            "A job spec, or a model YAML (n_layers, d_model, n_heads, seq_len, vocab_size; "
+            "or params: 175e9)."))],
+        gpus: Annotated[int, typer.Option("--gpus", min=1, help="GPUs to use, all of them.")],
+        gpu: Annotated[str, typer.Option("--gpu", help=f"One of {', '.join(CATALOG)}.")] = "h100-80gb",
+        gpus_per_node: Annotated[int | None, typer.Option(
+            "--gpus-per-node", min=1, help="Default: the GPU's usual node (8).")] = None,
+        global_batch: Annotated[int | None, typer.Option(
+            "--global-batch", min=1, help=(
+                "Sequences per step (default: a job spec's dp x micro-batch x accumulation; "
+                "for parallel: auto its global_batch, else micro-batch x accumulation x "
+                "--gpus; else 512)."))] = None,
+        seq_len: Annotated[int | None, typer.Option("--seq-len", min=1,
+                                                    help="Override the model's.")] = None,
+        top: Annotated[int, typer.Option("--top", min=1, help="Plans to print.")] = 10,
+        as_json: Json = False) -> None:
+    """Rank the feasible DP/TP/PP/ZeRO layouts by predicted step time."""
+    try:
+        acc = get_accelerator(gpu)
+    except ValueError as exc:
+        fail(str(exc))
+    model, doc = _model(model_file, seq_len)
+    per_node = gpus_per_node or acc.gpus_per_node
+    if global_batch is None:
+        global_batch = int(doc.get("global_batch") or doc.get("rank_batch", 0) * gpus or 512)
+    try:
+        cluster = ClusterShape(gpus, per_node)
+        plans = plan(model, cluster, acc, global_batch, top=top)
+    except ValueError as exc:
+        fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps([p.to_json() for p in plans], indent=1))
+    else:
+        n = model.params
+        size = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+        typer.echo(f"{size} parameters ({model.n_layers} layers, d_model "
+                   f"{model.d_model}, {model.n_heads} heads, seq {model.seq_len}) on {gpus} x {gpu} "
+                   f"({per_node} per node), global batch {global_batch}")
+        for i, p in enumerate(plans, 1):
+            typer.echo(f"{i:>3}. {describe(p)}")
+    if not plans:
+        typer.echo(f"no layout fits {gpus} x {gpu}: even the leanest needs more than "
+                   f"{acc.hbm_bytes / 1e9:.0f} GB per GPU; add GPUs or use a larger GPU", err=True)
+        raise typer.Exit(1)

@@ -1,0 +1,1 @@
+"""The Python SDK: a typed client for the REST API."""

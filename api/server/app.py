@@ -1,0 +1,50 @@
+"""The FastAPI application. Routes live in `routers/`, one per resource."""
+
+from __future__ import annotations
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from kuangchao.api.server import metrics
+from kuangchao.api.server.auth import Caller
+from kuangchao.api.server.routers import admin, audit, debug, health, jobs, nodes, queues, ui
+from kuangchao.platform.errors import StoreUnavailable
+from kuangchao.platform.version import __version__
+
+
+def create_app() -> FastAPI:
+    # /docs and /redoc would load their assets from a CDN, which an offline
+    # cluster cannot reach; they are off. /openapi.json is served to callers
+    # with a key, like every route but /healthz and the console's static files (/ui).
+    app = FastAPI(title="kuangchao", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    for module in (health, jobs, debug, queues, nodes, admin, audit, ui):
+        app.include_router(module.router)
+    metrics.install(app)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi(_: Caller) -> dict:
+        return app.openapi()
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:
+        return JSONResponse(status_code=503, content={"detail": exc.message})
+
+    @app.exception_handler(redis.RedisError)
+    async def _redis_error(_: Request, exc: redis.RedisError) -> JSONResponse:
+        return JSONResponse(status_code=503, content={
+            "detail": f"Redis is unavailable ({exc}); check that it is running and that "
+                      "KC_REDIS_URL points at it"})
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": [
+            {"loc": list(e["loc"]), "msg": e["msg"], "field": ".".join(map(str, e["loc"]))}
+            for e in exc.errors()]})
+
+    return app
+
+
+app = create_app()

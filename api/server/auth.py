@@ -1,0 +1,119 @@
+"""Who is calling the API and what they may do: API keys, roles, tenants, audit.
+
+Every route but `/healthz` depends on `caller` (401 without a valid key) and,
+for privileged actions, on `require(action)` (403 when the role lacks it). A
+job of another tenant answers 404, exactly as a job that does not exist, so
+that its existence does not leak. Every denial, and every allowed action that
+changes state, leaves an audit record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Annotated, Any
+
+from fastapi import Depends, HTTPException, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from kuangchao.api.server.deps import Store
+from kuangchao.platform.errors import JobNotFound
+from kuangchao.platform.jobs.state import JobRecord
+from kuangchao.platform.jobs.store import JobStore
+from kuangchao.platform.security.apikeys import Principal, authenticate, key_id_of
+from kuangchao.platform.security.audit import AuditLog, AuditRecord
+from kuangchao.platform.security.keystore import KeyStore
+from kuangchao.platform.settings import audit_file
+
+ANONYMOUS = "anonymous"
+
+
+@lru_cache(maxsize=4)
+def _trail(store: JobStore) -> AuditLog:
+    return AuditLog(store.r, store.key("audit"), audit_file())
+
+
+async def audit_log(store: Store) -> AuditLog:
+    return _trail(store)
+
+
+def keystore(store: JobStore) -> KeyStore:
+    return KeyStore(store.r, store.p)
+
+
+def audit(store: JobStore, who: Principal | str, action: str, resource: str, decision: str,
+          reason: str = "", job: str | None = None) -> None:
+    name = who if isinstance(who, str) else f"{who.name}[{who.tenant}/{who.key_id}]"
+    _trail(store).record(AuditRecord(principal=name, action=action, resource=resource,
+                                     decision=decision, reason=reason, job=job))  # type: ignore[arg-type]
+
+
+def bearer(header: str | None) -> str | None:
+    """The key in `Authorization: Bearer <key>`; a header of another shape
+    yields the header itself so that `authenticate` calls it malformed."""
+    if not header:
+        return None
+    scheme, _, value = header.strip().partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else header
+
+
+# Declares the bearer scheme in /openapi.json; the header itself is parsed by
+# `bearer` so that a malformed one gets its own message.
+_SCHEME = HTTPBearer(auto_error=False, description="an API key: kc_<id>_<secret>")
+
+
+async def caller(request: Request, store: Store,
+                 _: Annotated[HTTPAuthorizationCredentials | None, Security(_SCHEME)] = None,
+                 ) -> Principal:
+    """The authenticated principal, or 401 (audited) saying what is wrong with the key."""
+    key = bearer(request.headers.get("authorization"))
+    try:
+        principal = authenticate(key, keystore(store).get(key_id_of(key)))
+    except PermissionError as exc:
+        audit(store, key_id_of(key) or ANONYMOUS, "api.authenticate",
+              f"{request.method} {request.url.path}", "deny", str(exc))
+        raise HTTPException(status_code=401, detail=f"API key refused ({exc})",
+                            headers={"WWW-Authenticate": "Bearer"}) from None
+    request.state.principal = principal
+    return principal
+
+
+Caller = Annotated[Principal, Depends(caller)]
+
+
+def require(action: str) -> Callable[..., Principal]:
+    """A dependency: the caller, if their role may do `action`; else 403 (audited)."""
+
+    async def check(request: Request, store: Store, principal: Caller) -> Principal:
+        if not principal.can(action):
+            reason = f"role {principal.role} may not {action}"
+            audit(store, principal, action, f"{request.method} {request.url.path}", "deny", reason)
+            raise HTTPException(status_code=403, detail=(
+                f"{reason}; ask an admin for a key with a role that may "
+                f"(`kc admin key create --role ...`)"))
+        return principal
+
+    return check
+
+
+def visible_job(store: JobStore, principal: Principal, job_id: str, action: str) -> JobRecord:
+    """The job, if it exists and the caller's tenant may see it; else 404.
+
+    A hidden job answers exactly as a missing one. The attempt is audited.
+    """
+    try:
+        job = store.get(job_id)
+    except JobNotFound as exc:
+        raise HTTPException(status_code=404, detail=exc.message) from None
+    if not principal.sees(job.tenant):
+        audit(store, principal, action, f"job/{job_id}", "deny",
+              f"job belongs to tenant {job.tenant}", job=job_id)
+        raise HTTPException(status_code=404, detail=JobNotFound.for_id(job_id).message)
+    return job
+
+
+def allowed(store: JobStore, principal: Principal, action: str, resource: str,
+            job: str | None = None, **extra: Any) -> None:
+    """Record an allowed state change."""
+    reason = ", ".join(f"{k}={v}" for k, v in extra.items())
+    audit(store, principal, action, resource, "allow", reason, job=job)

@@ -1,0 +1,132 @@
+"""`/v1/jobs/{id}/debug/...` and `/v1/jobs/{id}/profiles`: ask a running job's
+ranks for a diagnosis (platform/jobs/debugreq.py), and fetch the profiler traces."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Body, Depends, HTTPException
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from kuangchao.api.server.auth import allowed, require, visible_job
+from kuangchao.api.server.deps import Store
+from kuangchao.platform.jobs import debugreq
+from kuangchao.platform.jobs.state import JobRecord, JobState
+from kuangchao.platform.jobs.store import JobStore
+from kuangchao.platform.security.apikeys import Principal
+
+router = APIRouter(prefix="/v1/jobs", tags=["debug"])
+Debugger = Annotated[Principal, Depends(require("job.debug"))]
+Reader = Annotated[Principal, Depends(require("job.read"))]
+_ID = re.compile(r"^[0-9a-f]{12}$")
+_TRACE = re.compile(r"^rank(\d{1,6})\.json\.gz$")
+
+
+class DebugAsk(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    step: int | None = Field(None, ge=1, description="gradient: the optimizer step to capture "
+                                                     "(default: the next one)")
+    timeout_s: float = Field(30.0, gt=0, le=600, description="how long to wait for every rank")
+
+
+class ProfileAsk(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    steps: int = Field(5, ge=1, le=500, description="optimizer steps to record on every rank")
+
+
+def _running(store: JobStore, who: Principal, job_id: str, action: str) -> JobRecord:
+    job = visible_job(store, who, job_id, action)
+    if job.state is not JobState.RUNNING:
+        raise HTTPException(409, f"job {job_id} is {job.state.value}; its ranks answer only while "
+                                 "it is RUNNING")
+    return job
+
+
+def _wait(store: JobStore, job: JobRecord, req_id: str, timeout_s: float) -> dict[int, dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answers = debugreq.read_answers(store.r, store.p, job.id, req_id)
+        if len(answers) >= job.world_size or time.monotonic() >= deadline:
+            return answers
+        time.sleep(0.2)
+
+
+def _retire(store: JobStore, job_id: str, req_id: str) -> None:
+    """Take the request away once answered, unless a newer one replaced it: ranks stop
+    looking at it (the answers stay for an hour)."""
+    key = debugreq.request_key(store.p, job_id)
+    req = debugreq.DebugRequest.from_json(store.r.get(key))
+    if req is not None and req.id == req_id:
+        store.r.delete(key)
+
+
+@router.post("/{job_id}/debug/{kind}", summary="Every rank's communication groups, memory, "
+                                               "or gradients compared across replicas")
+def debug(job_id: str, kind: Literal["comm", "memory", "gradient"], store: Store, who: Debugger,
+          ask: Annotated[DebugAsk | None, Body()] = None) -> dict[str, Any]:
+    """Waits for every rank (up to `timeout_s`); ranks that did not answer are listed in
+    `missing`. A rank stuck in a collective still answers `comm` and `memory`."""
+    ask = ask or DebugAsk()
+    job = _running(store, who, job_id, f"job.debug.{kind}")
+    req = debugreq.post(store.r, store.p, job_id, kind, step=ask.step)
+    allowed(store, who, f"job.debug.{kind}", f"job/{job_id}", job=job_id, request=req.id)
+    answers = _wait(store, job, req.id, ask.timeout_s)
+    _retire(store, job_id, req.id)
+    out: dict[str, Any] = {"job": job_id, "kind": kind, "request": req.id,
+                           "missing": sorted(set(range(job.world_size)) - set(answers))}
+    if kind == "comm":
+        out.update(debugreq.comm_report(answers))
+    elif kind == "gradient":
+        out.update(debugreq.gradient_report(answers))
+        out["errors"] = {r: a["error"] for r, a in answers.items() if a.get("error")}
+    else:
+        out["ranks"] = {r: answers[r] for r in sorted(answers)}
+    return out
+
+
+@router.post("/{job_id}/profiles", status_code=202,
+             summary="Record a torch.profiler trace of the next `steps` steps on every rank")
+def start_profile(job_id: str, store: Store, who: Debugger,
+                  ask: Annotated[ProfileAsk | None, Body()] = None) -> dict[str, Any]:
+    ask = ask or ProfileAsk()
+    job = _running(store, who, job_id, "job.profile")
+    req = debugreq.post(store.r, store.p, job_id, "profile", steps=ask.steps)
+    allowed(store, who, "job.profile", f"job/{job_id}", job=job_id, request=req.id,
+            steps=ask.steps)
+    return {"job": job_id, "id": req.id, "steps": ask.steps, "ranks": job.world_size}
+
+
+@router.get("/{job_id}/profiles/{profile_id}", summary="A profile's per-rank summaries and files")
+def profile_status(job_id: str, profile_id: str, store: Store, who: Reader) -> dict[str, Any]:
+    job = visible_job(store, who, job_id, "job.read")
+    if not _ID.match(profile_id):
+        raise HTTPException(404, f"no profile {profile_id!r} for job {job_id}")
+    answers = debugreq.read_answers(store.r, store.p, job_id, profile_id)
+    expected = job.world_size
+    if len(answers) >= expected:
+        _retire(store, job_id, profile_id)
+    return {"job": job_id, "id": profile_id, "ranks": {r: answers[r] for r in sorted(answers)},
+            "missing": sorted(set(range(expected)) - set(answers)),
+            "done": len(answers) >= expected,
+            "files": [f"rank{r}.json.gz" for r in sorted(answers) if not answers[r].get("error")]}
+
+
+@router.get("/{job_id}/profiles/{profile_id}/{name}", summary="Download one rank's Chrome/"
+            "Perfetto trace (gzip-compressed JSON)", response_class=FileResponse)
+def profile_file(job_id: str, profile_id: str, name: str, store: Store,
+                 who: Reader) -> FileResponse:
+    job = visible_job(store, who, job_id, "job.read")
+    if not _ID.match(profile_id) or not _TRACE.match(name):
+        raise HTTPException(404, f"no file {name!r} in profile {profile_id!r}; files are named "
+                                 "rankN.json.gz")
+    root = Path(str((job.spec.get("checkpoint") or {}).get("path") or "")).expanduser()
+    path = root / job_id / "profiles" / profile_id / name
+    if not path.is_file():
+        raise HTTPException(404, f"{name} of profile {profile_id} is not on this server's disk "
+                                 f"(looked in {path.parent}); the trace is written next to the "
+                                 "job's checkpoints, which the API server must be able to read")
+    return FileResponse(path, media_type="application/gzip", filename=f"{job_id}-{name}")

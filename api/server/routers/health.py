@@ -1,0 +1,25 @@
+"""`/healthz` (no key needed): the API is up and can reach Redis; `/v1/whoami`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from kuangchao.api.server.auth import Caller
+from kuangchao.api.server.deps import Store
+from kuangchao.platform.security.apikeys import PERMISSIONS
+from kuangchao.platform.version import __version__
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz(store: Store) -> dict[str, Any]:
+    store.r.ping()
+    return {"status": "ok", "version": __version__}
+
+
+@router.get("/v1/whoami", summary="The principal the presented API key speaks for")
+def whoami(who: Caller) -> dict[str, Any]:
+    return {**who.to_json(), "permissions": sorted(PERMISSIONS[who.role])}

@@ -1,0 +1,139 @@
+"""`/v1/jobs`: submit, list, inspect, cancel; events and logs."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from kuangchao.api.server.auth import allowed, audit, require, visible_job
+from kuangchao.api.server.deps import Store, active_jobs, spec_422
+from kuangchao.platform.errors import InvalidTransition, SpecError
+from kuangchao.platform.jobs import operations as jobs
+from kuangchao.platform.security.apikeys import Principal
+from kuangchao.platform.spec.jobspec import validate_spec
+from kuangchao.platform.spec.text import BUNDLE_TYPE, parse_bundle, parse_spec_text
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+Submitter = Annotated[Principal, Depends(require("job.submit"))]
+Canceller = Annotated[Principal, Depends(require("job.cancel"))]
+Scaler = Annotated[Principal, Depends(require("job.scale"))]
+Reader = Annotated[Principal, Depends(require("job.read"))]
+
+
+# Redis' integer range: LRANGE refuses a larger start.
+_MAX_INDEX = 2**63 - 1
+
+
+@router.post("", status_code=201, summary="Submit a job: JSON or YAML, or a bundle of a YAML and "
+             f"the files its extends: names (Content-Type: {BUNDLE_TYPE})")
+async def submit_job(request: Request, response: Response, store: Store, who: Submitter,
+                     dry_run: bool = Query(False, description="Only validate: 200 with the "
+                                           "validated spec, or 422; nothing is queued")
+                     ) -> dict[str, Any]:
+    """Validate and queue a job; `parallel: auto` is resolved to the planner's layout here."""
+    body = (await request.body()).decode("utf-8", errors="replace")
+    bundled = request.headers.get("content-type", "").startswith(BUNDLE_TYPE)
+    try:
+        spec = validate_spec(parse_bundle(body) if bundled else parse_spec_text(body))
+        if dry_run:
+            response.status_code = 200
+            return await run_in_threadpool(jobs.dry_run, store, spec)
+        if spec.parallel.auto:  # the planner resolves it; its search runs off the event loop
+            job = await run_in_threadpool(jobs.submit, store, spec, owner=who.name,
+                                          tenant=who.tenant)
+        else:
+            job = jobs.submit(store, spec, owner=who.name, tenant=who.tenant)
+    except SpecError as exc:
+        raise spec_422(exc) from None
+    allowed(store, who, "job.submit", f"job/{job.id}", job=job.id, queue=job.queue)
+    return jobs.job_view(store, job, active_jobs(store))
+
+
+@router.get("", summary="List the jobs the caller's tenant may see, newest last")
+def list_jobs(store: Store, who: Reader,
+              limit: int = Query(200, ge=1, le=10000)) -> dict[str, Any]:
+    active = active_jobs(store)  # queue positions count every waiting job, however old
+    return {"jobs": [jobs.job_view(store, j, active) for j in store.list(limit)
+                     if who.sees(j.tenant)]}
+
+
+@router.get("/{job_id}", summary="One job")
+def get_job(job_id: str, store: Store, who: Reader) -> dict[str, Any]:
+    return jobs.job_view(store, visible_job(store, who, job_id, "job.read"), active_jobs(store))
+
+
+@router.post("/{job_id}/cancel", summary="Cancel a job")
+def cancel_job(job_id: str, store: Store, who: Canceller) -> dict[str, Any]:
+    visible_job(store, who, job_id, "job.cancel")
+    try:
+        job = jobs.cancel(store, job_id)
+    except InvalidTransition as exc:
+        audit(store, who, "job.cancel", f"job/{job_id}", "deny", exc.message, job=job_id)
+        raise HTTPException(status_code=409, detail=exc.message) from None
+    allowed(store, who, "job.cancel", f"job/{job_id}", job=job_id)
+    return jobs.job_view(store, job)
+
+
+class ScaleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    replicas: int = Field(ge=1, description="data-parallel replicas to run at")
+
+
+@router.patch("/{job_id}", summary="Resize an elastic job: {\"replicas\": N}")
+def patch_job(job_id: str, body: ScaleRequest, store: Store, who: Scaler) -> dict[str, Any]:
+    visible_job(store, who, job_id, "job.scale")
+    try:
+        job = jobs.scale(store, job_id, body.replicas)
+    except SpecError as exc:
+        raise spec_422(exc) from None
+    except InvalidTransition as exc:
+        raise HTTPException(status_code=409, detail=exc.message) from None
+    allowed(store, who, "job.scale", f"job/{job_id}", job=job_id, replicas=body.replicas)
+    return jobs.job_view(store, job)
+
+
+@router.get("/{job_id}/samples", summary="The job's sample record (data.record_samples)")
+def job_samples(job_id: str, store: Store, who: Reader) -> dict[str, Any]:
+    job = visible_job(store, who, job_id, "job.read")
+    return {"record_samples": bool(job.spec.get("data", {}).get("record_samples")),
+            "samples": store.samples(job_id)}
+
+
+@router.get("/{job_id}/events", summary="The job's events, oldest first")
+def job_events(job_id: str, store: Store, who: Reader,
+               start: int = Query(0, ge=0, le=_MAX_INDEX)) -> dict[str, Any]:
+    visible_job(store, who, job_id, "job.read")
+    events = store.events(job_id, start)
+    return {"events": events, "next": start + len(events)}
+
+
+@router.get("/{job_id}/metrics", summary="The loss curve: one point per logged step, oldest first")
+def job_metrics(job_id: str, store: Store, who: Reader,
+                start: int = Query(0, ge=0, le=_MAX_INDEX)) -> dict[str, Any]:
+    """Points `{step, ts, loss, tokens_per_s, step_s, ...}` from `start` on; `next` is
+    where the next call starts. Steps replayed after a recovery come again."""
+    visible_job(store, who, job_id, "job.read")
+    points = store.metrics(job_id, start)
+    return {"points": points, "next": start + len(points)}
+
+
+@router.get("/{job_id}/logs", summary="The job's log lines from every rank")
+def job_logs(job_id: str, store: Store, who: Reader,
+             start: int = Query(0, ge=0, le=_MAX_INDEX),
+             rank: int | None = Query(None, ge=0, le=1_000_000,
+                                      description="Only this rank's lines"),
+             module: str | None = Query(None, max_length=64,
+                                        description="Only lines of this module (train, worker, "
+                                                    "stdout, stderr, heartbeat, ...)")
+             ) -> dict[str, Any]:
+    """Lines from `start` on; `next` is where the next call starts, filters or not."""
+    visible_job(store, who, job_id, "job.read")
+    logs = store.logs(job_id, start)
+    picked = [line for line in logs if (rank is None or line.get("rank") == rank)
+              and (module is None or line.get("module") == module)]
+    return {"logs": picked, "next": start + len(logs)}

@@ -1,0 +1,38 @@
+"""`/v1/queues`: the queue table with each queue's current use; operators replace it."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends
+
+from kuangchao.api.server.auth import Caller, allowed, require
+from kuangchao.api.server.deps import Store, spec_422
+from kuangchao.platform.errors import SpecError
+from kuangchao.platform.jobs.operations import queue_view
+from kuangchao.platform.scheduling.policies import POLICIES
+from kuangchao.platform.scheduling.queues import parse_queues
+from kuangchao.platform.security.apikeys import Principal
+
+router = APIRouter(prefix="/v1/queues", tags=["queues"])
+
+
+@router.get("", summary="Queues, quotas, and the GPUs each holds")
+def list_queues(store: Store, _: Caller) -> dict[str, Any]:
+    return queue_view(store)
+
+
+@router.put("", summary="Replace the queue table (the same document as `kc up --queues`)")
+def put_queues(store: Store, who: Annotated[Principal, Depends(require("queue.manage"))],
+               doc: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+    try:
+        table = parse_queues(doc)
+        if table.policy not in POLICIES:
+            raise SpecError([("policy", f"{table.policy!r} is unknown; choose one of "
+                                        f"{', '.join(sorted(POLICIES))}")])
+    except SpecError as exc:
+        raise spec_422(exc) from None
+    store.set_info("queues", table.to_json())
+    store.wake_scheduler("queues")
+    allowed(store, who, "queue.manage", "queues", queues=",".join(table.names))
+    return queue_view(store)

@@ -1,0 +1,68 @@
+"""The node registry: what nodes the cluster has and how they are wired.
+
+`nodes_from_ray` turns `ray.nodes()` output into `NodeInfo` values using the
+`kc.io/*` labels (see topology.py); it is pure so tests feed it plain dicts.
+The `Registry` class is what the Ray actor hosts: it refreshes from Ray and
+publishes the node list to Redis for the API.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kuangchao.platform.cluster.probe import apply_probe
+from kuangchao.platform.cluster.topology import LABEL_ROLE, NodeInfo, gpu_resource, node_from_labels
+
+ACCELERATOR_PREFIX = "accelerator_type:"
+
+
+def nodes_from_ray(ray_nodes: list[dict[str, Any]]) -> tuple[NodeInfo, ...]:
+    """Convert Ray's node table into `NodeInfo`s, sorted by name.
+
+    Nodes labelled `kc.io/role=head` host the control plane and are left out
+    of the GPU pool even if they have GPUs.
+    """
+    out = []
+    for n in ray_nodes:
+        labels = n.get("Labels") or {}
+        if labels.get(LABEL_ROLE) == "head":
+            continue
+        res = n.get("Resources") or {}
+        gpus = int(res.get("GPU", 0))
+        # Ray adds `accelerator_type:H100` (say) where it detected real GPUs.
+        kinds = sorted(k.partition(":")[2] for k in res if k.startswith(ACCELERATOR_PREFIX))
+        out.append(node_from_labels(
+            node_id=n["NodeID"], labels=labels, gpus=gpus,
+            cpus=float(res.get("CPU", 0)), alive=bool(n.get("Alive", False)),
+            pinned_gpus=gpus > 0 and all(gpu_resource(g) in res for g in range(gpus)),
+            accelerator=kinds[0] if gpus > 0 and kinds else None))
+    # A name may repeat when a node died and rejoined; keep the live entry.
+    by_name: dict[str, NodeInfo] = {}
+    for node in sorted(out, key=lambda x: (x.name, x.alive)):
+        by_name[node.name] = node
+    return tuple(sorted(by_name.values(), key=lambda x: x.name))
+
+
+def head_node_id(ray_nodes: list[dict[str, Any]]) -> str | None:
+    for n in ray_nodes:
+        if n.get("Alive") and (n.get("Labels") or {}).get(LABEL_ROLE) == "head":
+            return n["NodeID"]
+    return None
+
+
+class Registry:
+    """Keeps the node view current. Hosted by a Ray actor; reads `ray.nodes()`."""
+
+    def __init__(self, store=None) -> None:
+        self.store = store
+
+    def snapshot(self) -> tuple[NodeInfo, ...]:
+        import ray
+
+        nodes = nodes_from_ray(ray.nodes())
+        if self.store is not None:
+            nodes = apply_probe(nodes, self.store.info("probe"))
+            self.store.set_info("nodes", {"nodes": [n.to_json() for n in nodes],
+                                          "updated_at": time.time()})
+        return nodes

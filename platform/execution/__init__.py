@@ -1,0 +1,3 @@
+"""Execution: the per-job controller, its worker placement groups and grants, heartbeat watch,
+recovery and live resize.
+"""

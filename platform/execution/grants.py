@@ -1,0 +1,87 @@
+"""The controller's side of capability tokens: fetch each rank's credentials
+from the token authority, and retire the job's when it ends."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from kuangchao.platform.errors import ClusterError, KuangchaoError
+from kuangchao.platform.security.authority import AUTHORITY_NAME
+from kuangchao.platform.security.tokens import Claims, TokenError, Verifier, check, load_public, within_prefix
+from kuangchao.platform.settings import RAY_NAMESPACE, Settings
+
+log = logging.getLogger(__name__)
+
+
+def worker_settings(settings: Settings, grant: dict[str, Any]) -> Settings:
+    """What a rank is handed: the job's Redis user instead of the admin's, and no
+    API key or signing-key path."""
+    return dataclasses.replace(settings, redis_url=grant.get("redis_url") or settings.redis_url,
+                               api_key=None, signing_key_file=None)
+
+
+class Credentials:
+    """Mixin for `JobController`: needs `job_id`, `planned`, `store` and `authority`."""
+
+    job_id: str
+    planned: list[Any]
+    store: Any
+    authority: Any
+    own_claims: Claims | None = None
+
+    def _grants(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
+        """Fresh credentials for these ranks: a token each, the public key, the job's Redis URL."""
+        if self.authority is None:
+            try:
+                self.authority = ray.get_actor(AUTHORITY_NAME, namespace=RAY_NAMESPACE)
+            except ValueError:
+                raise ClusterError("no token authority is running, and no rank may start "
+                                   "without a token; start the control plane with `kc up`") from None
+        if not ranks:
+            return {}
+        ranks_gpus = {r: tuple(self.planned[r] or ()) for r in ranks}
+        return ray.get(self.authority.grant_workers.remote(self.job_id, ranks_gpus), timeout=60)
+
+    def _controller_claims(self) -> Claims:
+        """The controller's own token (role `controller`), verified with the public key."""
+        if self.own_claims is None:
+            self._grants([])  # finds the authority
+            grant = ray.get(self.authority.grant_module.remote(self.job_id, "controller",
+                                                               "controller"), timeout=60)
+            self.own_claims = Verifier(load_public(grant["public_key"].encode())).verify(
+                grant["token"])
+        return self.own_claims
+
+    def _within_job(self, path: Path) -> Path:
+        """`path` if it lies in the job's checkpoint folder, as the controller's token
+        scopes it; a final checkpoint elsewhere (another job's) never counts."""
+        claims = self._controller_claims()
+        try:
+            check(claims, "checkpoint_read")
+            return Path(within_prefix(claims.scope.checkpoint_prefix, str(path)))
+        except TokenError as exc:
+            raise KuangchaoError(f"the final checkpoint {path} is not this job's: {exc.message}; "
+                                 "save it with ctx.checkpoint") from None
+
+    def _retire_credentials(self) -> None:
+        """Once the job has ended, revoke its tokens and remove its Redis user.
+
+        A job going back to the queue keeps them: its next run asks for fresh
+        tokens, and the tokens of this run's ranks die with their processes
+        or expire. The authority's sweep catches what is missed here.
+        """
+        if self.authority is None:
+            return
+        try:
+            state = self.store.get(self.job_id).state
+            if state.is_terminal:
+                ray.get(self.authority.revoke_job.remote(self.job_id, f"job {state.value}"),
+                        timeout=30)
+        except Exception as exc:
+            log.warning("job %s: credentials not retired now (%s); the authority's sweep will",
+                        self.job_id, exc)

@@ -1,0 +1,152 @@
+"""What happens to a job after one of its ranks failed.
+
+`Failure` is what the controller learned (cause, rank, node, how fast);
+`record_failure` writes it as a restart (or the final FAILED), reports the
+node for quarantine, and returns whether the job may go on. Separate from the
+controller so that the bookkeeping is the same for every detection path and
+every recovery path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kuangchao.platform.cluster.quarantine import NODE_FAULT_KINDS, QuarantinePolicy
+from kuangchao.platform.errors import KuangchaoError
+from kuangchao.platform.jobs.state import JobRecord, JobState, transition
+from kuangchao.platform.jobs.store import JobStore
+from kuangchao.platform.observability import metrics
+
+
+@dataclass
+class Failure:
+    """One failure of a running job.
+
+    kind: `died` (process or actor gone), `node_lost`, `expired` (heartbeat
+        gone, process still there), `hung` (no progress), `numeric` (NaN or
+        gradient spike), `controller` (the job's controller was restarted).
+    detected_after_s: From the last good heartbeat (or last progress, for a
+        hang) to the moment the controller marked the rank failed.
+    """
+
+    kind: str
+    message: str
+    rank: int | None = None
+    node: str | None = None
+    pid: int | None = None
+    detected_after_s: float | None = None
+    last_heartbeat_at: float | None = None
+    failed_at: float = field(default_factory=time.time)
+    node_id: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        d = {"cause": self.message, **dataclasses.asdict(self)}
+        d.pop("message")
+        return {k: v for k, v in d.items() if v is not None}
+
+
+class Cancelled(KuangchaoError):
+    """The job was cancelled while the controller was working on it."""
+
+
+class Preempted(KuangchaoError):
+    """The scheduler took the job's GPUs back; it goes back to the queue."""
+
+
+class WorkerLost(KuangchaoError):
+    """A rank died, hung or lost its node: an infrastructure fault the job recovers from."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+def record_failure(store: JobStore, job_id: str, failure: Failure, max_restarts: int,
+                   policy: QuarantinePolicy | None = None) -> bool:
+    """Record a failure: a restart entry and event, or FAILED past `max_restarts`.
+
+    Returns:
+        True when the job is now RECOVERING and should be brought back.
+    """
+    quarantined = _report_node(store, failure, policy or QuarantinePolicy())
+    job = store.get(job_id)
+    if job.state.is_terminal:
+        return False
+    store.add_event(job_id, {"type": "failure", "message": failure.message, **failure.record()})
+    if failure.detected_after_s is not None:
+        metrics.cluster_recorder(store.r, store.p).observe(
+            metrics.FAILURE_DETECTION, failure.detected_after_s, cause=failure.kind)
+    if quarantined:
+        until = time.strftime("%H:%M:%S", time.localtime(quarantined["until"]))
+        store.add_event(job_id, {"type": "quarantine", "node": failure.node,
+                                 "message": f"node {failure.node} quarantined until {until}: "
+                                            f"{quarantined['reason']}"})
+    if job.restarts >= max_restarts:
+        _fail(store, job_id, f"{failure.message}; gave up after {job.restarts} restart(s) "
+                             "(fault_tolerance.max_restarts)")
+        return False
+    entry = {"restart": job.restarts + 1, **failure.record()}
+
+    def recovering(j: JobRecord):
+        if j.state.is_terminal:
+            return None
+        if j.state is JobState.RECOVERING:  # already recorded by another path
+            return None
+        return transition(j, JobState.RECOVERING, failure.message, restarts=j.restarts + 1,
+                          restart_log=(*j.restart_log, entry))
+    if store.update(job_id, recovering) is None:
+        return False
+    metrics.job_recorder(store.r, store.p, job_id).inc(metrics.RESTARTS, job=job_id,
+                                                          cause=failure.kind)
+    return True
+
+
+def requeue_for_recovery(store: JobStore, job_id: str, teardown_s: float) -> None:
+    """Send a RECOVERING job back to the scheduler to be placed again."""
+    store.annotate_restart(job_id, {"teardown_s": round(teardown_s, 3), "path": "requeue",
+                                    "requeued_at": time.time()})
+    store.update(job_id, lambda j: None if j.state is not JobState.RECOVERING else transition(
+        j, JobState.QUEUED, "re-placing; resumes from the newest verified checkpoint",
+        placement=(), preempting_for=None))
+    store.wake_scheduler(job_id)
+
+
+def _fail(store: JobStore, job_id: str, message: str) -> None:
+    store.update(job_id, lambda j: None if j.state.is_terminal
+                 else transition(j, JobState.FAILED, message))
+
+
+def _report_node(store: JobStore, failure: Failure,
+                 policy: QuarantinePolicy) -> dict[str, Any] | None:
+    """Count the failure against its node; quarantine the node past the policy's limit.
+
+    Returns:
+        The new quarantine entry, or None when the node was not (newly) quarantined.
+    """
+    if not (failure.node and failure.kind in NODE_FAULT_KINDS):
+        return None
+    if not policy.enabled and failure.kind != "node_lost":
+        return None
+    # A lost node is held back even with quarantine off: it is a fact, not a judgement.
+    times = (store.record_node_failure(failure.node, failure.failed_at, policy.window_s)
+             if policy.enabled else [])
+    now = failure.failed_at
+    if policy.should_quarantine(times, now):
+        until = now + policy.duration_s
+        reason = f"{len(times)} failures within {policy.window_s:.0f}s; last: {failure.message}"
+    elif failure.kind == "node_lost":
+        until, reason = now + policy.lost_node_s, f"its raylet is gone: {failure.message}"
+    else:
+        return None
+    current = store.quarantine().get(failure.node)
+    if current and float(current.get("until", 0)) >= until:
+        return None
+    entry = {"since": now, "until": until, "failures": len(times), "reason": reason}
+    if failure.kind == "node_lost" and failure.node_id:
+        # Only that raylet is held back: a node that rejoins under the same name is a new one.
+        entry["node_id"] = failure.node_id
+    store.quarantine_node(failure.node, entry)
+    return entry

@@ -1,0 +1,241 @@
+"""Operations on jobs shared by the REST API, the CLI and `kc train`."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kuangchao.platform.cluster import quarantine
+from kuangchao.platform.cluster.topology import ClusterTopology
+from kuangchao.platform.errors import InvalidTransition, SpecError
+from kuangchao.platform.jobs.state import JobRecord, JobState, transition
+from kuangchao.platform.jobs.store import JobStore
+from kuangchao.platform.planning import autoplan
+from kuangchao.platform.scheduling.policies import order_key
+from kuangchao.platform.scheduling.queues import QueueTable
+from kuangchao.platform.settings import kc_home
+from kuangchao.platform.spec.elastic import elastic_range, samples_seen
+from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
+
+
+def new_job_id(name: str) -> str:
+    slug = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:40] or "job"
+    return f"{slug}-{secrets.token_hex(4)}"
+
+
+def resolve_checkpoint_path(spec: JobSpec) -> JobSpec:
+    """Anchor a relative `checkpoint.path` under `$KC_HOME`.
+
+    Jobs come from the CLI, the API and `ray job submit`, each with its own
+    working directory (the last one a temporary folder); one rule for all keeps
+    checkpoints where `kc` and operators can find them.
+    """
+    path = Path(spec.checkpoint.path).expanduser()
+    if path.is_absolute():
+        return spec
+    # A copy with the one field changed; validating the whole spec again would
+    # find nothing new and cost more than the rest of a submit.
+    checkpoint = spec.checkpoint.model_copy(update={"path": str(kc_home() / path)})
+    return spec.model_copy(update={"checkpoint": checkpoint})
+
+
+def check_queue(store: JobStore, spec: JobSpec) -> None:
+    """Refuse a job for a queue the cluster does not have."""
+    table = QueueTable.from_json(store.info("queues"))
+    if table.get(spec.task.queue) is None:
+        raise SpecError([("task.queue", f"{spec.task.queue!r} is not a queue; known queues: "
+                                        f"{', '.join(table.names)}")])
+
+
+def resolve_auto(store: JobStore, spec: JobSpec,
+                 cluster: ClusterTopology | None = None) -> tuple[JobSpec, dict[str, Any] | None]:
+    """A `parallel: auto` spec as the layout the planner chose, and the plan record.
+
+    `cluster` defaults to the registry's node view in Redis. A spec with a
+    hand-written layout comes back as it is, without a plan.
+
+    Raises:
+        SpecError: When no layout fits or can run (platform/planning/autoplan.py).
+    """
+    if not spec.parallel.auto:
+        return spec, None
+    if cluster is None:
+        cluster = autoplan.topology_from_view(store.info("nodes"))
+    doc, plan = autoplan.resolve(spec.model_dump(mode="json"), cluster)
+    return validate_spec(doc), plan
+
+
+def dry_run(store: JobStore, spec: JobSpec) -> dict[str, Any]:
+    """What `submit` would record, without recording it: the queue is checked and a
+    `parallel: auto` layout is planned. Raises `SpecError` as `submit` does."""
+    check_queue(store, spec)
+    spec, plan = resolve_auto(store, spec)
+    return {"valid": True, "spec": spec.model_dump(mode="json"), "plan": plan}
+
+
+def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
+           owner: str | None = None, tenant: str = "default",
+           cluster: ClusterTopology | None = None) -> JobRecord:
+    """Record a validated job as QUEUED and wake the scheduler.
+
+    A `parallel: auto` spec is resolved here, on the nodes in `cluster` (default:
+    the registry's view): the record holds the concrete spec and the plan.
+
+    Raises:
+        SpecError: When the job names a queue that does not exist, or no
+            layout fits an auto spec.
+    """
+    check_queue(store, spec)
+    spec, plan = resolve_auto(store, spec, cluster)
+    spec = resolve_checkpoint_path(spec)
+    rng = spec.elastic_range
+    world = rng.world_size(rng.max_replicas)  # until admitted: the most it may take
+    job = JobRecord(
+        id=new_job_id(spec.task.name), name=spec.task.name, spec=spec.model_dump(mode="json"),
+        queue=spec.task.queue, priority=spec.task.priority_value, world_size=world,
+        gpus=world * spec.parallel.gpus_per_rank, driver=driver, owner=owner,
+        tenant=tenant, plan=plan)
+    return store.create(job)
+
+
+def cancel(store: JobStore, job_id: str) -> JobRecord:
+    """Cancel a job. Queued jobs end at once; running ones via their controller.
+
+    Raises:
+        InvalidTransition: When the job has already finished.
+    """
+    job = store.get(job_id)
+    if job.state.is_terminal:
+        raise InvalidTransition(f"job {job_id} already finished as {job.state.value}")
+    store.request_cancel(job_id)
+    out = store.update(job_id, lambda j: transition(j, JobState.CANCELLED, "cancelled while queued")
+                       if j.state is JobState.QUEUED else None)
+    if out is None:
+        store.add_event(job_id, {"type": "cancel", "message": "cancel requested"})
+    return store.get(job_id)
+
+
+def scale(store: JobStore, job_id: str, replicas: int) -> JobRecord:
+    """Ask for an elastic job to run at `replicas` data-parallel replicas.
+
+    The scheduler grows the job as capacity allows, or shrinks it at once;
+    a queued job is admitted at that size when it fits.
+
+    Raises:
+        SpecError: When `replicas` is outside the job's elastic range or does
+            not split its global batch evenly (HTTP 422, exit 2).
+        InvalidTransition: When the job has finished or is not elastic (409).
+    """
+    job = store.get(job_id)
+    if job.state.is_terminal:
+        raise InvalidTransition(f"job {job_id} already finished as {job.state.value}")
+    rng = elastic_range(job.spec)
+    if not rng.elastic:
+        raise InvalidTransition(
+            f"job {job_id} is not elastic; submit it with elastic.min_replicas and "
+            "elastic.max_replicas to make it resizable")
+    if not rng.admissible(replicas):
+        raise SpecError([("replicas", (
+            f"{replicas} is not a size job {job_id} can run at; choose one of "
+            f"{', '.join(map(str, sorted(rng.sizes())))} (between elastic.min_replicas "
+            f"{rng.min_replicas} and elastic.max_replicas {rng.max_replicas}, splitting the "
+            f"global batch of {rng.global_batch} evenly)"))])
+
+    def ask(j: JobRecord):
+        if j.state.is_terminal:
+            return None
+        return dataclasses.replace(j, desired_replicas=replicas), {
+            "type": "scale", "message": f"asked to run at {replicas} replica(s)",
+            "to_replicas": replicas}
+    store.update(job_id, ask)
+    store.wake_scheduler(job_id)
+    return store.get(job_id)
+
+
+def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None = None) -> dict[str, Any]:
+    """The public JSON of a job: the record plus progress and checkpoints."""
+    d = job.to_json()
+    d.pop("version", None)
+    # A job that never started has neither progress nor checkpoints to read.
+    fresh = job.started_at is None and job.restarts == 0
+    prog = {} if fresh else store.progress(job.id)
+    total = job.spec.get("training", {}).get("steps")
+    d["progress"] = {
+        "step": prog.get("step", 0),
+        "total_steps": prog.get("total_steps", total),
+        "loss": prog.get("loss"),
+        "initial_loss": prog.get("initial_loss"),
+        "tokens_per_s": prog.get("tokens_per_s"),
+    }
+    rng = elastic_range(job.spec)
+    d["min_replicas"], d["max_replicas"] = rng.min_replicas, rng.max_replicas
+    d["global_batch"] = rng.global_batch
+    d["samples_seen"] = samples_seen(d["progress"]["step"] or 0, rng.global_batch)
+    # Seconds per optimizer step, the median rank 0 measured (workers/runtime/context.py).
+    d["measured_step_s"] = prog.get("step_s")
+    d["checkpoints"] = [] if fresh else store.checkpoints(job.id)
+    d["queue_position"] = (queue_position(store, job, all_jobs) if job.state is JobState.QUEUED
+                           else None)
+    return d
+
+
+def queue_position(store: JobStore, job: JobRecord, jobs: list[JobRecord] | None = None) -> int:
+    """1-based place of a queued job in the scheduler's order (priority, then arrival)."""
+    queued = [j for j in (jobs if jobs is not None else store.list_active())
+              if j.state is JobState.QUEUED]
+    ahead = sum(1 for j in queued if order_key(j) < order_key(job))
+    return ahead + 1
+
+
+def queue_view(store: JobStore) -> dict[str, Any]:
+    """The queue table with each queue's GPUs in use, running and queued jobs."""
+    table = QueueTable.from_json(store.info("queues"))
+    jobs = store.list_active()
+    out = []
+    for q in table.queues:
+        mine = [j for j in jobs if j.queue == q.name]
+        out.append({
+            "name": q.name, "guaranteed_gpus": q.guaranteed_gpus,
+            "borrow_limit_gpus": q.borrow_limit_gpus,
+            "limit_gpus": None if q.borrow_limit_gpus is None else int(q.limit),
+            "gpus_in_use": sum(j.gpus for j in mine if j.state.holds_resources),
+            "running": sum(1 for j in mine if j.state.holds_resources),
+            "queued": sum(1 for j in mine if j.state is JobState.QUEUED),
+        })
+    return {"queues": out, "preemption": table.preemption, "policy": table.policy}
+
+
+def node_view(store: JobStore, sees: Callable[[str], bool] = lambda _tenant: True
+              ) -> dict[str, Any]:
+    """The registry's last node view, with the GPUs active jobs hold on each node.
+
+    `gpu_map` says, per GPU, which job and rank use it. A job whose tenant the
+    caller may not see (`sees(tenant)` false) shows as `hidden`, without its id.
+    """
+    info = store.info("nodes") or {"nodes": []}
+    holders: dict[str, dict[int, tuple[JobRecord, int]]] = {}
+    for job in store.list_active():
+        if job.state.holds_resources:
+            for p in job.placement:
+                for g in p.gpus:
+                    holders.setdefault(p.node, {})[g] = (job, p.rank)
+    blocked = quarantine.active(store.quarantine(), time.time())
+    nodes = []
+    for n in info["nodes"]:
+        held = holders.get(n["name"], {})
+        gpu_map = []
+        for g in range(n["gpus"]):
+            job, rank = held.get(g, (None, None))
+            shown = job is not None and sees(job.tenant)
+            gpu_map.append({"gpu": g, "job": job.id if shown else None,
+                            "rank": rank if shown else None,
+                            "hidden": job is not None and not shown})
+        nodes.append({**n, "used_gpus": sorted(held), "free_gpus": n["gpus"] - len(held),
+                      "jobs": sorted({j.id for j, _ in held.values() if sees(j.tenant)}),
+                      "gpu_map": gpu_map, "quarantine": blocked.get(n["name"])})
+    return {"nodes": nodes, "updated_at": info.get("updated_at")}

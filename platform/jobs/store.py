@@ -1,0 +1,424 @@
+"""Job state in Redis.
+
+Keys (all under the configured prefix, default `kc:`):
+
+    {p}job:{id}               JSON job record, with a `version`
+    {p}jobs                   sorted set of job ids by creation time
+    {p}jobs:active            set of ids of jobs not yet finished (what the scheduler reads)
+    {p}job:{id}:events        list of JSON events
+    {p}job:{id}:logs          list of JSON log lines (capped)
+    {p}job:{id}:progress      hash: step, total_steps, loss, initial_loss, tokens_per_s, step_s
+    {p}job:{id}:curve         list of JSON points {step, ts, loss, ...}, one per logged step (capped)
+    {p}job:{id}:checkpoints   list of JSON {step, path, bytes}
+    {p}job:{id}:cancel        set when a cancel was requested
+    {p}job:{id}:preempt       set (to the job it yields to) when preemption was requested
+    {p}job:{id}:controller    name/pid of the controller running the job
+    {p}job:{id}:hb:{rank}     a rank's heartbeat (TTL), see heartbeat.py
+    {p}job:{id}:stackreq:{r}  set by the controller to ask rank r for its stacks
+    {p}job:{id}:stacks:{r}    rank r's answer
+    {p}sched:wake             list the scheduler blocks on; a push wakes it
+    {p}node:{name}:failures   sorted set of a node's failure times
+    {p}quarantine             hash: node name -> JSON {since, until, reason, failures}
+
+Writers that race (API, scheduler, job controller) update a record with
+compare-and-set on its version, so no update is ever lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
+
+from kuangchao.platform.errors import JobNotFound, StoreUnavailable
+from kuangchao.platform.jobs.state import JobRecord, JobState, transition
+from kuangchao.platform.observability import metrics
+
+LOG_CAP = 20_000
+# A point per logged step: 50k points cover a million steps logged every 20.
+METRICS_CAP = 50_000
+EVENT_CAP = 5_000
+
+# Set the record only when the stored version still matches the one read.
+_CAS_SCRIPT = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return -1 end
+local v = cjson.decode(cur)['version']
+if tostring(v) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+def connect(url: str | None) -> redis.Redis:
+    """Open and check a Redis connection.
+
+    Raises:
+        StoreUnavailable: When no URL is configured or Redis does not answer.
+    """
+    if not url:
+        raise StoreUnavailable(
+            "no Redis configured: set KC_REDIS_URL (e.g. redis://127.0.0.1:6379/0), "
+            "or run `kc up`, which starts an embedded Valkey"
+        )
+    try:
+        client = redis.Redis.from_url(
+            url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30,
+            health_check_interval=30, retry=Retry(NoBackoff(), 0),
+        )
+        client.ping()  # fail fast, with a clear message, when Redis is not there at all
+        client.set_retry(riding_retry())
+    except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, ValueError) as exc:
+        raise StoreUnavailable(
+            f"cannot reach Redis at {redact(url)}: {exc}. Check that it is running, or set "
+            "KC_REDIS_URL to a reachable Redis"
+        ) from None
+    except redis.ResponseError as exc:
+        raise StoreUnavailable(f"Redis at {redact(url)} refused the connection: {exc}") from None
+    return client
+
+
+def riding_retry() -> Retry:
+    """Retries that ride out a Redis restart (about 15 s) instead of failing the caller."""
+    return Retry(ExponentialBackoff(cap=2.0, base=0.1), 12)
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced, for messages and logs."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+
+
+class JobStore:
+    """Typed access to the job keys. Safe to share between threads."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "kc:") -> None:
+        self.r = client
+        self.p = prefix
+        self._cas = client.register_script(_CAS_SCRIPT)
+
+    @classmethod
+    def from_url(cls, url: str | None, prefix: str = "kc:") -> JobStore:
+        return cls(connect(url), prefix)
+
+    def key(self, *parts: str) -> str:
+        return self.p + ":".join(parts)
+
+    # -- records -----------------------------------------------------------
+    def create(self, job: JobRecord, event_message: str = "submitted") -> JobRecord:
+        job = dataclasses.replace(job, version=1)
+        with self.r.pipeline() as pipe:
+            pipe.set(self.key("job", job.id), json.dumps(job.to_json()), nx=True)
+            pipe.zadd(self.key("jobs"), {job.id: job.created_at})
+            pipe.sadd(self.key("jobs", "active"), job.id)
+            pipe.rpush(self.key("job", job.id, "events"), json.dumps(
+                {"ts": job.created_at, "type": "state", "from": None, "to": job.state.value,
+                 "message": event_message}))
+            pipe.rpush(self.key("sched", "wake"), job.id)
+            pipe.execute()
+        return job
+
+    def get(self, job_id: str) -> JobRecord:
+        raw = self.r.get(self.key("job", job_id))
+        if raw is None:
+            raise JobNotFound.for_id(job_id)
+        return JobRecord.from_json(json.loads(raw))
+
+    def list(self, limit: int = 1000) -> list[JobRecord]:
+        """The newest `limit` jobs, oldest first."""
+        return self._records(self.r.zrange(self.key("jobs"), -limit, -1))
+
+    def list_active(self) -> list[JobRecord]:
+        """Every job that has not finished, however old, oldest first."""
+        jobs = self._records(list(self.r.smembers(self.key("jobs", "active"))))
+        return sorted(jobs, key=lambda j: (j.created_at, j.id))
+
+    def _records(self, ids: list[str]) -> list[JobRecord]:
+        if not ids:
+            return []
+        raws = self.r.mget([self.key("job", i) for i in ids])
+        return [JobRecord.from_json(json.loads(r)) for r in raws if r]
+
+    def update(
+        self,
+        job_id: str,
+        fn: Callable[[JobRecord], tuple[JobRecord, dict | None] | None],
+        attempts: int = 50,
+    ) -> JobRecord | None:
+        """Read-modify-write with compare-and-set.
+
+        Args:
+            job_id: The job.
+            fn: Given the current record, returns `(new_record, event_or_None)`,
+                or None to leave the record alone. It may run more than once.
+
+        Returns:
+            The stored new record, or None when `fn` chose not to change it.
+        """
+        for _ in range(attempts):
+            cur = self.get(job_id)
+            out = fn(cur)
+            if out is None:
+                return None
+            new, event = out
+            new = dataclasses.replace(new, version=cur.version + 1)
+            ok = self._cas(keys=[self.key("job", job_id)],
+                           args=[str(cur.version), json.dumps(new.to_json())])
+            if ok == 1:
+                if new.state.is_terminal:
+                    # Gone from the active set and from Prometheus's targets.
+                    self.r.srem(self.key("jobs", "active"), job_id)
+                    self.r.delete(self.key("job", job_id, "targets"))
+                    if not cur.state.is_terminal:
+                        metrics.cluster_recorder(self.r, self.p).inc(
+                            metrics.JOBS_FINISHED, state=new.state.value, queue=new.queue)
+                if event:
+                    self.add_event(job_id, event)
+                return new
+            if ok == -1:
+                raise JobNotFound(f"job {job_id!r} vanished from the store")
+        raise StoreUnavailable(f"job {job_id}: too much write contention; retry the request")
+
+    def transition(self, job_id: str, to: JobState, reason: str = "", **changes: Any) -> JobRecord:
+        """Apply one state-machine transition with compare-and-set."""
+        out = self.update(job_id, lambda j: transition(j, to, reason, **changes))
+        assert out is not None
+        return out
+
+    # -- events, logs, progress, checkpoints -------------------------------
+    def add_event(self, job_id: str, event: dict[str, Any]) -> None:
+        event = {"ts": time.time(), **event}
+        k = self.key("job", job_id, "events")
+        with self.r.pipeline() as pipe:
+            pipe.rpush(k, json.dumps(event, default=str))
+            pipe.ltrim(k, -EVENT_CAP, -1)
+            pipe.execute()
+
+    def events(self, job_id: str, start: int = 0) -> list[dict[str, Any]]:
+        return [json.loads(e) for e in self.r.lrange(self.key("job", job_id, "events"), start, -1)]
+
+    def add_logs(self, job_id: str, records: list[dict[str, Any]]) -> None:
+        if not records:
+            return
+        k = self.key("job", job_id, "logs")
+        with self.r.pipeline() as pipe:
+            pipe.rpush(k, *[json.dumps(r, default=str) for r in records])
+            pipe.ltrim(k, -LOG_CAP, -1)
+            pipe.execute()
+
+    def logs(self, job_id: str, start: int = 0) -> list[dict[str, Any]]:
+        return [json.loads(e) for e in self.r.lrange(self.key("job", job_id, "logs"), start, -1)]
+
+    def add_metrics(self, job_id: str, points: list[dict[str, Any]]) -> None:
+        if not points:
+            return
+        k = self.key("job", job_id, "curve")
+        with self.r.pipeline() as pipe:
+            pipe.rpush(k, *[json.dumps(p) for p in points])
+            pipe.ltrim(k, -METRICS_CAP, -1)
+            pipe.execute()
+
+    def metrics(self, job_id: str, start: int = 0) -> list[dict[str, Any]]:
+        """Logged points from `start` on, oldest first. A step replayed after a
+        recovery appears again, with the recovered run's values."""
+        return [json.loads(e) for e in self.r.lrange(self.key("job", job_id, "curve"), start, -1)]
+
+    def set_progress(self, job_id: str, progress: dict[str, Any]) -> None:
+        """Merge progress fields; `initial_loss` is written once and kept across restarts."""
+        k = self.key("job", job_id, "progress")
+        progress = dict(progress)
+        initial = progress.pop("initial_loss", None)
+        with self.r.pipeline() as pipe:
+            if initial is not None:
+                pipe.hsetnx(k, "initial_loss", json.dumps(initial))
+            if progress:
+                pipe.hset(k, mapping={f: json.dumps(v) for f, v in progress.items()})
+            pipe.execute()
+
+    def progress(self, job_id: str) -> dict[str, Any]:
+        raw = self.r.hgetall(self.key("job", job_id, "progress"))
+        return {k: json.loads(v) for k, v in raw.items()}
+
+    def add_checkpoint(self, job_id: str, ckpt: dict[str, Any]) -> None:
+        self.r.rpush(self.key("job", job_id, "checkpoints"), json.dumps(ckpt))
+
+    def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        return [json.loads(c) for c in self.r.lrange(self.key("job", job_id, "checkpoints"), 0, -1)]
+
+    def annotate_restart(self, job_id: str, fields: dict[str, Any]) -> JobRecord | None:
+        """Add timings to the newest restart entry, keeping fields already set.
+
+        A no-op when the job has no restart or the newest one already has
+        every field (a preemption's resume, say, must not touch it).
+        """
+        return self._annotate_last(job_id, "restart_log", fields)
+
+    def annotate_resize(self, job_id: str, fields: dict[str, Any]) -> JobRecord | None:
+        """Add fields to the newest resize entry, keeping those already set."""
+        return self._annotate_last(job_id, "resize_log", fields)
+
+    def _annotate_last(self, job_id: str, log: str, fields: dict[str, Any]) -> JobRecord | None:
+        def add(j: JobRecord):
+            entries = getattr(j, log)
+            if not entries:
+                return None
+            last = entries[-1]
+            new = {k: v for k, v in fields.items() if k not in last and v is not None}
+            if not new:
+                return None
+            return dataclasses.replace(j, **{log: (*entries[:-1], {**last, **new})}), None
+        return self.update(job_id, add)
+
+    def close_resize(self, job_id: str, first_step_at: float, world_size: int) -> dict[str, Any] | None:
+        """Stamp the open resize entry to `world_size` ranks with its first step and
+        `resize_s` (decision to first step), in one update; returns it, or None."""
+        out: dict[str, Any] = {}
+
+        def close(j: JobRecord):
+            last = j.resize_log[-1] if j.resize_log else None
+            if (last is None or "first_step_at" in last or "requested_at" not in last
+                    or last.get("to_world_size") != world_size):
+                return None
+            out.update(last, first_step_at=first_step_at,
+                       resize_s=round(first_step_at - last["requested_at"], 3))
+            return dataclasses.replace(j, resize_log=(*j.resize_log[:-1], dict(out))), None
+        return out if self.update(job_id, close) is not None else None
+
+    def claim_controller(self, job_id: str, ident: str) -> str | None:
+        """Record `ident` (`name/pid`) as the job's controller; return the one recorded before."""
+        return self.r.set(self.key("job", job_id, "controller"), ident, get=True)
+
+    def controller(self, job_id: str) -> str | None:
+        """The `name/pid` of the controller last recorded for the job."""
+        return self.r.get(self.key("job", job_id, "controller"))
+
+    # -- heartbeats and stacks ------------------------------------------------
+    def request_stacks(self, job_id: str, ranks: list[int], ttl_s: float = 60.0) -> None:
+        with self.r.pipeline(transaction=False) as pipe:
+            for rank in ranks:
+                pipe.delete(self.key("job", job_id, "stacks", str(rank)))
+                pipe.set(self.key("job", job_id, "stackreq", str(rank)), "1", ex=int(ttl_s))
+            pipe.execute()
+
+    def stacks(self, job_id: str, ranks: list[int]) -> dict[int, str]:
+        values = self.r.mget([self.key("job", job_id, "stacks", str(r)) for r in ranks])
+        return {r: v for r, v in zip(ranks, values, strict=True) if v}
+
+    # -- node quarantine -------------------------------------------------------
+    def record_node_failure(self, node: str, ts: float, window_s: float) -> list[float]:
+        """Add one failure to a node's history; return its failures within the window."""
+        k = self.key("node", node, "failures")
+        with self.r.pipeline() as pipe:
+            pipe.zadd(k, {f"{ts:.6f}": ts})
+            pipe.zremrangebyscore(k, "-inf", ts - window_s)
+            pipe.expire(k, int(window_s) + 60)
+            pipe.zrange(k, 0, -1, withscores=True)
+            *_, members = pipe.execute()
+        return [score for _, score in members]
+
+    def quarantine_node(self, node: str, entry: dict[str, Any]) -> None:
+        self.r.hset(self.key("quarantine"), node, json.dumps(entry))
+
+    def release_node(self, node: str) -> bool:
+        with self.r.pipeline() as pipe:
+            pipe.hdel(self.key("quarantine"), node)
+            pipe.delete(self.key("node", node, "failures"))
+            removed, _ = pipe.execute()
+        return bool(removed)
+
+    def quarantine(self) -> dict[str, dict[str, Any]]:
+        """Every stored quarantine entry (expired ones included; see quarantine.active)."""
+        return {k: json.loads(v) for k, v in self.r.hgetall(self.key("quarantine")).items()}
+
+    # -- cancellation and scheduler wake-ups --------------------------------
+    def request_cancel(self, job_id: str) -> None:
+        self.r.set(self.key("job", job_id, "cancel"), "1")
+        self.wake_scheduler(job_id)
+
+    def cancel_requested(self, job_id: str) -> bool:
+        return bool(self.r.exists(self.key("job", job_id, "cancel")))
+
+    def request_preempt(self, job_id: str, for_job: str) -> None:
+        self.r.set(self.key("job", job_id, "preempt"), for_job)
+
+    def preempt_requested(self, job_id: str) -> bool:
+        return bool(self.r.exists(self.key("job", job_id, "preempt")))
+
+    def clear_preempt(self, job_id: str) -> None:
+        self.r.delete(self.key("job", job_id, "preempt"))
+
+    # -- elastic resizes -----------------------------------------------------
+    # The scheduler raises `resize` for the job's controller (the request itself is
+    # on the record); the controller publishes each new process-group generation
+    # and raises `rejoin` with its number for the ranks, which read it every step.
+    def request_resize(self, job_id: str) -> None:
+        self.r.set(self.key("job", job_id, "resize"), "1")
+
+    def resize_requested(self, job_id: str) -> bool:
+        return bool(self.r.exists(self.key("job", job_id, "resize")))
+
+    def clear_resize(self, job_id: str) -> None:
+        self.r.delete(self.key("job", job_id, "resize"))
+
+    def publish_generation(self, job_id: str, generation: dict[str, Any], signal: bool) -> None:
+        """Store the next generation; with `signal`, ask running ranks to rejoin at their next step."""
+        with self.r.pipeline() as pipe:
+            pipe.set(self.key("job", job_id, "generation"), json.dumps(generation))
+            if signal:
+                pipe.set(self.key("job", job_id, "rejoin"), str(generation["gen"]))
+            else:  # a group formed from scratch: no earlier request may reach its ranks
+                pipe.delete(self.key("job", job_id, "rejoin"))
+            pipe.execute()
+
+    def generation(self, job_id: str) -> dict[str, Any] | None:
+        raw = self.r.get(self.key("job", job_id, "generation"))
+        return json.loads(raw) if raw else None
+
+    def rejoin_requested(self, job_id: str) -> int:
+        """The generation ranks are asked to rejoin, 0 when none."""
+        raw = self.r.get(self.key("job", job_id, "rejoin"))
+        return int(raw) if raw else 0
+
+    def clear_rejoin(self, job_id: str) -> None:
+        self.r.delete(self.key("job", job_id, "rejoin"))
+
+    # The sample record of `data.record_samples`: field "step/dp_size/dp_rank",
+    # value "start:stop,..." (the global sample indices of each micro-batch).
+    def record_samples(self, job_id: str, fields: dict[str, str]) -> None:
+        if fields:
+            self.r.hset(self.key("job", job_id, "samples"), mapping=fields)
+
+    def samples(self, job_id: str) -> dict[str, str]:
+        return self.r.hgetall(self.key("job", job_id, "samples"))
+
+    def forget_samples_from(self, job_id: str, step: int) -> None:
+        """Drop the record of steps `step` and later (a restore undid them)."""
+        key = self.key("job", job_id, "samples")
+        undone = [f for f in self.r.hkeys(key) if int(f.split("/", 1)[0]) >= step]
+        if undone:
+            self.r.hdel(key, *undone)
+
+    def wake_scheduler(self, reason: str = "") -> None:
+        self.r.rpush(self.key("sched", "wake"), reason or "tick")
+
+    def wait_for_wake(self, timeout_s: float) -> None:
+        """Block until someone wakes the scheduler or `timeout_s` passes."""
+        got = self.r.blpop([self.key("sched", "wake")], timeout=timeout_s)
+        if got:  # drain the backlog: one cycle serves all pending wake-ups
+            self.r.delete(self.key("sched", "wake"))
+
+    # -- cluster-wide info ---------------------------------------------------
+    def set_info(self, name: str, value: dict[str, Any]) -> None:
+        self.r.set(self.key("info", name), json.dumps(value))
+
+    def info(self, name: str) -> dict[str, Any] | None:
+        raw = self.r.get(self.key("info", name))
+        return json.loads(raw) if raw else None

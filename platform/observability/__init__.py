@@ -1,0 +1,1 @@
+"""Observability: the metric catalogue, JSON logs, Prometheus scrape targets."""

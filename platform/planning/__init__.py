@@ -1,0 +1,1 @@
+"""Planning: the auto-parallel cost model and `parallel: auto` at submission."""

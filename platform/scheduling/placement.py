@@ -1,0 +1,257 @@
+"""Placement: map a job's ranks onto free GPUs. Pure, deterministic, no Ray.
+
+Rank order follows the parallel layout, tensor-parallel fastest:
+`rank = (dp_index * pp + stage) * tp + tp_index`, so data-parallel replica i
+(one pipeline) holds ranks `[i*pp*tp, (i+1)*pp*tp)`.
+
+Rules, from hard to soft:
+
+1. every tensor-parallel group sits inside one NVLink island (hard); a single
+   rank (tp=1) with more GPUs than an island needs one node;
+2. every pipeline sits inside one leaf switch when capacity allows, unless the
+   job's traffic says that packing its replicas into fewer leaves (letting a
+   pipeline straddle a leaf boundary) moves fewer bytes across leaves;
+3. the data-parallel rings cross as few leaves as possible: replicas are
+   packed into the fewest leaves (under one spine when possible) and laid out
+   leaf by leaf, so a ring changes leaf only once per leaf it spans;
+4. best fit: the tightest leaf, node and island that fits is used first, so
+   the free capacity left behind stays in large, usable blocks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from kuangchao.platform.cluster.topology import NodeInfo
+
+
+@dataclass(frozen=True)
+class JobShape:
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    gpus_per_rank: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def group_gpus(self) -> int:
+        """GPUs one tensor-parallel group needs inside one island."""
+        return self.tp * self.gpus_per_rank
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one optimizer step moves, used to weigh layouts against each other.
+
+    Attributes:
+        grad_bytes: The model's gradient size; a data-parallel ring all-reduce
+            moves about `2 * (dp - 1) / dp * grad_bytes / (tp * pp)` over each
+            ring edge.
+        activation_bytes: Activations forward plus gradients backward over one
+            pipeline stage boundary, for all micro-batches of a step.
+    """
+
+    grad_bytes: float = 0.0
+    activation_bytes: float = 0.0
+
+
+def traffic_from_spec(spec_doc: dict) -> Traffic:
+    """Estimate per-step traffic from a job spec document (fp32 gradients)."""
+    m, p = spec_doc.get("model", {}), spec_doc.get("parallel", {})
+    d, layers, vocab = m.get("d_model", 128), m.get("n_layers", 2), m.get("vocab_size", 256)
+    params = 12 * layers * d * d + vocab * d
+    micro = p.get("micro_batch_size", 8) * p.get("gradient_accumulation_steps", 1)
+    return Traffic(grad_bytes=4.0 * params,
+                   activation_bytes=2.0 * micro * m.get("seq_len", 128) * d * 4)
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    rank: int
+    node: str
+    node_id: str
+    leaf: str
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    slots: tuple[RankSlot, ...]
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    reason: str
+
+
+@dataclass(frozen=True)
+class _GroupSlot:
+    """Room for one tensor-parallel group: GPU ids inside one island of one node."""
+
+    node: NodeInfo
+    gpus: tuple[int, ...]
+
+
+def _node_group_slots(node: NodeInfo, free: set[int], k: int, tp: int) -> list[_GroupSlot]:
+    # Tightest islands first: a group that exactly fills an island leaves no scrap.
+    islands = sorted(((sorted(g for g in isl if g in free), isl[0]) for isl in node.islands),
+                     key=lambda x: (len(x[0]), x[1]))
+    if tp == 1 and all(len(isl) < k for isl in node.islands):
+        # One rank with more GPUs than an island: it needs one node, not one island.
+        avail = [g for ids, _ in islands for g in ids]
+        return [_GroupSlot(node, tuple(sorted(avail[j * k:(j + 1) * k])))
+                for j in range(len(avail) // k)]
+    out = []
+    for avail, _ in islands:
+        out += [_GroupSlot(node, tuple(avail[j * k:(j + 1) * k])) for j in range(len(avail) // k)]
+    return out
+
+
+def _leaf_slots(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]], free_n: dict[str, int],
+                k: int, tp: int) -> dict[str, list[_GroupSlot]]:
+    by_leaf: dict[str, list[_GroupSlot]] = defaultdict(list)
+    # Best fit across nodes: the node with the fewest free GPUs is filled first.
+    # Nodes with fewer than k free GPUs can hold no group; skip them early,
+    # which keeps a solve on a large, busy cluster cheap.
+    for node in sorted((n for n in nodes if free_n[n.name] >= k),
+                       key=lambda n: (free_n[n.name], n.name)):
+        free = set(range(node.gpus)) - used.get(node.name, set())
+        by_leaf[node.leaf] += _node_group_slots(node, free, k, tp)
+    return by_leaf
+
+
+def _cover(leaves: list[str], cap: dict[str, int], need: int) -> list[str] | None:
+    """Fewest leaves whose capacities add up to `need`; the last one best-fit."""
+    order = sorted((lf for lf in leaves if cap[lf] > 0), key=lambda lf: (-cap[lf], lf))
+    chosen: list[str] = []
+    got = 0
+    for leaf in order:
+        rest = need - got
+        fitting = [lf for lf in order if lf not in chosen and cap[lf] >= rest]
+        if fitting:
+            return chosen + [min(fitting, key=lambda lf: (cap[lf], lf))]
+        chosen.append(leaf)
+        got += cap[leaf]
+    return None
+
+
+def _choose_leaves(cap: dict[str, int], need: int, spine: dict[str, str | None]) -> list[str] | None:
+    by_spine: dict[str | None, list[str]] = defaultdict(list)
+    for leaf in cap:
+        by_spine[spine.get(leaf)].append(leaf)
+    options = []
+    for sp, leaves in by_spine.items():
+        sel = _cover(leaves, cap, need)
+        if sel is not None:
+            options.append((len(sel), sum(cap[lf] for lf in sel) - need, str(sp), sel))
+    if options:
+        return min(options)[3]
+    return _cover(list(cap), cap, need)
+
+
+def place(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]], shape: JobShape,
+          traffic: Traffic | None = None) -> PlacementPlan | Infeasible:
+    """Place every rank of `shape`, or explain why not.
+
+    Args:
+        nodes: The cluster's nodes.
+        used: GPU ids already taken, by node name.
+        shape: The job's parallel layout.
+        traffic: The job's per-step traffic. When given, keeping pipelines
+            whole is weighed against packing into fewer leaves, and the layout
+            that moves fewer bytes across leaves wins; without it, pipelines
+            stay whole whenever some leaves can hold them.
+
+    Returns:
+        A plan with one slot per rank in rank order, or `Infeasible` with a
+        reason that names the capacity that is missing.
+    """
+    if shape.gpus_per_rank == 0:
+        return _place_cpu_only(nodes, shape)
+    live = tuple(n for n in nodes if n.alive)
+    free_n = {n.name: n.gpus - len(used.get(n.name, ())) for n in live}
+    total = sum(n.gpus for n in live)
+    total_free = sum(free_n.values())
+    need = shape.world_size * shape.gpus_per_rank
+    if need > total:
+        return Infeasible(f"needs {need} GPUs, the cluster has {total}")
+    if need > total_free:
+        return Infeasible(f"needs {need} GPUs, {total_free} of {total} are free")
+    k = shape.group_gpus
+    if shape.tp > 1:
+        largest = max((len(isl) for n in live for isl in n.islands), default=0)
+        if k > largest:
+            return Infeasible(f"a tensor-parallel group needs {k} GPUs in one NVLink island; "
+                              f"the largest island has {largest}")
+    elif k > max(n.gpus for n in live):
+        return Infeasible(f"a rank needs {k} GPUs on one node; the largest node has "
+                          f"{max(n.gpus for n in live)}")
+    slots = _leaf_slots(live, used, free_n, k, shape.tp)
+    groups = shape.dp * shape.pp
+    n_slots = sum(len(s) for s in slots.values())
+    if n_slots < groups:
+        return Infeasible(f"needs {groups} groups of {k} GPUs inside one NVLink island; only "
+                          f"{n_slots} are free ({total_free} GPUs free but fragmented)")
+    spine = {n.leaf: n.spine for n in live}
+    cap = {leaf: len(s) // shape.pp for leaf, s in slots.items()}
+    leaves = _choose_leaves(cap, shape.dp, spine)
+    whole = _pipelines_within_leaves(slots, sorted(leaves), shape) if leaves is not None else None
+    packed = None
+    if whole is None or (traffic is not None and shape.pp > 1):
+        # Groups packed leaf by leaf into the fewest leaves; a pipeline may then
+        # straddle a leaf boundary, but the rings cross fewer leaves.
+        fewest = _choose_leaves({lf: len(s) for lf, s in slots.items()}, groups, spine)
+        if fewest is not None:
+            packed = [g for lf in sorted(fewest) for g in slots[lf]][:groups]
+    if whole is None or (packed is not None and traffic is not None
+                         and _cross_leaf_bytes(packed, shape, traffic)
+                         < _cross_leaf_bytes(whole, shape, traffic)):
+        assert packed is not None
+        whole = packed
+    return PlacementPlan(slots=tuple(_ranks(whole, shape)))
+
+
+def _cross_leaf_bytes(groups: list[_GroupSlot], shape: JobShape, traffic: Traffic) -> float:
+    """Bytes per step crossing leaves, for groups in plan order (one per dp x stage)."""
+    dp, pp, tp = shape.dp, shape.pp, shape.tp
+    leaf = [g.node.leaf for g in groups]
+    ring = sum(leaf[d * pp + s] != leaf[((d + 1) % dp) * pp + s]
+               for s in range(pp) for d in range(dp)) if dp > 1 else 0
+    stages = sum(leaf[d * pp + s] != leaf[d * pp + s + 1] for d in range(dp) for s in range(pp - 1))
+    ring_bytes = 2 * (dp - 1) / dp * traffic.grad_bytes / (tp * pp) if dp > 1 else 0.0
+    return tp * (ring * ring_bytes + stages * traffic.activation_bytes)
+
+
+def _pipelines_within_leaves(slots: dict[str, list[_GroupSlot]], leaves: list[str],
+                             shape: JobShape) -> list[_GroupSlot]:
+    out: list[_GroupSlot] = []
+    remaining = shape.dp
+    for leaf in leaves:
+        take = min(remaining, len(slots[leaf]) // shape.pp)
+        out += slots[leaf][:take * shape.pp]
+        remaining -= take
+    return out
+
+
+def _ranks(groups: list[_GroupSlot], shape: JobShape) -> list[RankSlot]:
+    out = []
+    g = shape.gpus_per_rank
+    for gi, slot in enumerate(groups):
+        for t in range(shape.tp):
+            out.append(RankSlot(rank=gi * shape.tp + t, node=slot.node.name,
+                                node_id=slot.node.node_id, leaf=slot.node.leaf,
+                                gpus=slot.gpus[t * g:(t + 1) * g]))
+    return out
+
+
+def _place_cpu_only(nodes: tuple[NodeInfo, ...], shape: JobShape) -> PlacementPlan | Infeasible:
+    live = [n for n in nodes if n.alive]
+    if not live:
+        return Infeasible("no live nodes")
+    slots = tuple(RankSlot(rank=r, node=live[r % len(live)].name, node_id=live[r % len(live)].node_id,
+                           leaf=live[r % len(live)].leaf, gpus=()) for r in range(shape.world_size))
+    return PlacementPlan(slots=slots)

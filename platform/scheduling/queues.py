@@ -1,0 +1,102 @@
+"""Queues and GPU quotas.
+
+Each queue has a guaranteed share (`guaranteed_gpus`), always available to it,
+and may borrow idle GPUs beyond that up to `borrow_limit_gpus` more (no limit
+when unset). Borrowed GPUs can be taken back: a job whose queue is below its
+guarantee may preempt jobs of queues that are above theirs. Queues come from a
+YAML file (`kc up --queues queues.yaml`); without one there is a single queue
+`default` with no limit.
+
+    queues:
+      - {name: team-a, guaranteed_gpus: 8, borrow_limit_gpus: 8}
+      - {name: team-b, guaranteed_gpus: 8}
+    preemption: true
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kuangchao.platform.errors import SpecError
+from kuangchao.platform.spec.jobspec import pydantic_errors, read_yaml_mapping
+
+DEFAULT_QUEUE = "default"
+
+
+class QueueModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    guaranteed_gpus: int = Field(0, ge=0)
+    borrow_limit_gpus: int | None = Field(None, ge=0)
+
+
+class QueueFileModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    queues: list[QueueModel] = Field(min_length=1)
+    preemption: bool = True
+    policy: str = "gang"
+
+    @field_validator("queues")
+    @classmethod
+    def _unique(cls, v: list[QueueModel]) -> list[QueueModel]:
+        names = [q.name for q in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"queue names must be unique, got {names}")
+        return v
+
+
+@dataclass(frozen=True)
+class Queue:
+    name: str
+    guaranteed_gpus: int = 0
+    borrow_limit_gpus: int | None = None
+
+    @property
+    def limit(self) -> float:
+        """The most GPUs this queue may hold, borrowing included."""
+        if self.borrow_limit_gpus is None:
+            return float("inf")
+        return self.guaranteed_gpus + self.borrow_limit_gpus
+
+
+@dataclass(frozen=True)
+class QueueTable:
+    queues: tuple[Queue, ...] = field(default_factory=lambda: (Queue(DEFAULT_QUEUE),))
+    preemption: bool = True
+    policy: str = "gang"
+
+    def get(self, name: str) -> Queue | None:
+        return next((q for q in self.queues if q.name == name), None)
+
+    @property
+    def names(self) -> list[str]:
+        return [q.name for q in self.queues]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"queues": [q.__dict__ for q in self.queues], "preemption": self.preemption,
+                "policy": self.policy}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any] | None) -> QueueTable:
+        if not doc:
+            return cls()
+        return cls(queues=tuple(Queue(**q) for q in doc["queues"]),
+                   preemption=doc.get("preemption", True), policy=doc.get("policy", "gang"))
+
+
+def parse_queues(doc: Any, source: str = "queues") -> QueueTable:
+    """Validate a queue document. Raises `SpecError` with one entry per problem."""
+    try:
+        model = QueueFileModel.model_validate(doc)
+    except ValidationError as exc:
+        raise SpecError(pydantic_errors(exc, prefix=f"{source}: ")) from None
+    return QueueTable(queues=tuple(Queue(**q.model_dump()) for q in model.queues),
+                      preemption=model.preemption, policy=model.policy)
+
+
+def load_queues(path: str | Path) -> QueueTable:
+    return parse_queues(read_yaml_mapping(Path(path), "queue file"), str(path))

@@ -1,0 +1,177 @@
+"""The scheduler: each cycle snapshots the cluster, asks the admission policy,
+and applies its decisions to Redis. Pure of Ray: the node source and the
+launcher of job controllers are injected, so tests step it directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from kuangchao.platform.cluster import quarantine
+from kuangchao.platform.cluster.topology import NodeInfo
+from kuangchao.platform.errors import InvalidTransition, JobNotFound
+from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank, transition
+from kuangchao.platform.jobs.store import JobStore
+from kuangchao.platform.observability import metrics
+from kuangchao.platform.scheduling.policies import (
+    AdmissionPolicy,
+    Admit,
+    Decision,
+    Preempt,
+    Resize,
+    Snapshot,
+    Wait,
+    make_policy,
+)
+from kuangchao.platform.scheduling.queues import QueueTable
+from kuangchao.platform.spec.elastic import elastic_range
+
+log = logging.getLogger(__name__)
+
+
+def _readmitted(job: JobRecord, replicas: int, world: int) -> tuple[dict, ...]:
+    """A job placed again at another size (a resize by restart, or after a lost node)
+    has resized: open (or correct) the entry its first step at that size closes."""
+    log = job.resize_log
+    if not job.replicas or job.replicas == replicas or job.started_at is None:
+        return log
+    last = log[-1] if log else None
+    if last is not None and "first_step_at" not in last:  # the resize that sent it back
+        return (*log[:-1], {**last, "to": replicas, "to_world_size": world})
+    return (*log, {"from": job.replicas, "to": replicas, "from_world_size": job.world_size,
+                   "to_world_size": world, "cause": "re-placed", "path": "restart",
+                   "requested_at": time.time()})
+
+
+class Scheduler:
+    """One scheduling cycle at a time; see `step`.
+
+    Args:
+        store: Where jobs live.
+        nodes: Returns the current node view (the Registry's snapshot).
+        launch: Starts a controller for an admitted job run by the scheduler.
+        policy: The admission policy; by default the one the queue table names
+            (`policy:` in the queues file, `gang` unless set), chosen each cycle.
+    """
+
+    def __init__(self, store: JobStore, nodes: Callable[[], tuple[NodeInfo, ...]],
+                 launch: Callable[[str], None], policy: AdmissionPolicy | None = None) -> None:
+        self.store, self.nodes, self.launch, self.policy = store, nodes, launch, policy
+        self.metrics = metrics.cluster_recorder(store.r, store.p)
+
+    def snapshot(self) -> Snapshot:
+        jobs = self.store.list_active()
+        # A quarantined node is as good as gone for new placements; jobs
+        # already running there keep running.
+        blocked = quarantine.active(self.store.quarantine(), time.time())
+        nodes = tuple(dataclasses.replace(n, alive=False) if quarantine.holds(blocked, n) else n
+                      for n in self.nodes())
+        return Snapshot(nodes=nodes,
+                        queued=tuple(j for j in jobs if j.state is JobState.QUEUED),
+                        active=tuple(j for j in jobs if j.state.holds_resources),
+                        queues=QueueTable.from_json(self.store.info("queues")))
+
+    def step(self) -> list[Decision]:
+        """Run one cycle: cancel queued jobs on request, then admit in policy order."""
+        started = time.perf_counter()
+        decisions = self._step()
+        if decisions:  # idle cycles (nothing queued) would only dilute the histogram
+            self.metrics.observe(metrics.SCHEDULER_CYCLE, time.perf_counter() - started)
+        return decisions
+
+    def _step(self) -> list[Decision]:
+        snap = self.snapshot()
+        queued = []
+        for job in snap.queued:
+            if self.store.cancel_requested(job.id):
+                self._cancel_queued(job.id)
+            else:
+                queued.append(job)
+        snap = dataclasses.replace(snap, queued=tuple(queued))
+        policy = self.policy or make_policy(snap.queues.policy)
+        decisions = policy.decide(snap)
+        for d in decisions:
+            if isinstance(d, Admit):
+                self._admit(d)
+            elif isinstance(d, Preempt):
+                self._preempt(d)
+            elif isinstance(d, Resize):
+                self._resize(d)
+            else:
+                self._wait(d)
+        return decisions
+
+    def _preempt(self, d: Preempt) -> None:
+        def mark(j: JobRecord):
+            if not j.state.holds_resources or j.preempting_for:
+                return None
+            return dataclasses.replace(j, preempting_for=d.for_job), {
+                "type": "preempt", "message": d.reason}
+        if self.store.update(d.job_id, mark) is not None:
+            self.store.request_preempt(d.job_id, d.for_job)
+
+    def _cancel_queued(self, job_id: str) -> None:
+        try:
+            self.store.update(job_id, lambda j: transition(j, JobState.CANCELLED,
+                                                           "cancelled while queued")
+                              if j.state is JobState.QUEUED else None)
+        except (InvalidTransition, JobNotFound) as exc:
+            log.info("cancel of %s skipped: %s", job_id, exc)
+
+    def _admit(self, d: Admit) -> None:
+        placement = tuple(
+            PlacedRank(rank=s.rank, node=s.node, node_id=s.node_id, leaf=s.leaf,
+                       gpu=s.gpus[0] if s.gpus else None, gpus=s.gpus)
+            for s in d.plan.slots)
+
+        queued_at = [0.0]  # since it last entered the queue (a requeue starts a new wait)
+
+        def admit(j: JobRecord):
+            if j.state is not JobState.QUEUED:
+                return None
+            queued_at[0] = j.state_since or j.created_at
+            rng = elastic_range(j.spec)
+            replicas = d.replicas or len(placement) // rng.ranks_per_replica
+            summary = ", ".join(f"{p.rank}:{p.node}/{p.gpu}" for p in placement)
+            size = (f"{replicas} of {rng.min_replicas}..{rng.max_replicas} replicas; "
+                    if rng.elastic else "")
+            return transition(j, JobState.PLACING, f"admitted; {size}placement {summary}",
+                              placement=placement, replicas=replicas, world_size=len(placement),
+                              gpus=len(placement) * rng.gpus_per_rank,
+                              resize_log=_readmitted(j, replicas, len(placement)))
+        if self.store.update(d.job_id, admit) is None:
+            return
+        job = self.store.get(d.job_id)
+        self.metrics.observe(metrics.QUEUE_WAIT, max(0.0, (job.state_since or time.time())
+                                                     - queued_at[0]), queue=job.queue)
+        self.metrics.observe(metrics.PLACEMENT_SOLVE, d.solve_s)
+        if job.driver == "scheduler":
+            self.launch(d.job_id)
+
+    def _resize(self, d: Resize) -> None:
+        """Ask a running job's controller to resize; a grow holds its new GPUs from now on."""
+        def ask(j: JobRecord):
+            if j.state is not JobState.RUNNING or j.resize is not None:
+                return None
+            added = tuple(
+                PlacedRank(rank=j.world_size + s.rank, node=s.node, node_id=s.node_id, leaf=s.leaf,
+                           gpu=s.gpus[0] if s.gpus else None, gpus=s.gpus)
+                for s in (d.plan.slots if d.plan else ()))
+            request = {"to": d.to, "from": j.replicas, "cause": d.cause, "for_job": d.for_job,
+                       "requested_at": time.time()}
+            return dataclasses.replace(j, resize=request, placement=j.placement + added), {
+                "type": "resize_requested", "message": d.reason, "cause": d.cause,
+                "from_replicas": j.replicas, "to_replicas": d.to}
+        if self.store.update(d.job_id, ask) is not None:
+            self.store.request_resize(d.job_id)
+
+    def _wait(self, d: Wait) -> None:
+        def note(j: JobRecord):
+            if j.state is not JobState.QUEUED or j.waiting_for == d.reason:
+                return None
+            return dataclasses.replace(j, waiting_for=d.reason), {
+                "type": "waiting", "message": d.reason}
+        self.store.update(d.job_id, note)

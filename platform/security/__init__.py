@@ -1,0 +1,2 @@
+"""Security: capability tokens and their authority, API keys, per-job Redis users, the audit trail.
+"""

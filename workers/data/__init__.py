@@ -1,0 +1,1 @@
+"""Training data: corpora, sample order and batching, background prefetch."""

@@ -1,0 +1,3 @@
+"""Live resize inside a training process: generations of the process group, rejoin and state
+handover.
+"""

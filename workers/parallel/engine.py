@@ -1,0 +1,428 @@
+"""Wires one training step from the spec's `parallel` section.
+
+From the layout (workers/parallel/layout.py), over a `DeviceMesh` ("dp", "pp", "tp"):
+
+* the model is cut into chunks (workers/parallel/pipeline.py): one per pipeline stage,
+  or `virtual_stages` per rank for the interleaved schedule;
+* tensor parallelism splits each block's projections (workers/parallel/tensor_parallel.py);
+* data parallelism, by `zero_stage`:
+    0  DDP (bucketed all-reduce overlapped with backward), with the chosen
+       comm hook: fp16/bf16 compression, PowerSGD, or the hierarchical
+       all-reduce (workers/parallel/comm_hooks.py);
+    1  DDP plus ZeroRedundancyOptimizer (optimizer state sharded);
+    2  FSDP2 `fully_shard` keeping parameters gathered between forward and
+       backward (gradients and optimizer state sharded);
+    3  FSDP2 resharding after forward (parameters sharded too);
+  with tensor or pipeline parallelism and ZeRO 0 or 1, DDP does not apply
+  (DTensor parameters; several backward passes per step), so gradients are
+  all-reduced over the data-parallel group after backward;
+* `offload` adds FSDP2's CPU offload policy; `precision` autocasts (or sets
+  FSDP2's mixed-precision policy) and scales fp16 losses; `recompute`
+  checkpoints activations; `training.compile` compiles each block.
+
+The trainer asks the engine for `forward_backward`, `clip` and `step`.
+`holder` is the module to checkpoint: every parameter this rank holds, under
+the whole model's names.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from kuangchao.platform.spec.jobspec import JobSpec
+from kuangchao.workers.errors import TrainingError
+from kuangchao.workers.parallel.comm_hooks import Hierarchy, compress_hook, powersgd
+from kuangchao.workers.parallel.layout import Coords, Layout, node_groups
+from kuangchao.workers.parallel.pipeline import (
+    ChunkSet,
+    TiedWeights,
+    build_chunks,
+    lm_loss,
+    make_schedule,
+)
+from kuangchao.workers.parallel.precision import Precision
+from kuangchao.workers.parallel.tensor_parallel import apply_tensor_parallel
+from kuangchao.workers.runtime.telemetry import CommClock, timed_allreduce_hook
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_optimizer(model: nn.Module, spec: JobSpec, zero: bool = False,
+                   group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
+    """AdamW or SGD; with `zero`, its state sharded over `group` (ZeRO-1)."""
+    o = spec.optimizer
+    # Biases and norm weights (1-D) are not decayed, as is usual for transformers.
+    params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if o.type == "sgd":
+        cls: type[torch.optim.Optimizer] = torch.optim.SGD
+        kwargs: dict[str, Any] = {"lr": o.lr, "momentum": o.momentum}
+    else:
+        cls, kwargs = torch.optim.AdamW, {"lr": o.lr, "betas": o.betas}
+    if not zero:
+        return cls(groups, **kwargs)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, process_group=group,
+                                  weight_decay=o.weight_decay, **kwargs)
+    opt.add_param_group({"params": no_decay, "weight_decay": 0.0})
+    return opt
+
+
+class Engine:
+    """One rank's share of the model, wired for its layout.
+
+    Args:
+        spec: The job spec.
+        model: The whole built-in model, identically initialised on every rank.
+        rank, world_size: This rank's place in the default process group.
+        device: Where it computes.
+        node_of: Every rank's node, for the hierarchical all-reduce (rank -> node name).
+        microbatches: Micro-batches per step (an elastic job's change with its size);
+            with a pipeline, each is one pipeline micro-batch.
+        clock: Times DDP's all-reduces for the worker's comm-share gauge.
+        log: Where a warning (a compile fallback) is written.
+        wrap: Wrap for data parallelism now; with False (plain DDP only) the
+            caller sets `wrapped = wrap()` and `wired` later.
+    """
+
+    def __init__(self, spec: JobSpec, model: nn.Module, *, rank: int, world_size: int,
+                 device: torch.device, node_of: dict[int, str] | None = None,
+                 microbatches: int | None = None, clock: CommClock | None = None,
+                 log: Callable[..., None] | None = None, wrap: bool = True) -> None:
+        p = self.p = spec.parallel
+        self.spec, self.rank, self.world_size, self.device = spec, rank, world_size, device
+        self.clock, self.node_of = clock, node_of or {}
+        self.microbatches = microbatches or p.gradient_accumulation_steps
+        self.log = log or (lambda msg, **kw: warnings.warn(msg, stacklevel=2))
+        self.layout = Layout.of(p, world_size)
+        self.coords: Coords = self.layout.coords(rank)
+        self.distributed = world_size > 1 and dist.is_initialized()
+        self.fsdp = p.zero_stage >= 2
+        self.precision = Precision(p.precision, device, autocast=not self.fsdp)
+        pp, tp, dp = self.layout.pp, self.layout.tp, self.layout.dp
+        v = p.virtual_stages if pp > 1 else 1
+        self.n_chunks = pp * v
+        self.chunk_ids = self.layout.stage_chunks(self.coords.pp, v)
+        self.chunks = build_chunks(model, self.n_chunks, self.chunk_ids, p.recompute)
+        self.holder = ChunkSet(self.chunks)
+        self.mesh = None
+        if self.distributed and (pp > 1 or tp > 1 or self.fsdp):
+            from torch.distributed.device_mesh import init_device_mesh
+            self.mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+        self.dp_group = self._group("dp")
+        self.pp_group = self._group("pp")
+        self.tied = None
+        if pp > 1 and self.distributed:
+            firsts = [self.layout.rank(Coords(d, 0, t)) for d in range(dp) for t in range(tp)]
+            lasts = [self.layout.rank(Coords(d, pp - 1, t)) for d in range(dp) for t in range(tp)]
+            self.tied = TiedWeights(model, firsts, lasts, rank)
+            if self.tied.duplicate(self.holder) is not None:
+                self.holder.checkpoint_aliases = {"lm_head.weight": "tok_emb.weight"}
+        if tp > 1 and self.mesh is not None:
+            apply_tensor_parallel([b for c in self.chunks for b in c.blocks.values()], self.mesh["tp"])
+        if spec.training.compile:
+            self._compile()
+        # DDP takes neither DTensor (tensor-parallel) parameters nor a pipeline schedule's
+        # several backward passes per step: there, with ZeRO 0 or 1, gradients are
+        # all-reduced over the data-parallel group after backward, in one flat buffer.
+        self.manual_dp = (tp > 1 or pp > 1) and not self.fsdp and dp > 1 and self.distributed
+        self.hierarchy: Hierarchy | None = None
+        if not wrap and (self.mesh is not None or self.manual_dp):
+            raise ValueError("only plain data parallelism may be wrapped later")
+        self.wrapped = self.wrap() if wrap else list(self.chunks)
+        self.wired = wrap
+        self.optimizer = make_optimizer(self.holder, spec, zero=p.zero_stage == 1 and dp > 1,
+                                        group=self.dp_group)
+        self.schedule = self._schedule() if pp > 1 else None
+
+    # -- wiring ---------------------------------------------------------------
+
+    def _group(self, dim: str) -> dist.ProcessGroup | None:
+        if self.mesh is not None:
+            return self.mesh.get_group(dim)
+        return None  # the default group: pure data parallelism, or one rank
+
+    def _compile(self) -> None:
+        """Compile each block in place (names unchanged); eager where it fails."""
+        block = next(iter(self.chunks[0].blocks.values()))
+        probe = torch.zeros(1, 2, self.spec.model.d_model, device=self.device)
+        extra = self.chunks[0].rope(2) if self.chunks[0].rotary else ()
+        try:
+            block.compile()
+            with torch.no_grad():
+                block(probe, *extra)
+        except Exception as exc:  # inductor needs a compiler toolchain, and not every op lowers
+            block._compiled_call_impl = None
+            self.log(f"training.compile: torch.compile failed ({type(exc).__name__}: "
+                     f"{str(exc).splitlines()[0][:200]}); running eagerly", level="WARNING")
+            return
+        for chunk in self.chunks:
+            for b in chunk.blocks.values():
+                b.compile()
+
+    def wrap(self) -> list[nn.Module]:
+        """Wrap every chunk for data parallelism; called again after a live resize."""
+        dp = self.layout.dp
+        if self.fsdp:
+            return [self._fully_shard(c) for c in self.chunks]
+        if dp == 1 or not self.distributed or self.manual_dp:
+            return list(self.chunks)
+        if self.layout.tp > 1 or self.layout.pp > 1:
+            raise AssertionError("tensor-parallel and pipelined chunks are never wrapped in DDP")
+        unsynced = self.spec.fault_tolerance.inject_unsynced_params
+        if unsynced:
+            names = {n for n, _ in self.holder.named_parameters()}
+            unknown = sorted(set(unsynced) - names)
+            if unknown:
+                raise TrainingError(
+                    f"fault_tolerance.inject_unsynced_params: no parameter(s) {unknown}; the model "
+                    f"has {', '.join(sorted(names))}")
+        out = []
+        for chunk in self.chunks:
+            if unsynced:  # the `kc debug gradient` drill: DDP leaves these out of its all-reduce
+                names = {n for n, _ in chunk.named_parameters()}
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                    chunk, sorted(set(unsynced) & names))
+            ddp = DistributedDataParallel(chunk, process_group=self.dp_group)
+            hook = self._comm_hook()
+            if hook is not None:
+                ddp.register_comm_hook(*hook)
+            out.append(ddp)
+        return out
+
+    def _comm_hook(self) -> tuple[Any, Callable] | None:
+        p = self.p
+        if p.grad_compression in ("fp16", "bf16"):
+            dtype = torch.float16 if p.grad_compression == "fp16" else torch.bfloat16
+            return None, compress_hook(dtype, self.clock)
+        if p.grad_compression == "powersgd":
+            return powersgd(self.dp_group, p.powersgd_rank)
+        if self.use_hierarchy():
+            if self.hierarchy is None:
+                dp_ranks = self.layout.dp_group(self.rank)
+                groups = node_groups(dp_ranks, self.node_of)
+                assert groups is not None
+                self.hierarchy = Hierarchy(groups, self.rank)
+            return None, self.hierarchy.hook(self.clock)
+        if self.clock is not None:
+            return None, timed_allreduce_hook(self.clock)
+        return None
+
+    def use_hierarchy(self) -> bool:
+        """Whether the data-parallel all-reduce goes node by node."""
+        mode = self.p.hierarchical_allreduce
+        if mode == "off" or not self.node_of:
+            return False
+        groups = node_groups(self.layout.dp_group(self.rank), self.node_of)
+        if groups is None:
+            return False
+        if mode == "on":
+            return True
+        return hierarchy_wins(self.spec, len(groups[0]), len(groups), self.device)
+
+    def _fully_shard(self, chunk: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        kwargs: dict[str, Any] = {"reshard_after_forward": self.p.zero_stage == 3}
+        if self.mesh is not None:
+            kwargs["mesh"] = self.mesh["dp"]
+        if self.precision.dtype is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype,
+                                                       reduce_dtype=torch.float32)
+        if self.p.offload:
+            # Page-locking host memory needs an accelerator; on a CPU the state is already there.
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        for block in chunk.blocks.values():
+            fully_shard(block, **kwargs)
+        return fully_shard(chunk, **kwargs)
+
+    def _schedule(self) -> Any:
+        from torch.distributed.pipelining import PipelineStage
+
+        stages = [PipelineStage(module, stage_index=i, num_stages=self.n_chunks, device=self.device,
+                                group=self.pp_group)
+                  for module, i in zip(self.wrapped, self.chunk_ids, strict=True)]
+        return make_schedule(self.p.schedule, stages, self.microbatches, lm_loss)
+
+    def unwrap(self) -> None:
+        """Drop the DDP wrappers (their hooks belong to a process group that is going away)."""
+        self.wrapped = list(self.chunks)
+        self.hierarchy = None
+        self.wired = False
+
+    def regroup(self, rank: int, world_size: int, microbatches: int) -> None:
+        """Take the new world after a live resize (plain data parallelism only: the
+        placement of shards and stages would change with it); `wrap` follows."""
+        if self.mesh is not None:
+            raise AssertionError("only plain data-parallel layouts resize in place")
+        self.rank, self.world_size, self.microbatches = rank, world_size, microbatches
+        self.layout = Layout.of(self.p, world_size)
+        self.coords = self.layout.coords(rank)
+        self.distributed = world_size > 1 and dist.is_initialized()
+
+    def collectives(self) -> list[str]:
+        """The token interfaces this layout's training step uses."""
+        out = {"all_reduce"}
+        if self.fsdp or self.hierarchy is not None:
+            out |= {"reduce_scatter", "all_gather"}
+        if self.p.zero_stage == 1:
+            out.add("broadcast")
+        if self.layout.pp > 1:
+            out |= {"send", "recv"}
+        return sorted(out)
+
+    def describe(self) -> str:
+        """The layout in one line, for the job log."""
+        p, lay = self.p, self.layout
+        parts = [f"dp={lay.dp} tp={lay.tp} pp={lay.pp}"]
+        if lay.pp > 1:
+            parts.append(f"schedule {p.schedule}" + (f" x{p.virtual_stages}" if p.virtual_stages > 1 else ""))
+        dp_kind = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[p.zero_stage]
+        parts.append(dp_kind + (" + manual all-reduce" if self.manual_dp else ""))
+        if p.offload:
+            parts.append("offload")
+        if self.hierarchy is not None:
+            parts.append("hierarchical all-reduce")
+        if p.grad_compression != "none":
+            parts.append(f"{p.grad_compression} compression")
+        if p.precision != "fp32":
+            parts.append(p.precision)
+        if p.recompute:
+            parts.append("recompute")
+        return ", ".join(parts)
+
+    # -- one step -------------------------------------------------------------
+
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.chunk_ids
+
+    @property
+    def holds_last(self) -> bool:
+        return self.n_chunks - 1 in self.chunk_ids
+
+    def forward_backward(self, batches: list[Batch], poison: bool = False) -> float:
+        """Forward and backward over one step's micro-batches; the step's mean loss.
+
+        Gradients end up averaged over the data-parallel group, as a single
+        process training on the whole global batch would have them.
+        `poison` (a fault drill) makes the loss NaN.
+        """
+        if self.schedule is not None:
+            loss = self._pipeline(batches, poison)
+        else:
+            loss = self._accumulate(batches, poison)
+        if self.manual_dp:
+            self._allreduce_grads()
+        if self.tied is not None:
+            self.tied.sync(self.holder)
+        return loss
+
+    def _accumulate(self, batches: list[Batch], poison: bool) -> float:
+        module = self.wrapped[0]
+        n, total = len(batches), 0.0
+        for i, (x, y) in enumerate(batches):
+            last = i == n - 1
+            with self._no_sync(module, last):
+                with self.precision.autocast():
+                    loss = lm_loss(module(x), y)
+                if poison:
+                    loss = loss * float("nan")
+                self.precision.scale(loss / n).backward()
+            total += float(loss.detach())
+        return total / n
+
+    def _no_sync(self, module: nn.Module, last: bool):
+        if isinstance(module, DistributedDataParallel) and not last:
+            return module.no_sync()
+        if self.fsdp and hasattr(module, "set_requires_gradient_sync"):
+            module.set_requires_gradient_sync(last)
+        return nullcontext()
+
+    def _pipeline(self, batches: list[Batch], poison: bool) -> float:
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.holds_first else ()
+        kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.holds_last else {}
+        with self.precision.autocast():
+            self.schedule.step(*args, **kwargs)
+        local = torch.stack(losses).mean().detach().double() if losses else \
+            torch.zeros((), dtype=torch.float64)
+        if poison:  # the drill: the loss lives inside the schedule, so poison the gradients
+            local = local * float("nan")
+            for param in self.holder.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(float("nan"))
+        dist.all_reduce(local, group=self.pp_group)  # only the last stage holds a loss
+        return float(local)
+
+    def _allreduce_grads(self) -> None:
+        grads = [p.grad for p in self.holder.parameters() if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        flat = torch._utils._flatten_dense_tensors(local)
+        dist.all_reduce(flat, group=self.dp_group)
+        flat.div_(self.layout.dp)
+        for g, synced in zip(local, torch._utils._unflatten_dense_tensors(flat, local), strict=True):
+            g.copy_(synced)
+
+    def grad_norm(self) -> float:
+        """The global gradient norm, over every stage and shard (the tied head counted once)."""
+        skip = self.tied.duplicate(self.holder) if self.tied is not None else None
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for param in dict.fromkeys(self.holder.parameters()):
+            if param.grad is None or param is skip:
+                continue
+            norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32)
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+            sq += norm.double() ** 2
+        if self.pp_group is not None and self.layout.pp > 1:
+            dist.all_reduce(sq, group=self.pp_group)
+        return float(sq.sqrt())
+
+    def clip(self, max_norm: float | None) -> float:
+        """Unscale fp16 gradients, clip them to `max_norm`; the norm before clipping."""
+        self.precision.unscale(self.optimizer)
+        norm = self.grad_norm()
+        if max_norm is not None and norm == norm and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            for param in dict.fromkeys(self.holder.parameters()):
+                if param.grad is not None:
+                    param.grad.mul_(coef)
+        return norm
+
+    def step(self) -> None:
+        self.precision.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def skip(self) -> None:
+        """Skip an fp16 step whose gradients overflowed; the loss scale comes down."""
+        self.precision.skip(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def hierarchy_wins(spec: JobSpec, ranks_per_node: int, nodes: int, device: torch.device) -> bool:
+    """The planner's verdict: is the two-level all-reduce cheaper for this job's gradients?"""
+    from kuangchao.platform.cluster.hardware import get_accelerator
+    from kuangchao.platform.planning.planner import ModelShape, allreduce_costs
+
+    shape = ModelShape.from_spec_model(spec.model.model_dump())
+    grad_bytes = 4 * shape.params / (spec.parallel.tensor_parallel_size
+                                     * spec.parallel.pipeline_parallel_size)
+    # Without `parallel.gpu` the device decides; any GPU is priced as an H100.
+    acc = get_accelerator(spec.parallel.gpu or ("cpu" if device.type == "cpu" else "h100-80gb"))
+    flat, hier = allreduce_costs(grad_bytes, ranks_per_node * nodes, ranks_per_node, acc)
+    return hier < flat

@@ -1,0 +1,145 @@
+"""A rank's capability token in use: verified, renewed, watched for revocation,
+and checked before collectives and checkpoint access.
+
+The rank holds the authority's public key only, so it can check its token but
+never mint one. A background thread renews the token through the authority
+at 80 % of its lifetime and re-reads the revocation mark every few seconds; a
+revoked or expired token takes every right away at once. A refusal raises
+`PermissionError`, is written to the job's events, and is reported to the
+authority, which audits it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kuangchao.platform.security.tokens import Claims, TokenError, Verifier, check, load_public, within_prefix
+from kuangchao.workers import collectives
+from kuangchao.workers.checkpoint.manager import CheckpointManager
+
+# How often the revocation mark is read; a revoked token stops working within this.
+REVOCATION_CHECK_S = 2.0
+
+
+class TokenHolder:
+    """This process's token.
+
+    Args:
+        token: The signed token the authority granted this rank.
+        public_key: The authority's public key, PEM.
+        is_revoked: Whether a token id carries a revocation mark (Redis, read-only).
+        renew: Trades a valid token for a fresh one (the authority).
+        on_deny: Told (interface, resource, reason) of each refusal.
+    """
+
+    def __init__(self, token: str, public_key: bytes | str, is_revoked: Callable[[str], bool],
+                 renew: Callable[[str], str], on_deny: Callable[[str, str, str], None]) -> None:
+        pem = public_key.encode() if isinstance(public_key, str) else public_key
+        self._verifier = Verifier(load_public(pem), is_revoked)
+        self._renew, self._is_revoked, self._on_deny = renew, is_revoked, on_deny
+        self.token = token
+        try:
+            self.claims: Claims = self._verifier.verify(token)
+        except TokenError as exc:  # the rank must not start; the audit says why
+            on_deny("token", "token", str(exc))
+            raise
+        self.last_error: str | None = None
+        collectives.set_token(self.claims, on_deny=self._collective_denied)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="kc-token")
+        self._thread.start()
+
+    def _collective_denied(self, interface: str, group: str, reason: str) -> None:
+        self._on_deny(interface, f"group/{group}", reason)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(min(REVOCATION_CHECK_S, self._lifetime() / 20)):
+            try:
+                if self.claims.needs_renewal():
+                    new = self._renew(self.token)
+                    self.claims, self.token = self._verifier.verify(new), new
+                    collectives.set_token(self.claims)
+                elif self._is_revoked(self.claims.token_id):
+                    self._refused(TokenError("revoked", f"token {self.claims.token_id} was revoked"))
+            except TokenError as exc:  # refused: no more rights, and the job's events say why
+                self._refused(exc)
+            except Exception as exc:
+                # The authority or Redis away (a Redis restart drops the job's user until
+                # the authority restores it): try again; the token holds till it expires.
+                self.last_error = f"{type(exc).__name__}: {exc}"
+
+    def _refused(self, exc: TokenError) -> None:
+        if self.last_error == str(exc):
+            return  # said once is enough
+        self.last_error = str(exc)
+        collectives.withdraw(exc)
+        self._on_deny("token", f"token/{self.claims.token_id}", str(exc))
+
+    def _lifetime(self) -> float:
+        return max(1.0, self.claims.expires_at - self.claims.issued_at)
+
+    def check_path(self, interface: str, path: str | Path) -> Path:
+        """`path` if this token may `interface` (checkpoint_read/write) it; else PermissionError."""
+        try:
+            check(collectives.valid_claims(), interface)
+            return Path(within_prefix(self.claims.scope.checkpoint_prefix, str(path)))
+        except TokenError as exc:
+            self._on_deny(interface, f"path/{path}", str(exc))
+            raise
+
+    def stop(self) -> None:
+        self._stop.set()
+        collectives.set_token(None)
+
+
+class GuardedCheckpoints(CheckpointManager):
+    """A checkpoint manager that asks the rank's token before it reads or writes.
+
+    The folder must lie inside the token's checkpoint prefix (no `..`, nothing
+    outside), and the token must grant checkpoint_write to save and
+    checkpoint_read to load or list.
+    """
+
+    def __init__(self, *args: Any, holder: TokenHolder, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.holder = holder
+        holder.check_path("checkpoint_read", self.dir)
+
+    def save(self, *args: Any, **kw: Any):
+        self.holder.check_path("checkpoint_write", self.dir)
+        return super().save(*args, **kw)
+
+    def save_async(self, *args: Any, **kw: Any):
+        self.holder.check_path("checkpoint_write", self.dir)
+        return super().save_async(*args, **kw)
+
+    def latest_verified(self):
+        self.holder.check_path("checkpoint_read", self.dir)
+        return super().latest_verified()
+
+    def load(self, path: Path, *args: Any, **kw: Any):
+        return super().load(self.holder.check_path("checkpoint_read", path), *args, **kw)
+
+
+def authority_client(handle: Any, timeout_s: float = 30.0) -> tuple[Callable[[str], str],
+                                                                    Callable[..., None]]:
+    """`renew` and `report` callables over the token authority's actor handle."""
+    import ray
+
+    def renew(token: str) -> str:
+        try:
+            return ray.get(handle.renew.remote(token), timeout=timeout_s)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.as_instanceof_cause()
+            if isinstance(cause, TokenError | PermissionError):
+                raise TokenError(getattr(cause, "reason", "denied"),
+                                 getattr(cause, "message", str(cause))) from None
+            raise
+
+    def report(token: str | None, interface: str, resource: str, reason: str) -> None:
+        handle.report_denial.remote(token, interface, resource, reason)  # fire and forget
+
+    return renew, report

@@ -1,0 +1,289 @@
+"""A rank's training metrics and the endpoint Prometheus scrapes them from.
+
+Each rank serves its own `/metrics` (prometheus_client's HTTP server, on a
+free port of its node's address) and registers the address in the job's
+Redis key space; the control plane turns those into a file_sd list
+(`platform/observability/scrape_targets.py`). Every series carries `job`, `rank` and
+`node`, which are also the target's labels.
+
+The train loop only assigns floats (`end_step`); families are built when
+Prometheus scrapes, and memory is read then too. Communication time is the
+union of the intervals with a collective in flight: DDP's bucket all-reduces
+(timed by a comm hook, from launch to completion) and kuangchao's own
+collectives (`TrainContext.collective()`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from kuangchao.platform.observability import metrics as m
+from kuangchao.platform.observability.scrape_targets import targets_key
+
+_log = logging.getLogger(__name__)
+DISABLE_ENV = "KC_WORKER_METRICS"  # "0": no endpoint, no timing (bench/metrics.py's baseline)
+ADDR_ENV = "KC_WORKER_METRICS_ADDR"
+
+# Dense bf16 peak FLOP/s by device name (vendor data sheets, without sparsity).
+GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
+                  "V100": 125e12}
+
+
+def enabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "1") not in ("0", "false", "off", "no")
+
+
+def peak_flops(device: torch.device) -> float:
+    """The device's peak: from the catalogue for a GPU, measured once for a CPU."""
+    override = os.environ.get("KC_PEAK_FLOPS")
+    if override:
+        return float(override)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return flops
+        _log.warning("no peak FLOP/s known for %s: set KC_PEAK_FLOPS for an MFU estimate", name)
+        return 0.0  # no MFU rather than a wrong one
+    return _measured_cpu_flops()
+
+
+_cpu_peak: float | None = None
+
+
+def _measured_cpu_flops(n: int = 256, reps: int = 8) -> float:
+    """fp32 matmul throughput with this process's threads: an honest CPU peak."""
+    global _cpu_peak
+    if _cpu_peak is None:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        _cpu_peak = 2 * n ** 3 * reps / max(time.perf_counter() - t0, 1e-9)
+    return _cpu_peak
+
+
+class CommClock:
+    """Collects the intervals with a collective in flight, per step, and which
+    collectives are in flight now (for `kc debug comm`)."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._pending: dict[int, tuple[str, str, float]] = {}
+        self.last: dict[str, Any] | None = None
+        self.count = 0
+
+    def add(self, start: float, end: float) -> None:
+        with self._lock:
+            self._spans.append((start, end))
+
+    def begin(self, op: str, group: str = "world") -> int:
+        with self._lock:
+            self._seq += 1
+            self._pending[self._seq] = (op, group, time.perf_counter())
+            return self._seq
+
+    def end(self, seq: int) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            entry = self._pending.pop(seq, None)
+            if entry is None:
+                return
+            op, group, start = entry
+            self._spans.append((start, now))
+            self.count += 1
+            self.last = {"op": op, "group": group, "seq": seq, "took_s": now - start,
+                         "ended_ago_s": 0.0, "_end": now}
+
+    @contextmanager
+    def timing(self, op: str = "collective", group: str = "world") -> Iterator[None]:
+        seq = self.begin(op, group)
+        try:
+            yield
+        finally:
+            self.end(seq)
+
+    def in_flight(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The oldest collective in flight (with how long it has waited), and the last one done."""
+        now = time.perf_counter()
+        with self._lock:
+            pending = min(self._pending.items(), default=None)
+            last = dict(self.last) if self.last else None
+        out = None
+        if pending is not None:
+            seq, (op, group, start) = pending
+            out = {"op": op, "group": group, "seq": seq, "waited_s": now - start}
+        if last is not None:
+            last["ended_ago_s"] = now - last.pop("_end")
+        return out, last
+
+    def busy_within(self, start: float, end: float) -> float:
+        """Seconds of [start, end] covered by at least one span; spans before `end` are dropped."""
+        with self._lock:
+            spans, self._spans = self._spans, [s for s in self._spans if s[1] > end]
+        total, reach = 0.0, start
+        for a, b in sorted(spans):
+            a, b = max(a, reach), min(b, end)
+            if b > a:
+                total += b - a
+                reach = b
+        return total
+
+
+def timed_allreduce_hook(clock: CommClock):
+    """A DDP comm hook: the default average all-reduce, with its flight time recorded."""
+    # No annotations: DDP checks them at run time, and this module's are strings.
+    def hook(group, bucket):  # noqa: ANN001, ANN202
+        pg = group if group is not None else dist.group.WORLD
+        tensor = bucket.buffer().div_(dist.get_world_size(pg))
+        seq = clock.begin(f"all_reduce (DDP bucket {bucket.index()})", "world")
+        fut = dist.all_reduce(tensor, group=pg, async_op=True).get_future()
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            clock.end(seq)
+            return f.value()[0]
+        return fut.then(done)
+    return hook
+
+
+class WorkerTelemetry:
+    """One rank's gauges. The train loop calls `begin_step`/`end_step`."""
+
+    def __init__(self, job_id: str, rank: int, node: str) -> None:
+        self.job_id, self.rank, self.node = job_id, rank, node
+        self.clock = CommClock()
+        self.values: dict[str, float] = {}
+        self.flops_per_token = 0.0
+        self.peak = 0.0
+        self._step_start: float | None = None
+        self._server: Any = None
+        self.address: str | None = None
+        # For `kc debug`: the train function's model and optimizer, and any process
+        # groups beyond the world (named), set by the trainer.
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.groups: dict[str, Any] = {}
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    # -- what training calls ---------------------------------------------------
+    def configure(self, flops_per_token: float, device: torch.device) -> None:
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops(device)
+        self.values[m.WORKER_PEAK_FLOPS.name] = self.peak
+
+    def begin_step(self) -> None:
+        self._step_start = time.perf_counter()
+
+    def observe_numerics(self, loss: float, grad_norm: float, lr: float) -> None:
+        """Set before the gradient guard judges them: a NaN shows even when it is rolled back."""
+        v = self.values
+        v[m.WORKER_LOSS.name], v[m.WORKER_GRAD_NORM.name], v[m.WORKER_LR.name] = (
+            loss, grad_norm, lr)
+
+    def end_step(self, step: int, samples: int, tokens: int) -> None:
+        end = time.perf_counter()
+        start = self._step_start if self._step_start is not None else end
+        took = max(end - start, 1e-9)
+        comm = self.clock.busy_within(start, end)
+        v = self.values
+        v[m.WORKER_STEP.name] = step
+        v[m.WORKER_STEP_SECONDS.name] = took
+        v[m.WORKER_TOKENS.name] = tokens / took
+        v[m.WORKER_SAMPLES.name] = samples / took
+        v[m.WORKER_COMM_SECONDS.name] = comm
+        v[m.WORKER_COMM_SHARE.name] = min(1.0, comm / took)
+        if self.peak > 0:
+            v[m.WORKER_MFU.name] = self.flops_per_token * tokens / took / self.peak
+
+    # -- what Prometheus reads ---------------------------------------------------
+    def collect(self) -> Iterator[Metric]:
+        labels = [self.job_id, str(self.rank), self.node]
+        for d in m.WORKER:
+            if d is m.WORKER_MEMORY:
+                fam = GaugeMetricFamily(d.name, d.help, labels=d.labels)
+                for kind, value in memory().items():
+                    fam.add_metric([*labels, kind], value)
+                yield fam
+            elif d.name in self.values:
+                fam = GaugeMetricFamily(d.name, d.help, labels=d.labels)
+                fam.add_metric(labels, float(self.values[d.name]))
+                yield fam
+
+    def serve(self, host: str) -> str:
+        """Start the endpoint on a free port of `host`; returns `host:port`."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)
+        self._server, _ = start_http_server(0, addr=host, registry=registry)
+        self.address = f"{host}:{self._server.server_port}"
+        return self.address
+
+    def close(self) -> None:
+        self.model = self.optimizer = None
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def memory() -> dict[str, float]:
+    """Resident set size, and CUDA allocated/reserved when this process uses a GPU."""
+    out = {"rss": float(_rss_bytes())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_allocated"] = float(torch.cuda.memory_allocated())
+        out["cuda_reserved"] = float(torch.cuda.memory_reserved())
+    return out
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # not Linux: the peak is the best there is
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def register(client: Any, prefix: str, telemetry: WorkerTelemetry) -> None:
+    """Publish this rank's endpoint; best effort (metrics never fail a job)."""
+    if telemetry.address is None:
+        return
+    entry = {"addr": telemetry.address, "node": telemetry.node, "pid": os.getpid(),
+             "ts": time.time()}
+    try:
+        client.hset(targets_key(prefix, telemetry.job_id), str(telemetry.rank), json.dumps(entry))
+    except Exception as exc:  # noqa: BLE001
+        _log.warning("could not register the metrics endpoint: %s", exc)
+
+
+def unregister(client: Any, prefix: str, telemetry: WorkerTelemetry) -> None:
+    """Take this rank's entry away, unless another process has taken the rank since."""
+    key = targets_key(prefix, telemetry.job_id)
+    try:
+        raw = client.hget(key, str(telemetry.rank))
+        if raw and json.loads(raw).get("pid") == os.getpid():
+            client.hdel(key, str(telemetry.rank))
+    except Exception:  # noqa: BLE001 -- the control plane drops stale entries anyway
+        pass
+
+
+def model_flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the weights plus 12 L d T for attention scores
+    (forward and backward), as in the usual MFU estimate."""
+    return 6.0 * n_params + 12.0 * n_layers * d_model * seq_len

@@ -1,0 +1,417 @@
+"""The built-in trainer: a GPT/Llama decoder on a byte-level corpus, with DDP.
+
+AdamW (or SGD), linear warmup then cosine decay, gradient clipping, gradient
+accumulation, batches prefetched while the model computes, and checkpoints
+every `checkpoint.interval_steps` plus a final one. For a given seed the run is
+deterministic: it resumes at the exact step with data position and RNG states
+restored.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kuangchao.platform.spec.jobspec import JobSpec
+from kuangchao.workers.checkpoint.manager import CheckpointInfo, PendingCheckpoint
+from kuangchao.workers.collectives import permit
+from kuangchao.workers.data.sampling import BatchSource, Prefetcher, batch_indices, load_corpus
+from kuangchao.workers.elastic import resize
+from kuangchao.workers.elastic.generation import ResizeNow, is_collective_failure, mark_ready
+from kuangchao.workers.errors import CheckpointError, TrainingError
+from kuangchao.workers.models.factory import ModelConfig, build_model
+from kuangchao.workers.parallel.engine import Engine
+from kuangchao.workers.runtime.context import TrainContext
+from kuangchao.workers.runtime.telemetry import model_flops_per_token
+from kuangchao.workers.trainer import debug_step
+from kuangchao.workers.trainer.numerics import GradNormGuard, NumericFault, data_index, data_position
+from kuangchao.workers.trainer.resume import Position, rank_state, restore_latest, roll_back, seed_everything
+
+
+def model_config(spec: JobSpec) -> ModelConfig:
+    m = spec.model
+    return ModelConfig(type=m.type, n_layers=m.n_layers, n_heads=m.n_heads, d_model=m.d_model,
+                       seq_len=m.seq_len, vocab_size=m.vocab_size, dropout=m.dropout, d_ff=m.d_ff)
+
+
+def lr_factor(step: int, spec: JobSpec) -> float:
+    """Multiplier on the base LR after `step` optimizer steps."""
+    o, total = spec.optimizer, spec.training.steps
+    if o.warmup_steps and step < o.warmup_steps:
+        return (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
+    if o.schedule == "linear":
+        decay = 1.0 - progress
+    else:
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return o.min_lr_ratio + (1.0 - o.min_lr_ratio) * decay
+
+
+def _batches(source: BatchSource, spec: JobSpec, ctx: TrainContext,
+             pos: Position) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    micro_batch, accum = spec.parallel.micro_batch_size, ctx.accum_steps
+    for step in range(pos.step, spec.training.steps):
+        index = data_index(step, pos.skipped)
+        for micro in range(accum):
+            idx = batch_indices(index, micro, ctx.dp_rank, ctx.dp_size, micro_batch, accum)
+            yield source.get(idx)
+
+
+def _global_mean(value: float, ctx: TrainContext) -> float:
+    if ctx.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    permit("all_reduce")
+    with ctx.collective("all_reduce (mean loss)"):
+        dist.all_reduce(t)
+    return float(t.item()) / ctx.world_size
+
+
+class _Throughput:
+    """Tokens per second over the steps since the last report."""
+
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step, self.t0, self.steps = tokens_per_step, time.perf_counter(), 0
+
+    def tick(self) -> None:
+        self.steps += 1
+
+    def rate(self) -> float:
+        dt = time.perf_counter() - self.t0
+        rate = self.steps * self.tokens_per_step / dt if dt > 0 and self.steps else 0.0
+        self.t0, self.steps = time.perf_counter(), 0
+        return rate
+
+
+# A background checkpoint write still running when the train function fails gets
+# at most this long, and at most half of `fault_tolerance.stop_grace_s`: the
+# controller replaces a dead rank in place only if the survivors stop within it.
+PENDING_GRACE_S = 30.0
+
+
+def _settles_checkpoints(fn: Callable[[TrainContext], dict[str, Any]]):
+    """Make sure no background checkpoint write outlives the train function.
+
+    On a normal return, the write in flight is waited for and its failure
+    fails the run. When the function raises, its error wins: the write gets a
+    bounded grace (a hung peer can leave it stuck in a collective), and a
+    failure of it is only logged.
+    """
+    @functools.wraps(fn)
+    def wrapper(ctx: TrainContext) -> dict[str, Any]:
+        try:
+            result = fn(ctx)
+        except BaseException:
+            grace = min(PENDING_GRACE_S, ctx.spec.fault_tolerance.stop_grace_s / 2)
+            try:
+                ctx.checkpoint.wait(timeout=grace)
+            except CheckpointError as exc:
+                ctx.log(f"abandoning a checkpoint write: {exc}", level="WARNING")
+            raise
+        ctx.checkpoint.wait()
+        return result
+    return wrapper
+
+
+@_settles_checkpoints
+def train(ctx: TrainContext) -> dict[str, Any]:
+    """Run the built-in training loop. Returns the final loss and checkpoint.
+
+    A numeric fault (NaN/Inf or a spiking gradient norm) rolls the run back
+    to its last good checkpoint in place and skips the batch that caused it.
+    """
+    spec = ctx.spec
+    seed_everything(spec.training.seed)
+    whole = build_model(model_config(spec)).to(ctx.device)
+    n_params = whole.num_params()
+    engine = build_engine(ctx, whole)
+    model, optimizer = engine.holder, engine.optimizer
+    ft = spec.fault_tolerance
+    guard = GradNormGuard(ft.grad_norm_spike_factor, ft.grad_norm_window)
+    if ctx.joining:  # a rank added to a running job: its peers hand it the state
+        pos = resize.sync_state(ctx, model, optimizer, guard, None)
+        ctx.generation_start = pos.step
+        mark_ready(ctx.group_store, ctx.rank)
+        ctx.expect_first_step("resize")
+    else:
+        pos = restore_latest(ctx, model, optimizer, guard) or Position()
+        resize.forget_samples_from(ctx, pos.step)
+        ctx.generation_start = pos.step
+    corpus = load_corpus(spec.data.path, spec.data.max_bytes, spec.model.vocab_size)
+    source = BatchSource(corpus, spec.model.seq_len, spec.training.seed)
+    if ctx.telemetry is not None:
+        m = spec.model
+        ctx.telemetry.attach(model, optimizer)
+        ctx.telemetry.configure(model_flops_per_token(n_params, m.n_layers, m.d_model,
+                                                      m.seq_len), ctx.device)
+    ctx.log(f"training {n_params:,} parameters from step {pos.step} to {spec.training.steps} on "
+            f"{ctx.world_size} rank(s): {engine.describe()}")
+    while True:
+        wire(ctx, engine)
+        moving = False
+        try:
+            return _train_from(ctx, pos, engine, source, guard)
+        except NumericFault as fault:
+            pos = roll_back(ctx, fault, model, optimizer, guard, pos.skipped)
+            resize.forget_samples_from(ctx, pos.step)
+        except Exception as exc:
+            # A planned resize, or (elastic jobs) a peer lost mid-collective: the
+            # survivors keep their state and move to the controller's next group.
+            if not ctx.live_resize or not (isinstance(exc, ResizeNow)
+                                           or is_collective_failure(exc)):
+                raise
+            if not isinstance(exc, ResizeNow):
+                ctx.log(f"process group broke at step {pos.step}: {str(exc).splitlines()[0]}; "
+                        "waiting for the controller to re-form it", level="WARNING")
+            moving = True
+        if moving:
+            # The old DDP wrapper's gradient hooks belong to the old group: free it
+            # (and the failed frames that hold it) before the next one is made.
+            engine.unwrap()
+            gc.collect()
+            rejoined = resize.rejoin(ctx, model, optimizer, guard, pos)
+            if rejoined is None:
+                return {"left": True, "steps": pos.step}
+            pos = rejoined
+            engine.regroup(ctx.rank, ctx.world_size, ctx.accum_steps)
+
+
+def build_engine(ctx: TrainContext, whole: torch.nn.Module) -> Engine:
+    """Wire the layout; the token must allow every collective it will run.
+
+    Plain data parallelism is left unwrapped here: DDP's constructor is
+    collective, and a rank joining a running job must first take its state in
+    `sync_state`, which the survivors run before they re-wrap. `wire` wraps it
+    at the top of each generation. The other layouts never resize in place
+    and are wired at once (their optimizer needs the sharded parameters).
+    """
+    plain = not ctx.spec.parallel.hybrid
+    engine = Engine(ctx.spec, whole, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
+                    node_of=None if plain else _nodes(ctx), microbatches=ctx.accum_steps,
+                    clock=ctx.telemetry.clock if ctx.telemetry is not None else None, log=ctx.log,
+                    wrap=not plain)
+    if ctx.world_size > 1:
+        for interface in engine.collectives():
+            permit(interface)
+    return engine
+
+
+def wire(ctx: TrainContext, engine: Engine) -> None:
+    """Wrap plain data parallelism for this generation (a no-op for the other layouts)."""
+    if engine.wired:
+        return
+    engine.node_of = _nodes(ctx) or {}
+    engine.wrapped = engine.wrap()
+    engine.wired = True
+    if engine.hierarchy is not None:
+        permit("reduce_scatter")
+        ctx.log(f"data-parallel all-reduce is hierarchical over {engine.hierarchy.nodes} nodes "
+                f"of {engine.hierarchy.local_size} rank(s)")
+
+
+def _nodes(ctx: TrainContext) -> dict[int, str] | None:
+    """Every rank's node, for the hierarchical all-reduce (None when it cannot apply)."""
+    allowed = ctx.spec.permission.collectives
+    if (ctx.world_size == 1 or ctx.spec.parallel.hierarchical_allreduce == "off"
+            or "reduce_scatter" not in allowed):
+        return None
+    nodes: list[str] = [""] * ctx.world_size
+    permit("all_gather")
+    dist.all_gather_object(nodes, ctx.node)
+    return dict(enumerate(nodes))
+
+
+def _train_from(ctx: TrainContext, pos: Position, engine: Engine, source: BatchSource,
+                guard: GradNormGuard) -> dict[str, Any]:
+    spec = ctx.spec
+    model, optimizer = engine.holder, engine.optimizer
+    t = spec.training
+    global_batch = spec.elastic_range.global_batch  # the same at every size
+    meter = _Throughput(global_batch * spec.model.seq_len)
+    loss_value = float("nan")
+    first = pos.step
+    with Prefetcher(_batches(source, spec, ctx, pos), depth=max(1, spec.data.prefetch)) as it:
+        micro_batch = spec.parallel.micro_batch_size
+        for step in range(first, t.steps):
+            if ctx.telemetry is not None:
+                ctx.telemetry.begin_step()
+            if ctx.capture is not None and ctx.capture.req.kind == "profile":
+                debug_step.profile(ctx, step)
+            loss_value = _train_step(engine, it, step, ctx, pos, guard)
+            resize.record_samples(ctx, step, pos)
+            done = pos.step = step + 1  # applied: a rejoin continues after it
+            meter.tick()
+            if ctx.telemetry is not None:
+                samples = micro_batch * ctx.accum_steps
+                ctx.telemetry.end_step(done, samples, samples * spec.model.seq_len)
+            if ctx.capture is not None and ctx.capture.profiler is not None:
+                debug_step.profiled(ctx, done == t.steps)
+            if done % t.log_interval == 0 or done == t.steps or done == first + 1:
+                global_loss = _global_mean(loss_value, ctx)
+                rate = meter.rate()
+                ctx.report(done, loss=global_loss, tokens_per_s=rate)
+                if ctx.is_chief:
+                    ctx.log(f"step {done}/{t.steps} loss {global_loss:.4f} tokens/s {rate:.0f}",
+                            step=done, loss=global_loss)
+            else:
+                ctx.report(done)
+            if done % spec.checkpoint.interval_steps == 0 and done != t.steps:
+                _save(ctx, done, model, optimizer, pos, guard)
+            if done == t.steps:
+                continue
+            preempt, rejoin = ctx.control()
+            if rejoin:
+                raise ResizeNow(rejoin)
+            if preempt:
+                info = _save(ctx, done, model, optimizer, pos, guard, sync=True)
+                ctx.log(f"preempted at step {done}; checkpoint saved, yielding the GPUs")
+                return {"preempted": True, "steps": done, "checkpoint": info.to_json()}
+    final_loss = _global_mean(loss_value, ctx)
+    digest = check_replicas_in_sync(engine, ctx)
+    info = _save(ctx, t.steps, model, optimizer, pos, guard, sync=True)
+    return {"final_loss": final_loss, "steps": t.steps, "checkpoint": info.to_json(),
+            "params_sha256": digest, "skipped_batches": pos.skipped}
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of this rank's parameters and buffers (its own shard of a sharded tensor)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        local = p.to_local() if hasattr(p, "to_local") else p
+        h.update(local.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_replicas_in_sync(engine: Engine, ctx: TrainContext) -> str:
+    """Compare every data-parallel replica's parameters bit for bit.
+
+    Replicas that drift apart (a non-deterministic kernel, a skipped
+    all-reduce) would otherwise go unnoticed until the checkpoint, which
+    keeps only one copy. Ranks holding the same shard of the model (same
+    pipeline stage and tensor-parallel index) must agree; under ZeRO 2 and 3
+    each holds a different slice, so there is nothing to compare.
+
+    Returns:
+        This rank's digest with plain data parallelism; otherwise one digest
+        of every shard of the first replica, in rank order.
+
+    Raises:
+        TrainingError: When two ranks that should hold the same parameters do not.
+    """
+    digest = params_digest(engine.holder)
+    if ctx.world_size == 1:
+        ctx.log(f"final parameter sha256 {digest}", params_sha256=digest)
+        return digest
+    digests: list[str] = [""] * ctx.world_size
+    permit("all_gather")
+    dist.all_gather_object(digests, digest)
+    layout = engine.layout
+    if not engine.fsdp:
+        for r in range(layout.world_size):
+            peers = {digests[q] for q in layout.dp_group(r)}
+            if len(peers) != 1:
+                raise TrainingError(f"data-parallel replicas diverged: ranks {layout.dp_group(r)} "
+                                    f"hold parameter digests {[digests[q] for q in layout.dp_group(r)]}")
+    if layout.world_size // layout.dp > 1 or engine.fsdp:
+        shards = digests[:layout.world_size // layout.dp] if not engine.fsdp else digests
+        digest = hashlib.sha256("".join(shards).encode()).hexdigest()
+    ctx.log(f"final parameter sha256 {digest}", params_sha256=digest)
+    return digest
+
+
+def _train_step(engine: Engine, it: Iterator, step: int, ctx: TrainContext, pos: Position,
+                guard: GradNormGuard) -> float:
+    """One optimizer step; raises `NumericFault` instead of applying bad gradients."""
+    spec = ctx.spec
+    optimizer = engine.optimizer
+    index = data_index(step, pos.skipped)
+    poison = ctx.is_chief and index in spec.fault_tolerance.inject_nan_at_batches
+    for group in optimizer.param_groups:
+        group["lr"] = spec.optimizer.lr * lr_factor(step, spec)
+    with ctx.phase("data"):
+        batches = [tuple(b.to(ctx.device, non_blocking=True) for b in next(it))
+                   for _ in range(ctx.accum_steps)]
+    # Forward and backward; the data-parallel gradient all-reduce runs inside backward.
+    with ctx.phase("forward"):
+        loss = engine.forward_backward(batches, poison=poison)  # a fault drill: NaN on rank 0
+    with ctx.phase("optimizer"):
+        # After the all-reduce every rank holds the same gradients, hence the same norm
+        # and the same verdict: no extra collective is needed to agree on a fault.
+        if ctx.capture is not None and ctx.capture.gradients_due(step + 1):
+            debug_step.gradients(ctx, engine.holder, step + 1)  # as the all-reduce left them
+        norm = engine.clip(spec.optimizer.grad_clip)
+        if ctx.telemetry is not None:
+            ctx.telemetry.observe_numerics(loss, norm, optimizer.param_groups[0]["lr"])
+        if engine.precision.overflowed(norm):  # fp16: skip the step, lower the loss scale
+            engine.skip()
+            return loss
+        problem = guard.check(norm)
+        if problem:
+            optimizer.zero_grad(set_to_none=True)
+            raise NumericFault(step, index, problem)
+        engine.step()
+    return loss
+
+
+def _save(ctx: TrainContext, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          pos: Position, guard: GradNormGuard, *, sync: bool | None = None,
+          ) -> CheckpointInfo | PendingCheckpoint:
+    """Checkpoint `step`, in the background when `checkpoint.async_save` is on.
+
+    The final checkpoint and one taken while a preemption is pending are
+    written synchronously (after any write in flight): the caller hands the
+    committed checkpoint on at once. `sync` overrides the choice.
+
+    Args:
+        pos, guard: The data position (skipped batches) and gradient-norm
+            history, saved so that a restore continues the exact sequence.
+
+    Returns:
+        The committed checkpoint, or the pending one when written in the background.
+    """
+    spec = ctx.spec
+    if sync is None:
+        # preemption_requested() is a collective: fine, every rank reaches _save at the same step.
+        sync = (not spec.checkpoint.async_save or step >= spec.training.steps
+                or ctx.preemption_requested())
+    state = rank_state(step, pos.skipped, guard)
+    extra = {"parallel": spec.parallel.model_dump(),
+             "data_position": data_position(step, pos.skipped)}
+    with ctx.phase("checkpoint"):
+        if sync:
+            info = ctx.checkpoint.save(step, model, optimizer, rank_state=state, extra=extra)
+        else:
+            pending = ctx.checkpoint.save_async(step, model, optimizer, rank_state=state,
+                                                extra=extra)
+    if sync:
+        if ctx.is_chief:
+            ctx.log(f"checkpoint step {step} -> {info.path} ({info.bytes} bytes, training blocked "
+                    f"{info.blocked_s:.2f}s)", step=step, blocked_s=info.blocked_s)
+        return info
+    if ctx.is_chief:
+        ctx.log(f"checkpoint step {step}: training blocked {pending.blocked_s:.3f}s to stage it; "
+                "writing in the background", step=step, blocked_s=pending.blocked_s)
+        pending.add_done_callback(lambda p: _log_commit(ctx, p))
+    return pending
+
+
+def _log_commit(ctx: TrainContext, pending: PendingCheckpoint) -> None:
+    """Rank 0's log line once a background write ends (runs on the writer thread)."""
+    try:
+        info = pending.result()
+    except CheckpointError as exc:
+        ctx.log(f"{exc}; the next checkpoint call raises it", level="ERROR", step=pending.step)
+        return
+    ctx.log(f"checkpoint step {info.step} -> {info.path} ({info.bytes} bytes, written in "
+            f"{info.write_s:.2f}s in the background)", step=info.step, write_s=info.write_s)

@@ -1,0 +1,185 @@
+"""Where the built-in trainer starts from: a fresh model, the newest checkpoint
+that verifies, or (after a numeric fault) a rollback to it.
+
+Every rank makes the same choice: they read the same checkpoint folder and
+verify it the same way, and a rollback is triggered by a gradient norm all
+ranks share.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kuangchao.platform.execution.recovery import Failure, record_failure
+from kuangchao.platform.jobs.state import JobRecord, JobState, transition
+from kuangchao.platform.version import __version__
+from kuangchao.workers.checkpoint.format import verify
+from kuangchao.workers.errors import CheckpointError, TrainingError
+from kuangchao.workers.models.factory import build_model
+from kuangchao.workers.runtime.context import TrainContext
+from kuangchao.workers.trainer.numerics import GradNormGuard, NumericFault
+
+
+@dataclass
+class Position:
+    """The step to resume at and the batches never to train on."""
+
+    step: int = 0
+    skipped: list[int] = field(default_factory=list)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+            "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def rank_state(step: int, skipped: list[int], guard: GradNormGuard) -> dict[str, Any]:
+    """This rank's part of a checkpoint: RNG states and the data position."""
+    return {"rng": rng_state(), "step": step, "skipped_batches": sorted(skipped),
+            "grad_norms": guard.state()}
+
+
+def restore_latest(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   guard: GradNormGuard) -> Position | None:
+    """Load the newest checkpoint that verifies; broken newer ones are skipped with an event."""
+    ctx.checkpoint.wait()
+    for path in reversed(ctx.checkpoint.list()):
+        try:
+            manifest = verify(path)
+        except CheckpointError as exc:
+            _event(ctx, {"type": "checkpoint_skipped", "path": str(path),
+                         "message": f"skipped checkpoint {path.name}: {exc.message}"})
+            continue
+        state = ctx.checkpoint.load(path, model, optimizer)
+        set_rng_state(state["rng"])
+        guard.load_state(state.get("grad_norms"))
+        pos = Position(int(manifest["step"]), list(state.get("skipped_batches") or []))
+        ctx.log(f"restored checkpoint {path} at step {pos.step}{_restore_notes(manifest, ctx)}"
+                + (f"; skipping batches {pos.skipped}" if pos.skipped else ""))
+        return pos
+    return None
+
+
+def fresh_start(ctx: TrainContext, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer) -> None:
+    """Put the model and optimizer back to their state at step 0 (same seed, same init).
+
+    `model` is this rank's share (workers/parallel/engine.py): the whole initial state is
+    rebuilt, and each parameter takes its own slice of it (a pipeline stage
+    its blocks, a tensor- or ZeRO-3-sharded parameter its shard), in place.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from kuangchao.workers.checkpoint.state_reader import saved_optimizer
+    from kuangchao.workers.trainer.loop import model_config
+
+    seed_everything(ctx.spec.training.seed)
+    initial = build_model(model_config(ctx.spec)).state_dict()
+    own = model.state_dict().keys()
+    set_model_state_dict(model, {k: v for k, v in initial.items() if k in own},
+                         options=StateDictOptions(full_state_dict=True, strict=True))
+    optimizer.state.clear()
+    saved_optimizer(optimizer).state.clear()
+
+
+def roll_back(ctx: TrainContext, fault: NumericFault, model: torch.nn.Module,
+              optimizer: torch.optim.Optimizer, guard: GradNormGuard,
+              skipped: list[int]) -> Position:
+    """Record a numeric fault, then restore the last good state and skip the batch.
+
+    Raises:
+        TrainingError: When the job has used up `fault_tolerance.max_restarts`.
+    """
+    message = f"numeric fault at {fault}; rolling back and skipping batch {fault.data_index}"
+    if not _agree(_record(ctx, message), ctx):
+        raise TrainingError(f"{message}; gave up after fault_tolerance.max_restarts restarts")
+    t0 = time.perf_counter()
+    pos = restore_latest(ctx, model, optimizer, guard)
+    if pos is None:
+        fresh_start(ctx, model, optimizer)
+        guard.load_state([])
+        pos = Position(0, [])
+    pos.skipped = sorted({*pos.skipped, *skipped, fault.data_index})
+    ctx.log(f"rolled back to step {pos.step} after {fault}; batches skipped from now on: "
+            f"{pos.skipped}", level="WARNING")
+    _resume_running(ctx, pos, time.perf_counter() - t0)
+    return pos
+
+
+def _record(ctx: TrainContext, message: str) -> bool:
+    """Rank 0 counts the fault as a restart; False when none are left."""
+    ctx.rollbacks += 1
+    if ctx.store is None:
+        return ctx.rollbacks <= ctx.spec.fault_tolerance.max_restarts
+    if not ctx.is_chief:
+        return True
+    return record_failure(ctx.store, ctx.job_id, Failure("numeric", message),
+                          ctx.spec.fault_tolerance.max_restarts)
+
+
+def _agree(ok: bool, ctx: TrainContext) -> bool:
+    """Every rank takes rank 0's decision."""
+    if ctx.world_size == 1 or not dist.is_initialized():
+        return ok
+    flag = torch.tensor([1.0 if ok else 0.0])
+    with ctx.phase("collective"):
+        dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def _resume_running(ctx: TrainContext, pos: Position, restore_s: float) -> None:
+    ctx.expect_first_step()
+    if not ctx.is_chief or ctx.store is None:
+        return
+
+    def back(j: JobRecord):
+        if j.state is not JobState.RECOVERING:
+            return None
+        return transition(j, JobState.RUNNING, f"rolled back to step {pos.step}; skipping "
+                                               f"batches {pos.skipped}")
+    try:
+        ctx.store.annotate_restart(ctx.job_id, {"path": "rollback", "restore_s": round(restore_s, 3),
+                                                "resumed_step": pos.step})
+        ctx.store.update(ctx.job_id, back)
+    except Exception as exc:  # bookkeeping; training goes on
+        ctx.log(f"could not record the rollback: {exc}", level="WARNING")
+
+
+def _event(ctx: TrainContext, event: dict[str, Any]) -> None:
+    ctx.log(event["message"], level="WARNING")
+    if ctx.is_chief and ctx.store is not None:
+        try:
+            ctx.store.add_event(ctx.job_id, event)
+        except Exception:
+            pass
+
+
+def _restore_notes(manifest: dict[str, Any], ctx: TrainContext) -> str:
+    """What differs between the restored checkpoint and this run, for the log."""
+    notes = []
+    if manifest.get("world_size", ctx.world_size) != ctx.world_size:
+        notes.append(f"written by {manifest['world_size']} ranks, now {ctx.world_size}: "
+                     "RNG states come from rank 0's file where a rank has none")
+    version = manifest.get("platform_version")
+    if version is not None and version != __version__:
+        notes.append(f"written by kuangchao {version}, this is {__version__}")
+    return f" ({'; '.join(notes)})" if notes else ""
