@@ -7,7 +7,9 @@ KC := $(VENV)/bin/kc
 CLUSTER ?= examples/cluster-2x4.yaml
 JOB ?= examples/tiny-gpt.yaml
 
-.PHONY: install tools run test unit integration fuzz lint up down clean
+LOCK := constraints.txt
+
+.PHONY: install tools run test unit integration fuzz lint lock up down clean
 
 install: $(VENV)/.installed
 
@@ -25,12 +27,26 @@ tools:
 	    apt-get install -y -q --no-install-recommends $(APT_TOOLS) >/dev/null; }; }
 
 # torch is installed first and pinned: the CPU build serves here, and an
-# unpinned `torch` could pull a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml
+# unpinned `torch` could pull a multi-GB CUDA build. Everything else comes at the
+# versions of $(LOCK), so that CI and a newcomer get what the tests passed with.
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -c $(LOCK) -e ".[dev]"
 	touch $@
+
+# Resolve pyproject.toml's ranges again, in a fresh venv, and pin the result in
+# $(LOCK). Run it to take newer releases; commit the file once the tests pass.
+LOCK_VENV := .lock-venv
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q "torch==2.13.0"
+	$(LOCK_VENV)/bin/pip install -q -e ".[dev]"
+	{ sed -n '1,2p' $(LOCK); \
+	  $(LOCK_VENV)/bin/pip freeze --exclude-editable | sed 's/+cpu$$//'; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	rm -rf $(LOCK_VENV)
 
 run: install
 	@set -e; trap '$(KC) down' EXIT; \
@@ -68,4 +84,4 @@ down: install
 	$(KC) down
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(LOCK_VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -236,7 +236,8 @@ def test_torch_pin_is_the_makefiles():
 def test_package_installs_non_editable_from_what_is_copied():
     build = BY_NAME["build"]
     setuptools = PYPROJECT["tool"]["setuptools"]
-    needed = {"pyproject.toml", PYPROJECT["project"]["readme"], *setuptools["package-dir"].values()}
+    needed = {"pyproject.toml", "constraints.txt", PYPROJECT["project"]["readme"],
+              *setuptools["package-dir"].values()}
     copied: set[str] = set()
     workdir, project_installs = None, 0
     for ins, args in build.lines:
@@ -251,6 +252,7 @@ def test_package_installs_non_editable_from_what_is_copied():
                 if "." not in words:
                     continue
                 project_installs += 1
+                assert "-c" in words, "the image installs at the lock's versions (pip -c)"
                 assert workdir == "/src"
                 missing = needed - copied
                 assert not missing, f"pyproject needs {missing} copied before `pip install .`"
