@@ -1,22 +1,48 @@
 """Exceptions of the control plane.
 
 One base class, one subclass per failure mode. Every exception here survives
-pickling, because they cross Ray actor boundaries, and every message says what
-was wrong and which setting to change.
+pickling, because they cross Ray actor boundaries (`tests/unit/test_errors.py`
+round-trips each one), and every message says what was wrong and which setting
+to change.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
 
-class KuangchaoError(Exception):
+if TYPE_CHECKING:
+    from kuangchao.platform.execution.recovery import Failure
+
+
+def _rebuild(cls: type, args: tuple, kwargs: dict[str, Any]) -> BaseException:
+    return cls(*args, **kwargs)
+
+
+class Picklable:
+    """Pickles an exception from the arguments it was built with.
+
+    `BaseException` pickles from `self.args`, which is what the class passed to
+    `super().__init__`: a subclass that takes other arguments (a `Failure`, a
+    reason and a message) cannot be rebuilt from it. This keeps the constructor's
+    own arguments instead, and the attributes set after construction."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        self = super().__new__(cls, *args)  # type: ignore[call-arg]
+        self._init_args = (args, kwargs)
+        return self
+
+    def __reduce__(self):
+        args, kwargs = self.__dict__.get("_init_args", (getattr(self, "args", ()), {}))
+        state = {k: v for k, v in self.__dict__.items() if k != "_init_args"}
+        return (_rebuild, (self.__class__, args, kwargs), state)
+
+
+class KuangchaoError(Picklable, Exception):
     """Base of every error the control plane raises on purpose."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
-
-    def __reduce__(self):  # keeps subclasses with extra state picklable
-        return (self.__class__, (self.message,))
 
 
 class SpecError(KuangchaoError):
@@ -28,9 +54,6 @@ class SpecError(KuangchaoError):
         self.errors = list(errors)
         lines = [f"{path}: {msg}" if path else msg for path, msg in self.errors]
         super().__init__("\n".join(lines))
-
-    def __reduce__(self):
-        return (self.__class__, (self.errors,))
 
 
 class TopologyError(KuangchaoError):
@@ -61,5 +84,49 @@ class ClusterError(KuangchaoError):
     """The local cluster could not be started, found or stopped."""
 
 
+class WatchEnded(ClusterError):
+    """The watch lost Ray after the control plane was up (not a configuration error)."""
+
+
 class JobFailed(KuangchaoError):
     """A training job failed; the message carries the cause."""
+
+
+class Cancelled(KuangchaoError):
+    """The job was cancelled while the controller was working on it."""
+
+
+class Preempted(KuangchaoError):
+    """The scheduler took the job's GPUs back; it goes back to the queue."""
+
+
+class WorkerLost(KuangchaoError):
+    """A rank died, hung or lost its node: an infrastructure fault the job recovers from."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+class GaveUp(KuangchaoError):
+    """The failure used up `max_restarts`; the job is already FAILED."""
+
+
+class FinishedDuringResize(Picklable, Exception):
+    """The ranks finished the job's last step instead of moving to the new generation."""
+
+
+class TokenError(Picklable, PermissionError):
+    """A token was refused. `reason` is one of: missing, malformed, expired,
+    tampered, revoked, denied."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason, self.message = reason, message
+
+
+class DriverStopped(Picklable, BaseException):
+    """SIGTERM or SIGHUP reached the driver: `ray job stop`, or the pod going away.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the
+    way up swallows it; the controller's `finally` tears the workers down."""

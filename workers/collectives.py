@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kuangchao.platform.security.tokens import Claims, TokenError, check
+from kuangchao.platform.errors import TokenError
+from kuangchao.platform.security.tokens import Claims, check
 
 WORLD = "world"
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,

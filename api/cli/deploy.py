@@ -32,7 +32,8 @@ def start(address: Annotated[str | None, typer.Option(
           ) -> None:
     """Start the scheduler, registry and token authority (idempotent). Run it on the
     head node: the token authority reads KC_SIGNING_KEY_FILE there."""
-    from kuangchao.platform.runtime.bootstrap import BootstrapOptions, WatchEnded, run
+    from kuangchao.platform.errors import WatchEnded
+    from kuangchao.platform.runtime.bootstrap import BootstrapOptions, run
     from kuangchao.platform.settings import Settings
 
     settings = Settings.from_env()

@@ -320,7 +320,8 @@ def down() -> None:
 def train(config: Annotated[Path, typer.Option("--config", help="Job YAML.")], set_: Sets = None,
           as_json: Json = False) -> None:
     """Run a job with this process as the driver (what `ray job submit` runs)."""
-    from kuangchao.platform.runtime.driver import DriverStopped, run_as_driver
+    from kuangchao.platform.errors import DriverStopped
+    from kuangchao.platform.runtime.driver import run_as_driver
 
     doc = load_job_doc(config, set_)
     try:

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from kuangchao.api.sdk.errors import ApiError
 from kuangchao.api.sdk.types import EventPage, Job, LogPage, MetricsPage
 
 __all__ = ["ApiError", "Client", "Job", "load_file"]
@@ -25,32 +26,6 @@ def load_file(path: Path, sets: list[str]) -> dict[str, Any]:
     if isinstance(data, dict) and isinstance(data.get("path"), str) and data["path"]:
         data["path"] = str(Path(data["path"]).expanduser().absolute())
     return doc
-
-
-class ApiError(Exception):
-    """The API answered with an error, or could not be reached.
-
-    Attributes:
-        status: HTTP status, or 0 when the server could not be reached.
-        detail: The server's `detail` (a string, or a list of field errors).
-    """
-
-    def __init__(self, status: int, detail: Any) -> None:
-        self.status, self.detail = status, detail
-        super().__init__(self.describe())
-
-    def __reduce__(self):
-        return (self.__class__, (self.status, self.detail))
-
-    def describe(self) -> str:
-        if isinstance(self.detail, list):
-            return "\n".join(f"{d.get('field') or '.'.join(map(str, d.get('loc', [])))}: {d['msg']}"
-                             for d in self.detail)
-        return str(self.detail)
-
-    @property
-    def is_user_error(self) -> bool:
-        return self.status == 0 or 400 <= self.status < 500 or self.status == 503
 
 
 class Client:

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,21 +26,25 @@ from ray.util.scheduling_strategies import (
 )
 from torch.distributed import TCPStore
 
-from kuangchao.platform.errors import KuangchaoError
+from kuangchao.platform.errors import Cancelled, KuangchaoError, Preempted, WorkerLost
 from kuangchao.platform.execution.bundles import pinned_nodes, rank_resources, replica_pg
 from kuangchao.platform.execution.grants import Credentials, worker_settings
 from kuangchao.platform.execution.inplace import InPlaceRecovery, node_lost
-from kuangchao.platform.execution.recovery import (
-    Cancelled,
-    Failure,
-    Preempted,
-    WorkerLost,
-    record_failure,
-    requeue_for_recovery,
-)
+from kuangchao.platform.execution.recovery import Failure, record_failure, requeue_for_recovery
+from kuangchao.platform.execution.reports import apply_reports
 from kuangchao.platform.execution.resize import LiveResize
 from kuangchao.platform.execution.watch import RankHost, RankWatch
-from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank, transition
+from kuangchao.platform.jobs.state import (
+    Change,
+    JobRecord,
+    JobState,
+    PlacedRank,
+    cancel,
+    fail,
+    finish,
+    requeue,
+    start,
+)
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.scheduling.orphans import LAUNCHING, controller_name
 from kuangchao.platform.settings import Settings
@@ -121,7 +126,7 @@ class JobController(InPlaceRecovery, LiveResize, Credentials):
             self._handle_lost(exc.failure, spec)
         except Cancelled:
             self._teardown()
-            self._set(JobState.CANCELLED, "cancelled on request")
+            self._apply(cancel, "cancelled on request")
         except Preempted as exc:
             self._teardown()
             req = self.resize_by_restart
@@ -135,7 +140,7 @@ class JobController(InPlaceRecovery, LiveResize, Credentials):
                     "ts": time.time(), "level": "ERROR", "job_id": self.job_id, "rank": None,
                     "module": "controller", "message": traceback.format_exc()}])
             self._teardown()
-            self._set(JobState.FAILED, _cause(exc))
+            self._apply(fail, _cause(exc))
         finally:
             self._teardown()
             self._retire_credentials()
@@ -188,7 +193,7 @@ class JobController(InPlaceRecovery, LiveResize, Credentials):
         infos = self._wait_ready([w.describe.remote() for w in self.workers], 300.0, "workers")
         self._record_workers(job, infos)
         self._form_group(spec, infos)
-        self._set(JobState.RUNNING,
+        self._apply(start,
                   f"{self.world} rank(s) joined the {self.backend} process group")
         self._note_placed()
         self._start_spares(spec)
@@ -335,6 +340,7 @@ class JobController(InPlaceRecovery, LiveResize, Credentials):
                 break
             self._check_heartbeats(skip=set(results))
             try:
+                apply_reports(self.store, self.job_id, spec.fault_tolerance.max_restarts)
                 if self.store.cancel_requested(self.job_id):
                     raise Cancelled("cancelled")
                 if preempt_deadline is None and self.store.preempt_requested(self.job_id):
@@ -346,6 +352,10 @@ class JobController(InPlaceRecovery, LiveResize, Credentials):
             if preempt_deadline is not None and time.monotonic() > preempt_deadline:
                 raise Preempted(f"preempted; workers did not checkpoint within {PREEMPT_GRACE_S:.0f}s "
                                 "and were stopped")
+        try:  # the reports of the last steps
+            apply_reports(self.store, self.job_id, spec.fault_tolerance.max_restarts)
+        except redis.RedisError:
+            pass  # bookkeeping: the job's outcome does not wait on it
         out = [results[i] for i in range(len(self.refs))]
         if out and isinstance(out[0], dict) and out[0].get("preempted"):
             raise Preempted(f"preempted at step {out[0].get('steps')}; checkpointed and requeued")
@@ -399,7 +409,7 @@ class JobController(InPlaceRecovery, LiveResize, Credentials):
         except CheckpointError as exc:
             raise KuangchaoError(f"final checkpoint does not verify: {exc.message}") from None
         final_loss = (results[0] or {}).get("final_loss")
-        self._set(JobState.SUCCEEDED,
+        self._apply(finish,
                   f"finished at step {manifest['step']}; final checkpoint {path}"
                   + (f"; final loss {final_loss:.4f}" if isinstance(final_loss, float) else ""))
 
@@ -440,13 +450,8 @@ class JobController(InPlaceRecovery, LiveResize, Credentials):
 
     def _requeue(self, reason: str) -> None:
         """Give the GPUs back and return the job to the queue; it resumes from its checkpoint."""
-        def back(j: JobRecord):
-            if j.state.is_terminal:
-                return None
-            new, event = transition(j, JobState.QUEUED, reason, placement=(), preempting_for=None,
-                                    preemptions=j.preemptions + 1, resize=None)
-            return new, event
-        self.store.update(self.job_id, back)
+        self.store.update(self.job_id, lambda j: requeue(j, reason, preemptions=j.preemptions + 1,
+                                                         resize=None))
         self.store.clear_preempt(self.job_id)
         self.store.wake_scheduler(self.job_id)
 
@@ -472,11 +477,9 @@ class JobController(InPlaceRecovery, LiveResize, Credentials):
                                              f"{first}")) from None
         return values[0] if single else values
 
-    def _set(self, state: JobState, reason: str) -> None:
-        job = self.store.get(self.job_id)
-        if job.state is state or job.state.is_terminal:
-            return
-        self.store.transition(self.job_id, state, reason)
+    def _apply(self, operation: Callable[..., Change], reason: str) -> None:
+        """Apply one of the state machine's operations to the job (a no-op where it does not apply)."""
+        self.store.update(self.job_id, lambda j: operation(j, reason))
 
     def _teardown(self) -> None:
         for w in [*self.workers, *self.spares.values()]:

@@ -10,9 +10,9 @@ from typing import Any
 
 import ray
 
-from kuangchao.platform.errors import ClusterError, KuangchaoError
+from kuangchao.platform.errors import ClusterError, KuangchaoError, TokenError
 from kuangchao.platform.security.authority import AUTHORITY_NAME
-from kuangchao.platform.security.tokens import Claims, TokenError, Verifier, check, load_public, within_prefix
+from kuangchao.platform.security.tokens import Claims, Verifier, check, load_public, within_prefix
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings
 
 log = logging.getLogger(__name__)

@@ -16,21 +16,17 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kuangchao.platform.cluster import quarantine
-from kuangchao.platform.errors import KuangchaoError
+from kuangchao.platform.errors import Cancelled, GaveUp, KuangchaoError
 from kuangchao.platform.execution.grants import worker_settings
-from kuangchao.platform.execution.recovery import Cancelled, Failure, record_failure
+from kuangchao.platform.execution.recovery import Failure, record_failure
 from kuangchao.platform.execution.watch import kill_process
-from kuangchao.platform.jobs.state import JobState, PlacedRank
+from kuangchao.platform.jobs.state import PlacedRank, start
 from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.workers.runtime.worker import SpareWorker
 
 # Failures the in-place path can handle: the rank's node is still there.
 IN_PLACE_KINDS = frozenset({"died", "expired", "hung"})
 SPARE_WAIT_S = 60.0
-
-
-class GaveUp(KuangchaoError):
-    """The failure used up `max_restarts`; the job is already FAILED."""
 
 
 class InPlaceRecovery:
@@ -85,7 +81,7 @@ class InPlaceRecovery:
         job = self.store.get(self.job_id)
         self._record_workers(job, infos)
         self._form_group(spec, infos)
-        self._set(JobState.RUNNING, f"rank {rank} replaced in place on {node}; "
+        self._apply(start, f"rank {rank} replaced in place on {node}; "
                                     f"{len(survivors)} survivor(s) kept their processes")
         self.store.annotate_restart(self.job_id, {
             "path": "in_place", "spare": spare is not None, "teardown_s": round(stopped_s, 3),

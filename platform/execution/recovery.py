@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kuangchao.platform.cluster.quarantine import NODE_FAULT_KINDS, QuarantinePolicy
-from kuangchao.platform.errors import KuangchaoError
-from kuangchao.platform.jobs.state import JobRecord, JobState, transition
+from kuangchao.platform.jobs.state import JobState, fail, recover, requeue
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
 
@@ -48,22 +47,6 @@ class Failure:
         return {k: v for k, v in d.items() if v is not None}
 
 
-class Cancelled(KuangchaoError):
-    """The job was cancelled while the controller was working on it."""
-
-
-class Preempted(KuangchaoError):
-    """The scheduler took the job's GPUs back; it goes back to the queue."""
-
-
-class WorkerLost(KuangchaoError):
-    """A rank died, hung or lost its node: an infrastructure fault the job recovers from."""
-
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(failure.message)
-        self.failure = failure
-
-
 def record_failure(store: JobStore, job_id: str, failure: Failure, max_restarts: int,
                    policy: QuarantinePolicy | None = None) -> bool:
     """Record a failure: a restart entry and event, or FAILED past `max_restarts`.
@@ -90,14 +73,7 @@ def record_failure(store: JobStore, job_id: str, failure: Failure, max_restarts:
         return False
     entry = {"restart": job.restarts + 1, **failure.record()}
 
-    def recovering(j: JobRecord):
-        if j.state.is_terminal:
-            return None
-        if j.state is JobState.RECOVERING:  # already recorded by another path
-            return None
-        return transition(j, JobState.RECOVERING, failure.message, restarts=j.restarts + 1,
-                          restart_log=(*j.restart_log, entry))
-    if store.update(job_id, recovering) is None:
+    if store.update(job_id, lambda j: recover(j, failure.message, entry)) is None:
         return False
     metrics.job_recorder(store.r, store.p, job_id).inc(metrics.RESTARTS, job=job_id,
                                                           cause=failure.kind)
@@ -108,15 +84,13 @@ def requeue_for_recovery(store: JobStore, job_id: str, teardown_s: float) -> Non
     """Send a RECOVERING job back to the scheduler to be placed again."""
     store.annotate_restart(job_id, {"teardown_s": round(teardown_s, 3), "path": "requeue",
                                     "requeued_at": time.time()})
-    store.update(job_id, lambda j: None if j.state is not JobState.RECOVERING else transition(
-        j, JobState.QUEUED, "re-placing; resumes from the newest verified checkpoint",
-        placement=(), preempting_for=None))
+    store.update(job_id, lambda j: requeue(j, "re-placing; resumes from the newest verified checkpoint",
+                                           only_from=JobState.RECOVERING))
     store.wake_scheduler(job_id)
 
 
 def _fail(store: JobStore, job_id: str, message: str) -> None:
-    store.update(job_id, lambda j: None if j.state.is_terminal
-                 else transition(j, JobState.FAILED, message))
+    store.update(job_id, lambda j: fail(j, message))
 
 
 def _report_node(store: JobStore, failure: Failure,

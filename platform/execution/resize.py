@@ -27,11 +27,11 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from kuangchao.platform.cluster import quarantine
-from kuangchao.platform.errors import KuangchaoError
+from kuangchao.platform.errors import Cancelled, FinishedDuringResize, GaveUp, KuangchaoError, WorkerLost
 from kuangchao.platform.execution.bundles import pinned_nodes, rank_resources
-from kuangchao.platform.execution.recovery import Cancelled, Failure, WorkerLost, record_failure
+from kuangchao.platform.execution.recovery import Failure, record_failure
 from kuangchao.platform.execution.watch import kill_process
-from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank, transition
+from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank, resize, settle_resize
 from kuangchao.platform.spec.elastic import Membership, plan_membership, replicas_left
 from kuangchao.platform.spec.jobspec import JobSpec
 
@@ -39,10 +39,6 @@ GENERATION_READY_S = 300.0  # survivors finish their step, joiners take the stat
 JOINER_READY_S = 60.0  # a new rank's placement group and process; a grow is called off past it
 LEAVE_WAIT_S = 30.0
 POLL_S = 0.02
-
-
-class FinishedDuringResize(Exception):
-    """The ranks finished the job's last step instead of moving to the new generation."""
 
 
 @dataclasses.dataclass
@@ -105,7 +101,6 @@ class LiveResize:
         dead = {failure.rank} | {r for r, p in by_rank.items() if p.node_id in lost}
         if not record_failure(self.store, self.job_id, failure, spec.fault_tolerance.max_restarts,
                               self.settings.quarantine):
-            from kuangchao.platform.execution.inplace import GaveUp
             raise GaveUp(failure.message)
         # After the failure is counted: it may just have put its node in quarantine.
         blocked = quarantine.active(self.store.quarantine(), time.time())
@@ -235,10 +230,9 @@ class LiveResize:
                 return None
             log = j.resize_log[:-1] + ({**j.resize_log[-1], "called_off": message},) \
                 if j.resize_log else ()
-            return transition(j, JobState.RUNNING, f"resize called off, staying at {world} "
-                                                   f"rank(s): {message}",
-                              placement=tuple(p for p in j.placement if p.rank < world),
-                              resize=None, resize_log=log)
+            return settle_resize(j, f"resize called off, staying at {world} rank(s): {message}",
+                                 placement=tuple(p for p in j.placement if p.rank < world),
+                                 resize=None, resize_log=log)
         self.store.update(self.job_id, back)
         self.store.wake_scheduler(self.job_id)
 
@@ -312,10 +306,8 @@ class LiveResize:
                    if entry["to"] != cur else f"replacing {len(m.joining)} rank(s) in place")
 
         def begin(j: JobRecord):
-            if j.state not in (JobState.RUNNING, JobState.RECOVERING):
-                return None
             log = j.resize_log + ((entry,) if entry["to"] != cur else ())
-            return transition(j, JobState.RESIZING, message, resize_log=log)
+            return resize(j, message, resize_log=log)
         self.store.update(self.job_id, begin)
 
     def _commit(self, spec: JobSpec, m: Membership, joiners: list[_Joiner], gen: Any,
@@ -332,11 +324,11 @@ class LiveResize:
                 dataclasses.replace(old[by_new[r]] if r in by_new else slots[r - len(by_new)],
                                     rank=r, pid=infos[r]["pid"])
                 for r in range(world))
-            return transition(j, JobState.RUNNING,
-                              f"generation {gen.gen}: {world} rank(s), {gen.replicas} replica(s), "
-                              f"{gen.accum} micro-batch(es) per step; formed in {formed_s:.2f}s",
-                              placement=placement, world_size=world, replicas=gen.replicas,
-                              gpus=world * spec.parallel.gpus_per_rank, resize=None)
+            return settle_resize(j, f"generation {gen.gen}: {world} rank(s), {gen.replicas} "
+                                    f"replica(s), {gen.accum} micro-batch(es) per step; formed in "
+                                    f"{formed_s:.2f}s",
+                                 placement=placement, world_size=world, replicas=gen.replicas,
+                                 gpus=world * spec.parallel.gpus_per_rank, resize=None)
         self.store.update(self.job_id, done)
         if self.store.get(self.job_id).resize_log:
             self.store.annotate_resize(self.job_id, {"formed_s": round(formed_s, 3)})

@@ -13,7 +13,8 @@ from typing import Any
 from kuangchao.platform.cluster import quarantine
 from kuangchao.platform.cluster.topology import ClusterTopology
 from kuangchao.platform.errors import InvalidTransition, SpecError
-from kuangchao.platform.jobs.state import JobRecord, JobState, transition
+from kuangchao.platform.jobs import state as lifecycle
+from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.planning import autoplan
 from kuangchao.platform.scheduling.policies import order_key
@@ -113,8 +114,8 @@ def cancel(store: JobStore, job_id: str) -> JobRecord:
     if job.state.is_terminal:
         raise InvalidTransition(f"job {job_id} already finished as {job.state.value}")
     store.request_cancel(job_id)
-    out = store.update(job_id, lambda j: transition(j, JobState.CANCELLED, "cancelled while queued")
-                       if j.state is JobState.QUEUED else None)
+    out = store.update(job_id, lambda j: lifecycle.cancel(j, "cancelled while queued",
+                                                            only_queued=True))
     if out is None:
         store.add_event(job_id, {"type": "cancel", "message": "cancel requested"})
     return store.get(job_id)

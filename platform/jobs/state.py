@@ -1,7 +1,15 @@
-"""The job lifecycle: one enum, one transition table, one transition function.
+"""The job lifecycle: one enum, one transition table, one transition function,
+and the named operations every caller uses.
 
 Every state change of every job goes through `transition`, which refuses the
-changes the table forbids and returns the event that records the change.
+changes the table forbids and returns the event that records the change. Callers
+outside this module never name a target state: they apply an operation (`admit`,
+`start`, `recover`, `resize`, `settle_resize`, `requeue`, `finish`, `fail`,
+`cancel`) with `JobStore.update`, which commits the record, its event and the
+active-set change in one step. An operation returns None where it does not apply
+(the job already finished, or another path got there first), so that applying
+it twice, or racing, is harmless; `tests/unit/test_architecture.py` checks that
+no other module calls `transition`.
 """
 
 from __future__ import annotations
@@ -200,3 +208,87 @@ def transition(
         "message": reason,
     }
     return new, event
+
+
+# -- named operations ---------------------------------------------------------------
+# Each takes the current record and returns `transition`'s (record, event), or None
+# when it does not apply; `JobStore.update(job_id, lambda j: op(j, ...))` commits it.
+Change = tuple[JobRecord, dict[str, Any]] | None
+
+
+def admit(job: JobRecord, reason: str, **changes: Any) -> Change:
+    """QUEUED -> PLACING: capacity and a placement were granted (scheduler or `kc train`)."""
+    if job.state is not JobState.QUEUED:
+        return None
+    return transition(job, JobState.PLACING, reason, **changes)
+
+
+def start(job: JobRecord, reason: str, **changes: Any) -> Change:
+    """-> RUNNING: every rank trains (placed, replaced in place, or restored after a rollback)."""
+    if job.state is JobState.RUNNING or job.state.is_terminal:
+        return None
+    return transition(job, JobState.RUNNING, reason, **changes)
+
+
+def resume_after_rollback(job: JobRecord, reason: str) -> Change:
+    """RECOVERING -> RUNNING, for a numeric fault the ranks rolled back from themselves."""
+    if job.state is not JobState.RECOVERING:
+        return None
+    return transition(job, JobState.RUNNING, reason)
+
+
+def recover(job: JobRecord, reason: str, entry: dict[str, Any]) -> Change:
+    """-> RECOVERING, counting one restart (`entry` joins `restart_log`).
+
+    None when the job finished, or is RECOVERING already (another path counted it)."""
+    if job.state.is_terminal or job.state is JobState.RECOVERING:
+        return None
+    return transition(job, JobState.RECOVERING, reason, restarts=job.restarts + 1,
+                      restart_log=(*job.restart_log, entry))
+
+
+def resize(job: JobRecord, reason: str, **changes: Any) -> Change:
+    """RUNNING or RECOVERING -> RESIZING: the data-parallel size is changing."""
+    if job.state not in (JobState.RUNNING, JobState.RECOVERING):
+        return None
+    return transition(job, JobState.RESIZING, reason, **changes)
+
+
+def settle_resize(job: JobRecord, reason: str, **changes: Any) -> Change:
+    """RESIZING -> RUNNING: the new generation formed, or the resize was called off."""
+    if job.state is not JobState.RESIZING:
+        return None
+    return transition(job, JobState.RUNNING, reason, **changes)
+
+
+def requeue(job: JobRecord, reason: str, *, only_from: JobState | None = None,
+            **changes: Any) -> Change:
+    """-> QUEUED, GPUs given back (preemption, or a recovery that needs a new placement).
+
+    Args:
+        only_from: Apply only when the job is in this state (e.g. RECOVERING)."""
+    if job.state.is_terminal or (only_from is not None and job.state is not only_from):
+        return None
+    changes = {"placement": (), "preempting_for": None, **changes}
+    return transition(job, JobState.QUEUED, reason, **changes)
+
+
+def finish(job: JobRecord, reason: str) -> Change:
+    """-> SUCCEEDED: the last step is done and the final checkpoint verified."""
+    if job.state.is_terminal:
+        return None
+    return transition(job, JobState.SUCCEEDED, reason)
+
+
+def fail(job: JobRecord, reason: str) -> Change:
+    """-> FAILED, with `reason` as the job's message."""
+    if job.state.is_terminal:
+        return None
+    return transition(job, JobState.FAILED, reason)
+
+
+def cancel(job: JobRecord, reason: str, *, only_queued: bool = False) -> Change:
+    """-> CANCELLED; with `only_queued`, only a job that is still waiting."""
+    if job.state.is_terminal or (only_queued and job.state is not JobState.QUEUED):
+        return None
+    return transition(job, JobState.CANCELLED, reason)

@@ -13,6 +13,8 @@ Keys (all under the configured prefix, default `kc:`):
     {p}job:{id}:cancel        set when a cancel was requested
     {p}job:{id}:preempt       set (to the job it yields to) when preemption was requested
     {p}job:{id}:controller    name/pid of the controller running the job
+    {p}job:{id}:reports       list of JSON reports from the ranks, for the controller to apply
+    {p}job:{id}:answer:{rid}  the controller's answer to report `rid` (JSON, expires)
     {p}job:{id}:hb:{rank}     a rank's heartbeat (TTL), see heartbeat.py
     {p}job:{id}:stackreq:{r}  set by the controller to ask rank r for its stacks
     {p}job:{id}:stacks:{r}    rank r's answer
@@ -37,7 +39,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from kuangchao.platform.errors import JobNotFound, StoreUnavailable
-from kuangchao.platform.jobs.state import JobRecord, JobState, transition
+from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.observability import metrics
 
 LOG_CAP = 20_000
@@ -45,13 +47,31 @@ LOG_CAP = 20_000
 METRICS_CAP = 50_000
 EVENT_CAP = 5_000
 
-# Set the record only when the stored version still matches the one read.
-_CAS_SCRIPT = """
+# One commit of a record: set it only when the stored version still matches the
+# one read, and, in the same atomic step, append its event, take a finished job
+# out of the active set (and Prometheus's targets) and count it as finished. A
+# crash between the steps can no longer lose the event or leave a finished job
+# active. The metric field comes from the metrics catalogue (metrics.increments).
+#   KEYS: record, events, and only for a commit that finishes the job: the active
+#         set, scrape targets, cluster metrics hash (a job's own Redis user, which
+#         may name only its job's keys, never finishes a job)
+#   ARGV: version read, new record, event ('' for none), event cap,
+#         job id, finished-metric field
+_COMMIT_SCRIPT = """
 local cur = redis.call('GET', KEYS[1])
 if not cur then return -1 end
 local v = cjson.decode(cur)['version']
 if tostring(v) ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[2])
+if ARGV[3] ~= '' then
+  redis.call('RPUSH', KEYS[2], ARGV[3])
+  redis.call('LTRIM', KEYS[2], -tonumber(ARGV[4]), -1)
+end
+if #KEYS == 5 then
+  redis.call('SREM', KEYS[3], ARGV[5])
+  redis.call('DEL', KEYS[4])
+  redis.call('HINCRBYFLOAT', KEYS[5], ARGV[6], 1)
+end
 return 1
 """
 
@@ -103,7 +123,7 @@ class JobStore:
     def __init__(self, client: redis.Redis, prefix: str = "kc:") -> None:
         self.r = client
         self.p = prefix
-        self._cas = client.register_script(_CAS_SCRIPT)
+        self._commit = client.register_script(_COMMIT_SCRIPT)
 
     @classmethod
     def from_url(cls, url: str | None, prefix: str = "kc:") -> JobStore:
@@ -170,28 +190,27 @@ class JobStore:
                 return None
             new, event = out
             new = dataclasses.replace(new, version=cur.version + 1)
-            ok = self._cas(keys=[self.key("job", job_id)],
-                           args=[str(cur.version), json.dumps(new.to_json())])
+            ok = self._commit(*self._commit_call(cur, new, event))
             if ok == 1:
-                if new.state.is_terminal:
-                    # Gone from the active set and from Prometheus's targets.
-                    self.r.srem(self.key("jobs", "active"), job_id)
-                    self.r.delete(self.key("job", job_id, "targets"))
-                    if not cur.state.is_terminal:
-                        metrics.cluster_recorder(self.r, self.p).inc(
-                            metrics.JOBS_FINISHED, state=new.state.value, queue=new.queue)
-                if event:
-                    self.add_event(job_id, event)
                 return new
             if ok == -1:
                 raise JobNotFound(f"job {job_id!r} vanished from the store")
         raise StoreUnavailable(f"job {job_id}: too much write contention; retry the request")
 
-    def transition(self, job_id: str, to: JobState, reason: str = "", **changes: Any) -> JobRecord:
-        """Apply one state-machine transition with compare-and-set."""
-        out = self.update(job_id, lambda j: transition(j, to, reason, **changes))
-        assert out is not None
-        return out
+    def _commit_call(self, cur: JobRecord, new: JobRecord,
+                     event: dict[str, Any] | None) -> tuple[list[str], list[str]]:
+        """The commit script's keys and arguments for `cur` becoming `new`."""
+        keys = [self.key("job", new.id), self.key("job", new.id, "events")]
+        args = [str(cur.version), json.dumps(new.to_json()),
+                json.dumps({"ts": time.time(), **event}, default=str) if event else "", str(EVENT_CAP),
+                new.id]
+        if new.state.is_terminal and not cur.state.is_terminal:
+            (finished,) = metrics.increments(metrics.JOBS_FINISHED, 1.0,
+                                             {"state": new.state.value, "queue": new.queue})
+            keys += [self.key("jobs", "active"), self.key("job", new.id, "targets"),
+                     metrics.cluster_key(self.p)]
+            args.append(finished)
+        return keys, args
 
     # -- events, logs, progress, checkpoints -------------------------------
     def add_event(self, job_id: str, event: dict[str, Any]) -> None:
@@ -299,6 +318,31 @@ class JobStore:
     def controller(self, job_id: str) -> str | None:
         """The `name/pid` of the controller last recorded for the job."""
         return self.r.get(self.key("job", job_id, "controller"))
+
+    # -- reports from the ranks --------------------------------------------------
+    # Ranks never write the job record: what they have to tell the control plane
+    # (a numeric fault, a rollback done, the first step after a restart or resize)
+    # goes on this list, and the job's controller applies it
+    # (platform/execution/reports.py).
+    def post_report(self, job_id: str, report: dict[str, Any]) -> None:
+        self.r.rpush(self.key("job", job_id, "reports"), json.dumps(report, default=str))
+
+    def take_reports(self, job_id: str) -> list[dict[str, Any]]:
+        """Every report posted and not yet taken, oldest first; each is taken once."""
+        k = self.key("job", job_id, "reports")
+        with self.r.pipeline() as pipe:  # MULTI: a report posted meanwhile waits for the next take
+            pipe.lrange(k, 0, -1)
+            pipe.delete(k)
+            raw, _ = pipe.execute()
+        return [json.loads(r) for r in raw]
+
+    def answer_report(self, job_id: str, report_id: str, answer: Any, ttl_s: int = 600) -> None:
+        self.r.set(self.key("job", job_id, "answer", report_id), json.dumps(answer), ex=ttl_s)
+
+    def report_answer(self, job_id: str, report_id: str) -> Any:
+        """The controller's answer to a report, or None while there is none."""
+        raw = self.r.get(self.key("job", job_id, "answer", report_id))
+        return json.loads(raw) if raw is not None else None
 
     # -- heartbeats and stacks ------------------------------------------------
     def request_stacks(self, job_id: str, ranks: list[int], ttl_s: float = 60.0) -> None:

@@ -23,13 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kuangchao.platform.errors import ClusterError
+from kuangchao.platform.errors import ClusterError, WatchEnded
 from kuangchao.platform.jobs.store import JobStore, redact
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings
-
-
-class WatchEnded(ClusterError):
-    """The watch lost Ray after the control plane was up (not a configuration error)."""
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ import ray
 
 from kuangchao.platform.cluster.registry import nodes_from_ray
 from kuangchao.platform.cluster.topology import ClusterTopology
-from kuangchao.platform.errors import ClusterError, PlacementError
+from kuangchao.platform.errors import ClusterError, DriverStopped, PlacementError
 from kuangchao.platform.execution.controller import JobController
 from kuangchao.platform.jobs import operations as jobs
-from kuangchao.platform.jobs.state import JobState, PlacedRank, transition
+from kuangchao.platform.jobs.state import JobState, PlacedRank, admit, cancel, fail
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.scheduling.placement import Infeasible, place, traffic_from_spec
 from kuangchao.platform.scheduling.policies import Snapshot, job_shape
@@ -52,13 +52,12 @@ def _place_here(store: JobStore, job_id: str) -> None:
     used = Snapshot(nodes=nodes, queued=(), active=active).used_gpus()
     plan = place(nodes, used, job_shape(job), traffic_from_spec(job.spec))
     if isinstance(plan, Infeasible):
-        store.transition(job_id, JobState.FAILED, f"cannot place: {plan.reason}")
+        store.update(job_id, lambda j: fail(j, f"cannot place: {plan.reason}"))
         raise PlacementError(f"cannot place job {job_id}: {plan.reason}")
     placement = tuple(PlacedRank(rank=s.rank, node=s.node, node_id=s.node_id, leaf=s.leaf,
                                  gpu=s.gpus[0] if s.gpus else None, gpus=s.gpus)
                       for s in plan.slots)
-    store.update(job_id, lambda j: transition(j, JobState.PLACING, "placed by the driver",
-                                              placement=placement))
+    store.update(job_id, lambda j: admit(j, "placed by the driver", placement=placement))
 
 
 def _wait_admitted(store: JobStore, job_id: str) -> None:
@@ -73,17 +72,9 @@ def _wait_admitted(store: JobStore, job_id: str) -> None:
         time.sleep(0.5)
 
 
-class DriverStopped(BaseException):
-    """SIGTERM or SIGHUP reached the driver: `ray job stop`, or the pod going away.
-
-    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the
-    way up swallows it; the controller's `finally` tears the workers down."""
-
-
 def _cancel(store: JobStore, job_id: str, what: str) -> None:
     store.request_cancel(job_id)
-    if not store.get(job_id).state.is_terminal:
-        store.transition(job_id, JobState.CANCELLED, f"the kc train driver got {what}")
+    store.update(job_id, lambda j: cancel(j, f"the kc train driver got {what}"))
 
 
 def _stop_handler(settings: Settings, job_id: str) -> Callable[[int, Any], None]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from kuangchao.platform.cluster import quarantine
 from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.errors import InvalidTransition, JobNotFound
-from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank, transition
+from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank, admit, cancel
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
 from kuangchao.platform.scheduling.policies import (
@@ -115,9 +115,7 @@ class Scheduler:
 
     def _cancel_queued(self, job_id: str) -> None:
         try:
-            self.store.update(job_id, lambda j: transition(j, JobState.CANCELLED,
-                                                           "cancelled while queued")
-                              if j.state is JobState.QUEUED else None)
+            self.store.update(job_id, lambda j: cancel(j, "cancelled while queued", only_queued=True))
         except (InvalidTransition, JobNotFound) as exc:
             log.info("cancel of %s skipped: %s", job_id, exc)
 
@@ -129,7 +127,7 @@ class Scheduler:
 
         queued_at = [0.0]  # since it last entered the queue (a requeue starts a new wait)
 
-        def admit(j: JobRecord):
+        def grant(j: JobRecord):
             if j.state is not JobState.QUEUED:
                 return None
             queued_at[0] = j.state_since or j.created_at
@@ -138,11 +136,11 @@ class Scheduler:
             summary = ", ".join(f"{p.rank}:{p.node}/{p.gpu}" for p in placement)
             size = (f"{replicas} of {rng.min_replicas}..{rng.max_replicas} replicas; "
                     if rng.elastic else "")
-            return transition(j, JobState.PLACING, f"admitted; {size}placement {summary}",
-                              placement=placement, replicas=replicas, world_size=len(placement),
-                              gpus=len(placement) * rng.gpus_per_rank,
-                              resize_log=_readmitted(j, replicas, len(placement)))
-        if self.store.update(d.job_id, admit) is None:
+            return admit(j, f"admitted; {size}placement {summary}",
+                         placement=placement, replicas=replicas, world_size=len(placement),
+                         gpus=len(placement) * rng.gpus_per_rank,
+                         resize_log=_readmitted(j, replicas, len(placement)))
+        if self.store.update(d.job_id, grant) is None:
             return
         job = self.store.get(d.job_id)
         self.metrics.observe(metrics.QUEUE_WAIT, max(0.0, (job.state_since or time.time())

@@ -22,7 +22,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from kuangchao.platform.errors import ClusterError, JobNotFound
+from kuangchao.platform.errors import ClusterError, JobNotFound, TokenError
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
 from kuangchao.platform.security import redis_acl
@@ -32,7 +32,6 @@ from kuangchao.platform.security.tokens import (
     Claims,
     Minter,
     Scope,
-    TokenError,
     Verifier,
     generate_key,
     load_private,

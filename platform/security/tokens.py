@@ -24,6 +24,8 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from kuangchao.platform.errors import TokenError
+
 ALGORITHM = "EdDSA"
 ISSUER = "kuangchao"
 COLLECTIVES = frozenset({"broadcast", "all_reduce", "all_gather", "reduce_scatter", "send", "recv",
@@ -38,15 +40,6 @@ ROLE_INTERFACES: dict[str, frozenset[str]] = {
 }
 # A token is renewed once this share of its lifetime has passed.
 RENEW_AT = 0.8
-
-
-class TokenError(PermissionError):
-    """A token was refused. `reason` is one of: missing, malformed, expired,
-    tampered, revoked, denied."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason, self.message = reason, message
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from kuangchao.platform.errors import ClusterError
+from kuangchao.platform.errors import ClusterError, TokenError
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.security.audit import AuditLog
 from kuangchao.platform.security.authority import TokenAuthority, load_signing_key
-from kuangchao.platform.security.tokens import TokenError, generate_key, private_pem
+from kuangchao.platform.security.tokens import generate_key, private_pem
 from kuangchao.workers import collectives
 from kuangchao.workers.runtime.credentials import TokenHolder
 

@@ -178,3 +178,50 @@ def test_imported_kuangchao_modules_exist():
                 # `from pkg import name`: the name is an attribute, its module the parent
                 parent = module.rpartition(".")[0]
                 assert module_file(parent) is not None, f"{path.relative_to(ROOT)} imports {module}"
+
+
+# The job record and its state machine are the control plane's: ranks report, the
+# controller applies (platform/execution/reports.py).
+RECORD_WRITES = {"update", "annotate_restart", "annotate_resize", "close_resize", "record_failure",
+                 "requeue_for_recovery", "transition"}
+STATE_OPERATIONS = {"transition", "admit", "start", "resume_after_rollback", "recover", "resize",
+                    "settle_resize", "requeue", "finish", "fail", "cancel"}
+
+
+def _calls(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            names.add(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+    return names
+
+
+def _receivers(path: Path, method: str) -> set[str]:
+    """The dotted names `x.y` of every `x.y.method(...)` call in `path`."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == method:
+            out.add(ast.unparse(node.func.value))
+    return out
+
+
+def test_workers_never_write_the_job_record_or_its_state():
+    for path in (ROOT / "workers").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in (
+                    "kuangchao.platform.jobs.state", "kuangchao.platform.execution.recovery"):
+                bad = {a.name for a in node.names} & (STATE_OPERATIONS | RECORD_WRITES)
+                assert not bad, f"{path.relative_to(ROOT)} imports {bad}; post a report instead"
+        store_writes = {n for n in _calls(path) if n in RECORD_WRITES - {"update"}}
+        store_writes |= {f"{r}.update" for r in _receivers(path, "update") if r.endswith("store")}
+        assert not store_writes, f"{path.relative_to(ROOT)} calls {store_writes}; post a report instead"
+
+
+def test_only_the_state_module_calls_transition():
+    for path in code_files():
+        if path == ROOT / "platform" / "jobs" / "state.py":
+            continue
+        assert "transition" not in _calls(path), (
+            f"{path.relative_to(ROOT)} calls transition(); use a named operation of platform/jobs/state.py")

@@ -18,7 +18,6 @@ from kuangchao.workers.data import prefetch
 from kuangchao.workers.data import sampling as data
 from kuangchao.workers.data.sampling import (
     BatchSource,
-    DataError,
     Prefetcher,
     SampleOrder,
     batch_indices,
@@ -26,6 +25,7 @@ from kuangchao.workers.data.sampling import (
     rank_batches,
     stdlib_corpus,
 )
+from kuangchao.workers.errors import DataError
 
 SMALL = 50_000
 

@@ -13,17 +13,11 @@ import pytest
 import torch
 from torch import nn
 
+from kuangchao.workers.errors import ModelConfigError, ModelInputError
 from kuangchao.workers.models import config as model_config
 from kuangchao.workers.models import factory as model
 from kuangchao.workers.models import gpt, llama
-from kuangchao.workers.models.factory import (
-    GPT,
-    Llama,
-    ModelConfig,
-    ModelConfigError,
-    ModelInputError,
-    build_model,
-)
+from kuangchao.workers.models.factory import GPT, Llama, ModelConfig, build_model
 
 VOCAB = 64
 SEQ_LEN = 16

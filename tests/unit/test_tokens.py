@@ -5,10 +5,10 @@ import json
 
 import pytest
 
+from kuangchao.platform.errors import TokenError
 from kuangchao.platform.security.tokens import (
     Minter,
     Scope,
-    TokenError,
     Verifier,
     check,
     generate_key,

@@ -24,13 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from kuangchao.workers.errors import DataError
+
 STDLIB_SKIP_DIRS = frozenset(
     {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idlelib"}
 )
-
-
-class DataError(ValueError):
-    """The training data cannot be used with the configured settings."""
 
 
 def check_int(value: object, name: str, minimum: int) -> None:

@@ -24,14 +24,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from kuangchao.workers.data.corpus import (
-    STDLIB_SKIP_DIRS,
-    DataError,
-    check_int,
-    load_corpus,
-    stdlib_corpus,
-)
+from kuangchao.workers.data.corpus import STDLIB_SKIP_DIRS, check_int, load_corpus, stdlib_corpus
 from kuangchao.workers.data.prefetch import Prefetcher
+from kuangchao.workers.errors import DataError
 
 __all__ = [
     "STDLIB_SKIP_DIRS",

@@ -39,14 +39,6 @@ _COLLECTIVE_MARKERS = ("gloo", "Connection closed by peer", "Connection reset", 
                        "NCCL", "Socket Timeout", "ProcessGroup")
 
 
-class ResizeNow(Exception):
-    """Every rank agreed, at a step boundary, to move to generation `gen`."""
-
-    def __init__(self, gen: int) -> None:
-        super().__init__(f"moving to process-group generation {gen}")
-        self.gen = gen
-
-
 @dataclass(frozen=True)
 class Generation:
     """One membership of a job's process group, as the controller publishes it."""

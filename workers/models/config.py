@@ -16,16 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kuangchao.workers.errors import ModelConfigError, ModelInputError
+
 BUILTIN_MODELS = ("gpt", "llama")
 INIT_STD = 0.02
-
-
-class ModelConfigError(ValueError):
-    """A ``model.*`` setting is invalid or names a model that cannot be built."""
-
-
-class ModelInputError(ValueError):
-    """A batch handed to ``forward`` does not fit the model."""
 
 
 @dataclass(frozen=True)

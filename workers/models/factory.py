@@ -27,14 +27,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from kuangchao.workers.models.config import (
-    BUILTIN_MODELS,
-    INIT_STD,
-    ModelConfig,
-    ModelConfigError,
-    ModelInputError,
-    check_type_name,
-)
+from kuangchao.workers.errors import ModelConfigError, ModelInputError
+from kuangchao.workers.models.config import BUILTIN_MODELS, INIT_STD, ModelConfig, check_type_name
 from kuangchao.workers.models.gpt import GPT, GPTMLP, GPTAttention, GPTBlock
 from kuangchao.workers.models.llama import (
     NORM_EPS,

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kuangchao.workers.errors import ModelConfigError
 from kuangchao.workers.models.config import (
     CausalSelfAttention,
     ModelConfig,
-    ModelConfigError,
     check_input,
     count_params,
     init_weights,

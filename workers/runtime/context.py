@@ -177,45 +177,26 @@ class TrainContext:
         return self.heartbeat.in_phase(name) if self.heartbeat is not None else nullcontext()
 
     def _note_first_step(self, step: int) -> None:
-        """After a recovery, record restore and first-step timings on the restart."""
+        """The first step after a restore or at a new size: report its timings to the
+        controller, which closes the resize entry and stamps the restart entry (a rank
+        never writes the job record; platform/execution/reports.py)."""
         now = time.time()
-        self._note_resized(now)  # a resize by a restart ends here too
-        if self._first_after == "resize":
-            return
-        ckpt = self.checkpoint
-        load_s = getattr(ckpt, "last_load_s", None)
-        load_end = getattr(ckpt, "last_load_end", None)
-        fields = {"first_step_at": now, "resumed_step": getattr(ckpt, "last_restored_step", None),
-                  "restore_s": load_s,
-                  "first_step_s": now - (load_end if load_end else self.started_at)}
-        if load_s is not None:
-            metrics.job_recorder(self.store.r, self.store.p, self.job_id).observe(  # type: ignore[union-attr]
-                metrics.CHECKPOINT_LOAD, load_s, job=self.job_id)
+        report: dict[str, Any] = {"kind": "first_step", "at": now, "world_size": self.world_size}
+        if self._first_after != "resize":  # a resize by a restart ends here too, and restarts
+            ckpt = self.checkpoint
+            load_s = getattr(ckpt, "last_load_s", None)
+            load_end = getattr(ckpt, "last_load_end", None)
+            report["restart"] = {"first_step_at": now,
+                                 "resumed_step": getattr(ckpt, "last_restored_step", None),
+                                 "restore_s": load_s,
+                                 "first_step_s": now - (load_end if load_end else self.started_at)}
+            if load_s is not None:
+                metrics.job_recorder(self.store.r, self.store.p, self.job_id).observe(  # type: ignore[union-attr]
+                    metrics.CHECKPOINT_LOAD, load_s, job=self.job_id)
         try:
-            self.store.annotate_restart(self.job_id, fields)  # type: ignore[union-attr]
+            self.store.post_report(self.job_id, report)  # type: ignore[union-attr]
         except Exception as exc:  # timings are best effort; training goes on
-            self.sink.emit(f"could not record recovery timings: {exc}", level="WARNING")
-
-    def _note_resized(self, now: float) -> None:
-        """The first step at a new size: finish the resize's record and event."""
-        try:
-            entry = self.store.close_resize(self.job_id, now, self.world_size)  # type: ignore[union-attr]
-            if not entry:
-                return
-            took = entry["resize_s"]
-            rec = metrics.job_recorder(self.store.r, self.store.p, self.job_id)  # type: ignore[union-attr]
-            rec.inc(metrics.RESIZES, job=self.job_id)
-            rec.observe(metrics.RESIZE_SECONDS, took, job=self.job_id)
-            self.store.add_event(self.job_id, {  # type: ignore[union-attr]
-                "type": "resize", "from_world_size": entry.get("from_world_size"),
-                "to_world_size": entry.get("to_world_size"), "from_replicas": entry.get("from"),
-                "to_replicas": entry.get("to"), "cause": entry.get("cause"), "resize_s": took,
-                "path": entry.get("path"),
-                "message": f"resized from {entry.get('from_world_size')} to "
-                           f"{entry.get('to_world_size')} rank(s) ({entry.get('cause')}); first "
-                           f"step at the new size {took:.2f}s after the decision"})
-        except Exception as exc:  # bookkeeping; training goes on
-            self.sink.emit(f"could not record the resize timing: {exc}", level="WARNING")
+            self.sink.emit(f"could not report the first step's timings: {exc}", level="WARNING")
 
     def should_stop(self) -> bool:
         """True once a cancel was requested; cooperative train loops poll it."""

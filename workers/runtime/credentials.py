@@ -16,7 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kuangchao.platform.security.tokens import Claims, TokenError, Verifier, check, load_public, within_prefix
+from kuangchao.platform.errors import TokenError
+from kuangchao.platform.security.tokens import Claims, Verifier, check, load_public, within_prefix
 from kuangchao.workers import collectives
 from kuangchao.workers.checkpoint.manager import CheckpointManager
 

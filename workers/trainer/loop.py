@@ -25,14 +25,14 @@ from kuangchao.workers.checkpoint.manager import CheckpointInfo, PendingCheckpoi
 from kuangchao.workers.collectives import permit
 from kuangchao.workers.data.sampling import BatchSource, Prefetcher, batch_indices, load_corpus
 from kuangchao.workers.elastic import resize
-from kuangchao.workers.elastic.generation import ResizeNow, is_collective_failure, mark_ready
-from kuangchao.workers.errors import CheckpointError, TrainingError
+from kuangchao.workers.elastic.generation import is_collective_failure, mark_ready
+from kuangchao.workers.errors import CheckpointError, NumericFault, ResizeNow, TrainingError
 from kuangchao.workers.models.factory import ModelConfig, build_model
 from kuangchao.workers.parallel.engine import Engine
 from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.runtime.telemetry import model_flops_per_token
 from kuangchao.workers.trainer import debug_step
-from kuangchao.workers.trainer.numerics import GradNormGuard, NumericFault, data_index, data_position
+from kuangchao.workers.trainer.numerics import GradNormGuard, data_index, data_position
 from kuangchao.workers.trainer.resume import Position, rank_state, restore_latest, roll_back, seed_everything
 
 

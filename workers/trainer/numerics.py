@@ -22,14 +22,6 @@ from collections.abc import Iterable
 from typing import Any
 
 
-class NumericFault(Exception):
-    """A step whose gradients cannot be trusted; roll back and skip its batch."""
-
-    def __init__(self, step: int, data_index: int, reason: str) -> None:
-        super().__init__(f"step {step + 1} (batch {data_index}): {reason}")
-        self.step, self.data_index, self.reason = step, data_index, reason
-
-
 def data_index(step: int, skipped: Iterable[int]) -> int:
     """The batch index optimizer step `step` trains on, given the skipped batches."""
     index = step

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,14 +18,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kuangchao.platform.execution.recovery import Failure, record_failure
-from kuangchao.platform.jobs.state import JobRecord, JobState, transition
 from kuangchao.platform.version import __version__
 from kuangchao.workers.checkpoint.format import verify
-from kuangchao.workers.errors import CheckpointError, TrainingError
+from kuangchao.workers.errors import CheckpointError, NumericFault, TrainingError
 from kuangchao.workers.models.factory import build_model
 from kuangchao.workers.runtime.context import TrainContext
-from kuangchao.workers.trainer.numerics import GradNormGuard, NumericFault
+from kuangchao.workers.trainer.numerics import GradNormGuard
+
+# How long rank 0 waits for the controller's verdict on a numeric fault (it applies
+# the ranks' reports between two polls, every half second).
+VERDICT_WAIT_S = 30.0
+VERDICT_POLL_S = 0.05
 
 
 @dataclass
@@ -126,14 +130,26 @@ def roll_back(ctx: TrainContext, fault: NumericFault, model: torch.nn.Module,
 
 
 def _record(ctx: TrainContext, message: str) -> bool:
-    """Rank 0 counts the fault as a restart; False when none are left."""
+    """Rank 0 reports the fault; the controller counts it as a restart or fails the
+    job, and its verdict says whether to roll back (False: no restarts left)."""
     ctx.rollbacks += 1
     if ctx.store is None:
         return ctx.rollbacks <= ctx.spec.fault_tolerance.max_restarts
     if not ctx.is_chief:
         return True
-    return record_failure(ctx.store, ctx.job_id, Failure("numeric", message),
-                          ctx.spec.fault_tolerance.max_restarts)
+    before = ctx.store.get(ctx.job_id)
+    report_id = uuid.uuid4().hex
+    ctx.store.post_report(ctx.job_id, {"kind": "numeric_fault", "id": report_id, "message": message})
+    deadline = time.monotonic() + VERDICT_WAIT_S
+    while time.monotonic() < deadline:
+        answer = ctx.store.report_answer(ctx.job_id, report_id)
+        if answer is not None:
+            return bool(answer.get("roll_back"))
+        time.sleep(VERDICT_POLL_S)
+    # No controller answered (it may be restarting): judge from the record as read.
+    ctx.log(f"no verdict on the numeric fault within {VERDICT_WAIT_S:.0f}s; deciding from "
+            "the job's restart count", level="WARNING")
+    return before.restarts < ctx.spec.fault_tolerance.max_restarts
 
 
 def _agree(ok: bool, ctx: TrainContext) -> bool:
@@ -150,18 +166,13 @@ def _resume_running(ctx: TrainContext, pos: Position, restore_s: float) -> None:
     ctx.expect_first_step()
     if not ctx.is_chief or ctx.store is None:
         return
-
-    def back(j: JobRecord):
-        if j.state is not JobState.RECOVERING:
-            return None
-        return transition(j, JobState.RUNNING, f"rolled back to step {pos.step}; skipping "
-                                               f"batches {pos.skipped}")
     try:
-        ctx.store.annotate_restart(ctx.job_id, {"path": "rollback", "restore_s": round(restore_s, 3),
-                                                "resumed_step": pos.step})
-        ctx.store.update(ctx.job_id, back)
+        ctx.store.post_report(ctx.job_id, {
+            "kind": "rolled_back",
+            "reason": f"rolled back to step {pos.step}; skipping batches {pos.skipped}",
+            "restart": {"path": "rollback", "restore_s": round(restore_s, 3), "resumed_step": pos.step}})
     except Exception as exc:  # bookkeeping; training goes on
-        ctx.log(f"could not record the rollback: {exc}", level="WARNING")
+        ctx.log(f"could not report the rollback: {exc}", level="WARNING")
 
 
 def _event(ctx: TrainContext, event: dict[str, Any]) -> None:
