@@ -9,7 +9,7 @@ JOB ?= examples/tiny-gpt.yaml
 
 LOCK := constraints.txt
 
-.PHONY: install tools run test unit integration fuzz lint lock up down clean
+.PHONY: install tools run test unit process layouts deploy integration fuzz lint lock up down clean
 
 install: $(VENV)/.installed
 
@@ -58,8 +58,18 @@ run: install
 test: install tools
 	$(PY) -m pytest -q --durations=20 tests
 
+# The tiers, each on its own; `make test` runs them all and is CI's gate.
 unit: install
 	$(PY) -m pytest -q tests/unit
+
+process: install
+	$(PY) -m pytest -q tests/process
+
+layouts: install
+	$(PY) -m pytest -q tests/layouts
+
+deploy: install tools
+	$(PY) -m pytest -q tests/deploy
 
 integration: install tools
 	$(PY) -m pytest -q tests/integration

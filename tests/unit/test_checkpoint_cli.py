@@ -1,9 +1,6 @@
 """`kc checkpoint list|verify|export`: output, exported tensors, and exit codes."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,14 +11,10 @@ from kuangchao.api.cli.main import app
 from kuangchao.platform.errors import JobNotFound
 from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.jobs.store import JobStore
-from kuangchao.platform.runtime.procs import free_port
-from kuangchao.workers.checkpoint.manager import CheckpointManager
-from kuangchao.workers.models.factory import ModelConfig, build_model
+from tests.checkpoint_folders import job_with_two_checkpoints, truncate_a_shard
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-ROOT = Path(__file__).resolve().parents[2]
-CFG = ModelConfig(type="gpt", n_layers=1, n_heads=2, d_model=16, seq_len=8, vocab_size=32)
 
 
 def kc(*args: str):
@@ -33,21 +26,7 @@ def kc(*args: str):
 
 @pytest.fixture
 def job(tmp_path):
-    """A job folder with checkpoints at steps 1 and 2, and the model of step 2."""
-    torch.manual_seed(0)
-    model = build_model(CFG)
-    opt = torch.optim.AdamW(model.parameters())
-    mgr = CheckpointManager(tmp_path / "ckpt", "job-1", 0, 1, "h")
-    mgr.save(1, model, opt, rank_state={})
-    with torch.no_grad():
-        model.tok_emb.weight.add_(1.0)
-    mgr.save(2, model, opt, rank_state={})
-    return mgr.dir, model
-
-
-def truncate_a_shard(step_dir: Path) -> None:
-    shard = next(p for p in sorted(step_dir.iterdir()) if p.suffix == ".distcp")
-    shard.write_bytes(shard.read_bytes()[:10])
+    return job_with_two_checkpoints(tmp_path)
 
 
 def test_list_shows_every_checkpoint_and_why_one_does_not_verify(job):
@@ -155,21 +134,3 @@ def test_a_job_id_resolves_to_its_checkpoint_folder(job, monkeypatch):
     assert [r["step"] for r in json.loads(kc("list", "job-1", "--json").stdout)] == [1, 2]
     out = kc("verify", "job-2")
     assert out.exit_code == 2 and "no job with id 'job-2'" in out.stderr
-
-
-def test_a_job_id_without_redis_exits_2_with_a_hint(tmp_path, monkeypatch):
-    monkeypatch.setenv("KC_HOME", str(tmp_path))
-    monkeypatch.setenv("KC_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
-    out = kc("list", "some-job")
-    assert out.exit_code == 2 and "cannot reach Redis" in out.stderr
-    assert "Pass a checkpoint folder instead" in out.stderr
-
-
-def test_kc_entry_point_has_the_checkpoint_commands(job, tmp_path):
-    folder, _ = job
-    truncate_a_shard(folder / "step_00000002")
-    out = subprocess.run([sys.executable, "-m", "kuangchao.api.cli", "checkpoint", "verify", str(folder)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120,
-                         env={"KC_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
-    assert out.returncode == 2 and "the manifest says" in out.stderr
-    assert "Traceback" not in out.stderr

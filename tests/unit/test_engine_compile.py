@@ -9,7 +9,7 @@ from kuangchao.platform.spec.jobspec import validate_spec
 from kuangchao.workers.models.factory import build_model
 from kuangchao.workers.parallel.engine import Engine
 from kuangchao.workers.trainer.loop import model_config
-from tests.integration.layout_run import global_batches, reference
+from tests.layouts.layout_run import global_batches, reference
 
 DOC = {"model": {"type": "gpt", "n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16,
                  "vocab_size": 64},

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.layout_run import STEPS, reference
+from tests.layouts.layout_run import STEPS, reference
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = {"type": "gpt", "n_layers": 4, "n_heads": 4, "d_model": 32, "seq_len": 16, "vocab_size": 64}
@@ -58,7 +58,7 @@ def run_layouts(cases: dict[str, dict], workdir: Path) -> dict[str, dict]:
     (workdir / "rendezvous").mkdir()
     batch = [{**case, "out": str(workdir / f"{name}.json")} for name, case in cases.items()]
     args = {"cases": batch, "world": WORLD, "rendezvous": str(workdir / "rendezvous")}
-    proc = subprocess.run([sys.executable, "-m", "tests.integration.layout_run", json.dumps(args)],
+    proc = subprocess.run([sys.executable, "-m", "tests.layouts.layout_run", json.dumps(args)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     results = {}
     for name, case in zip(cases, batch, strict=True):
