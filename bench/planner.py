@@ -103,15 +103,8 @@ import torch.multiprocessing as mp  # noqa: E402
 from bench.harness import emit, log, median, wait_for_quiet  # noqa: E402
 from bench.metrics import WARMUP_STEPS, _TimedContext, spec_doc, step_times  # noqa: E402
 from kuangchao.platform.cluster.hardware import CATALOG, Accelerator, calibrated  # noqa: E402
-from kuangchao.platform.planning.planner import (  # noqa: E402
-    SCHEDULES,
-    ClusterShape,
-    ModelShape,
-    _schedules,
-    _tp_options,
-    evaluate,
-    plan,
-)
+from kuangchao.platform.planning.planner import SCHEDULES, _schedules, _tp_options, evaluate, plan  # noqa: E402
+from kuangchao.platform.planning.shapes import ClusterShape, ModelShape  # noqa: E402
 from kuangchao.platform.runtime.procs import free_port  # noqa: E402
 from kuangchao.platform.spec.jobspec import validate_spec  # noqa: E402
 from kuangchao.workers.parallel.layout import Layout as Layout3D  # noqa: E402

@@ -8,6 +8,7 @@ to change.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,13 +24,24 @@ class Picklable:
 
     `BaseException` pickles from `self.args`, which is what the class passed to
     `super().__init__`: a subclass that takes other arguments (a `Failure`, a
-    reason and a message) cannot be rebuilt from it. This keeps the constructor's
-    own arguments instead, and the attributes set after construction."""
+    reason and a message) cannot be rebuilt from it. Each subclass's `__init__`
+    records the arguments of the outermost call instead (not `__new__`: OSError's
+    would read them as errno and strerror), and the pickle keeps them and the
+    attributes set after construction."""
 
-    def __new__(cls, *args: Any, **kwargs: Any):
-        self = super().__new__(cls, *args)  # type: ignore[call-arg]
-        self._init_args = (args, kwargs)
-        return self
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def recording_init(self: Any, *args: Any, **kw: Any) -> None:
+            if "_init_args" not in self.__dict__:  # the outermost __init__ is the constructor
+                self._init_args = (args, kw)
+            init(self, *args, **kw)
+
+        cls.__init__ = recording_init  # type: ignore[misc]
 
     def __reduce__(self):
         args, kwargs = self.__dict__.get("_init_args", (getattr(self, "args", ()), {}))

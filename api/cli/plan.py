@@ -16,7 +16,8 @@ import typer
 from kuangchao.api.cli.common import Json, fail
 from kuangchao.platform.cluster.hardware import CATALOG, get_accelerator
 from kuangchao.platform.errors import SpecError
-from kuangchao.platform.planning.planner import ClusterShape, ModelShape, describe, plan
+from kuangchao.platform.planning.planner import describe, plan
+from kuangchao.platform.planning.shapes import ClusterShape, ModelShape
 from kuangchao.platform.spec.jobspec import resolve_extends, validate_spec
 
 

@@ -57,7 +57,8 @@ from typing import Any
 from kuangchao.platform.cluster.hardware import CATALOG, Accelerator, get_accelerator
 from kuangchao.platform.cluster.topology import ClusterTopology, NodeInfo
 from kuangchao.platform.errors import SpecError
-from kuangchao.platform.planning.planner import ClusterShape, ModelShape, Plan, plan
+from kuangchao.platform.planning.planner import plan
+from kuangchao.platform.planning.shapes import ClusterShape, ModelShape, Plan
 from kuangchao.platform.spec.jobspec import BUILTIN_MODELS, JobSpec, validate_spec
 from kuangchao.platform.spec.parallel import (
     DEFAULT_COLLECTIVES,

@@ -10,7 +10,8 @@ from kuangchao.platform.cluster.registry import nodes_from_ray
 from kuangchao.platform.cluster.topology import ClusterTopology, NodeInfo
 from kuangchao.platform.errors import SpecError
 from kuangchao.platform.planning import autoplan
-from kuangchao.platform.planning.planner import ClusterShape, ModelShape, Plan, plan
+from kuangchao.platform.planning.planner import plan
+from kuangchao.platform.planning.shapes import ClusterShape, ModelShape, Plan
 from kuangchao.platform.spec.jobspec import validate_spec
 
 CONTRACT = ["dp", "tp", "pp", "micro_batch", "zero_stage", "recompute", "schedule",
@@ -248,11 +249,8 @@ class _FakeStore:
     def set_progress(self, job_id, progress):
         self.reports.append(dict(progress))
 
-    def close_resize(self, *a):
-        return None
-
-    def annotate_restart(self, *a):
-        return None
+    def post_report(self, job_id, report):  # the first step's timings, for the controller
+        self.posted = [*getattr(self, "posted", []), report]
 
 
 def test_submission_resolves_on_the_registry_view_and_the_job_json_shows_plan_and_measured():
@@ -310,26 +308,3 @@ def test_rank_zero_reports_the_median_seconds_per_step(monkeypatch):
     assert store.reports[-1]["step_s"] == 0.5
     ctx.report(8, step_s=9.0)  # a train function's own figure wins
     assert store.reports[-1]["step_s"] == 9.0
-
-
-def test_kc_plan_on_an_auto_spec_takes_its_global_batch_by_the_same_rule(tmp_path):
-    import json
-
-    import yaml
-
-    from tests.unit.test_cli_errors import kc
-
-    spec = tmp_path / "auto.yaml"
-    spec.write_text(yaml.safe_dump(auto_doc(micro_batch_size=2, gradient_accumulation_steps=3)))
-    out = kc("plan", "--model", str(spec), "--gpus", "4", "--gpu", "cpu", "--top", "1",
-             tmp_home=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert "global batch 24" in out.stdout  # 2 x 3 x 4 ranks
-    doc = auto_doc(gpus=4, global_batch=16)
-    spec.write_text(yaml.safe_dump(doc))
-    out = kc("plan", "--model", str(spec), "--gpus", "4", "--gpu", "cpu", "--gpus-per-node", "4",
-             "--json", tmp_home=tmp_path)
-    first = json.loads(out.stdout)[0]
-    _, rec = autoplan.resolve(doc, cluster(4))
-    assert (first["dp"], first["micro_batch"], first["num_microbatches"]) == (
-        rec["dp"], rec["micro_batch"], rec["num_microbatches"])

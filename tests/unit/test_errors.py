@@ -79,6 +79,13 @@ def test_exception_lives_in_its_packages_errors_module(qualname):
         "workers/errors.py, api/sdk/errors.py)")
 
 
+def test_token_error_reads_reason_then_message_as_permission_errors_do():
+    err = EXAMPLES["TokenError"](CLASSES["kuangchao.platform.errors.TokenError"])
+    assert isinstance(err, PermissionError) and err.errno is None
+    assert str(err) == "denied: all_to_all is not in the token's interfaces"
+    assert str(pickle.loads(pickle.dumps(err))) == str(err)
+
+
 def test_worker_lost_keeps_its_failure_across_pickling():
     lost = EXAMPLES["WorkerLost"](CLASSES["kuangchao.platform.errors.WorkerLost"])
     copy = pickle.loads(pickle.dumps(lost))

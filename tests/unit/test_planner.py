@@ -6,16 +6,9 @@ import json
 import pytest
 
 from kuangchao.platform.cluster.hardware import CATALOG, GiB, calibrated, get_accelerator
-from kuangchao.platform.planning.planner import (
-    ClusterShape,
-    ModelShape,
-    Plan,
-    allreduce_costs,
-    bubble_fraction,
-    describe,
-    evaluate,
-    plan,
-)
+from kuangchao.platform.planning.cost import allreduce_costs, bubble_fraction
+from kuangchao.platform.planning.planner import describe, evaluate, plan
+from kuangchao.platform.planning.shapes import ClusterShape, ModelShape, Plan
 
 CONTRACT = ["dp", "tp", "pp", "micro_batch", "zero_stage", "recompute", "schedule",
             "memory_gb_per_gpu", "predicted_step_s", "predicted_tflops_per_gpu"]

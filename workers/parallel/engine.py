@@ -417,7 +417,8 @@ class Engine:
 def hierarchy_wins(spec: JobSpec, ranks_per_node: int, nodes: int, device: torch.device) -> bool:
     """The planner's verdict: is the two-level all-reduce cheaper for this job's gradients?"""
     from kuangchao.platform.cluster.hardware import get_accelerator
-    from kuangchao.platform.planning.planner import ModelShape, allreduce_costs
+    from kuangchao.platform.planning.cost import allreduce_costs
+    from kuangchao.platform.planning.shapes import ModelShape
 
     shape = ModelShape.from_spec_model(spec.model.model_dump())
     grad_bytes = 4 * shape.params / (spec.parallel.tensor_parallel_size

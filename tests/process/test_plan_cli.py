@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from tests.unit.test_cli_errors import ROOT, kc
+from kuangchao.platform.planning import autoplan
+from tests.process.test_cli_errors import ROOT, kc
+from tests.unit.test_autoplan import auto_doc, cluster
 
 CONTRACT = ["dp", "tp", "pp", "micro_batch", "zero_stage", "recompute", "schedule",
             "memory_gb_per_gpu", "predicted_step_s", "predicted_tflops_per_gpu"]
@@ -44,3 +46,24 @@ def test_nothing_fits_exits_1_and_bad_input_exits_2(tmp_path):
     assert shape.returncode == 2 and "d_model" in shape.stderr
     for out in (none, gpu, shape):
         assert "Traceback" not in out.stderr
+
+
+def test_kc_plan_on_an_auto_spec_takes_its_global_batch_by_the_same_rule(tmp_path):
+    import json
+
+    import yaml
+
+    spec = tmp_path / "auto.yaml"
+    spec.write_text(yaml.safe_dump(auto_doc(micro_batch_size=2, gradient_accumulation_steps=3)))
+    out = kc("plan", "--model", str(spec), "--gpus", "4", "--gpu", "cpu", "--top", "1",
+             tmp_home=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "global batch 24" in out.stdout  # 2 x 3 x 4 ranks
+    doc = auto_doc(gpus=4, global_batch=16)
+    spec.write_text(yaml.safe_dump(doc))
+    out = kc("plan", "--model", str(spec), "--gpus", "4", "--gpu", "cpu", "--gpus-per-node", "4",
+             "--json", tmp_home=tmp_path)
+    first = json.loads(out.stdout)[0]
+    _, rec = autoplan.resolve(doc, cluster(4))
+    assert (first["dp"], first["micro_batch"], first["num_microbatches"]) == (
+        rec["dp"], rec["micro_batch"], rec["num_microbatches"])

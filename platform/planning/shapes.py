@@ -1,0 +1,180 @@
+"""What the planner plans over: a model's shape, the cluster's GPUs, and one plan.
+
+Pure (stdlib only).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kuangchao.platform.cluster.topology import ClusterTopology
+
+# GPT-3 shapes (Brown et al. 2020, Table 2.1; heads chosen so heads divide d_model):
+# nominal params, layers, d_model, heads.
+_GPT3 = ((125e6, 12, 768, 12), (350e6, 24, 1024, 16), (760e6, 24, 1536, 16),
+         (1.3e9, 24, 2048, 16), (2.7e9, 32, 2560, 32), (6.7e9, 32, 4096, 32),
+         (13e9, 40, 5120, 40), (175e9, 96, 12288, 96))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The transformer dimensions the cost model needs (names as in the spec's `model`)."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    seq_len: int
+    vocab_size: int
+    d_ff: int | None = None
+    arch: str = "gpt"  # "llama": SwiGLU, untied head, no biases; anything else is GPT-2 style
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"model.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+
+    @property
+    def ffn(self) -> int:
+        """MLP width: `d_ff`, else the architecture's default (as workers/models/config.py)."""
+        if self.d_ff is not None:
+            return self.d_ff
+        return -(-(8 * self.d_model // 3) // 16) * 16 if self.arch == "llama" else 4 * self.d_model
+
+    @property
+    def layer_matmul_params(self) -> int:
+        h, f = self.d_model, self.ffn
+        return 4 * h * h + (3 if self.arch == "llama" else 2) * h * f
+
+    @property
+    def layer_params(self) -> int:
+        h = self.d_model
+        if self.arch == "llama":  # no biases, two RMSNorm scales
+            return self.layer_matmul_params + 2 * h
+        return self.layer_matmul_params + 4 * h + self.ffn + h + 4 * h  # qkvo, MLP biases; 2 LayerNorms
+
+    @property
+    def params(self) -> int:
+        """Distinct parameters; for GPT 12Lh^2 + 13Lh + (V + s)h + 2h at d_ff = 4h."""
+        h, v = self.d_model, self.vocab_size
+        if self.arch == "llama":  # untied head, final norm, rotary positions (no parameters)
+            return self.n_layers * self.layer_params + 2 * v * h + h
+        return self.n_layers * self.layer_params + (v + self.seq_len) * h + 2 * h  # tied head
+
+    def flops_per_token(self, recompute: bool) -> float:
+        """Training FLOPs per token; with full recompute the layers run forward twice."""
+        passes = 4 if recompute else 3
+        layer = 2 * self.layer_matmul_params + 4 * self.seq_len * self.d_model
+        return passes * self.n_layers * layer + 6 * self.d_model * self.vocab_size
+
+    @classmethod
+    def from_param_count(cls, n: float, seq_len: int, vocab_size: int) -> ModelShape:
+        """A GPT-like shape of about `n` parameters: the GPT-3 table when within 10%,
+        else the nearest entry's width/depth ratio, d_model a multiple of 128 (1024 when wide)."""
+        if n <= 0:
+            raise ValueError(f"parameter count must be positive, got {n!r}")
+        nominal, layers, width, heads = min(_GPT3, key=lambda r: abs(math.log(n / r[0])))
+        if abs(math.log(n / nominal)) <= math.log(1.1):
+            return cls(layers, width, heads, seq_len, vocab_size)
+        aspect = width / layers
+        h = 128.0
+        for _ in range(4):  # body = 12 L h^2 with h = aspect * L, i.e. 12 h^3 / aspect
+            body = max(n - (vocab_size + seq_len) * h, 12 * 128**2)
+            h = (aspect * body / 12) ** (1 / 3)
+        # Wide models: d_model a multiple of 1024, so 128-wide heads come in multiples
+        # of 8 and tp = 8 divides them; narrow ones: multiples of 128, 64-wide heads.
+        quantum = 1024 if h >= 2048 else 128
+        width = max(128, round(h / quantum) * quantum)
+        layers = max(1, round(body / (12 * width * width)))
+        return cls(layers, width, width // (128 if width >= 2048 else 64), seq_len, vocab_size)
+
+    @classmethod
+    def from_spec_model(cls, d: Mapping[str, Any]) -> ModelShape:
+        """From a job spec's `model` section (or a whole spec dict holding one)."""
+        if isinstance(d.get("model"), Mapping):
+            d = d["model"]
+        missing = [k for k in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size") if k not in d]
+        if missing:
+            raise ValueError(f"model section lacks {', '.join(missing)}")
+        return cls(int(d["n_layers"]), int(d["d_model"]), int(d["n_heads"]), int(d["seq_len"]),
+                   int(d["vocab_size"]), None if d.get("d_ff") is None else int(d["d_ff"]),
+                   str(d.get("type") or "gpt"))
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """GPUs available to the job; nodes are uniform, a single partial node is allowed."""
+
+    gpus: int
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"gpus ({self.gpus}) and gpus_per_node ({self.gpus_per_node}) must be >= 1")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(f"{self.gpus} GPUs is not a whole number of {self.gpus_per_node}-GPU nodes")
+
+    @property
+    def node_size(self) -> int:
+        """GPUs that share NVLink: a node, or all of them when there is less than one."""
+        return min(self.gpus, self.gpus_per_node)
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    @classmethod
+    def from_topology(cls, topo: ClusterTopology) -> ClusterShape:
+        sizes = {n.gpus for n in topo.nodes if n.alive and n.gpus > 0}
+        if len(sizes) != 1:
+            raise ValueError(f"topology {topo.name!r}: need alive nodes with one GPU count, "
+                             f"got {sorted(sizes)}")
+        per = sizes.pop()
+        return cls(per * sum(1 for n in topo.nodes if n.alive and n.gpus == per), per)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One layout and its predicted cost. The first ten fields are the JSON contract."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    zero_stage: int
+    recompute: bool
+    schedule: str  # "none" when pp == 1
+    memory_gb_per_gpu: float  # decimal GB (1e9 bytes)
+    predicted_step_s: float
+    predicted_tflops_per_gpu: float  # hardware FLOPs, recompute included (as Narayanan et al.)
+    virtual_stages: int = 1
+    num_microbatches: int = 1  # = the spec's gradient_accumulation_steps
+    fits: bool = True
+    hierarchical_allreduce: bool = False
+    memory_bytes: int = 0
+    mfu: float = 0.0  # model FLOPs (no recompute) / peak
+    memory: dict[str, float] = field(default_factory=dict, compare=False)  # GB by kind
+    time: dict[str, float] = field(default_factory=dict, compare=False)  # seconds by kind
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "micro_batch": self.micro_batch,
+                "zero_stage": self.zero_stage, "recompute": self.recompute, "schedule": self.schedule,
+                "memory_gb_per_gpu": round(self.memory_gb_per_gpu, 2),
+                "predicted_step_s": round(self.predicted_step_s, 6),
+                "predicted_tflops_per_gpu": round(self.predicted_tflops_per_gpu, 1),
+                "virtual_stages": self.virtual_stages, "num_microbatches": self.num_microbatches,
+                "fits": self.fits, "hierarchical_allreduce": self.hierarchical_allreduce,
+                "memory_bytes": self.memory_bytes, "mfu": round(self.mfu, 4),
+                "memory": {k: round(v, 3) for k, v in self.memory.items()},
+                "time": {k: round(v, 6) for k, v in self.time.items()}}
+
+    def to_spec_parallel(self) -> dict[str, int]:
+        """The spec's `parallel` fields for this plan."""
+        return {"data_parallel_size": self.dp, "tensor_parallel_size": self.tp,
+                "pipeline_parallel_size": self.pp, "micro_batch_size": self.micro_batch,
+                "gradient_accumulation_steps": self.num_microbatches}
