@@ -62,6 +62,7 @@ import redis  # noqa: E402
 from bench.api_load import Conn, Result, closed_loop, encode_request, open_loop  # noqa: E402
 from bench.harness import REDIS_URL, emit, log, median, wait_for_quiet  # noqa: E402
 from kuangchao.platform import jobs  # noqa: E402
+from kuangchao.platform.jobs import keys as redis_keys  # noqa: E402
 from kuangchao.platform.jobs.store import JobStore  # noqa: E402
 from kuangchao.platform.runtime.procs import free_port  # noqa: E402
 from kuangchao.platform.security.keystore import KeyStore  # noqa: E402
@@ -157,7 +158,7 @@ class ActiveJobs:
 
     def __init__(self, store: JobStore, count: int, period_s: float = 0.02) -> None:
         self.store, self.period_s = store, period_s
-        self.key = store.key("jobs", "active")
+        self.key = redis_keys.active(store.p)
         self.r = redis.Redis(connection_pool=store.r.connection_pool)
         spec = validate_spec(json.loads(json.dumps(JOB)))
         self.keep = {jobs.submit(store, spec, owner="backlog", tenant="other-tenant").id

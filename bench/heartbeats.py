@@ -64,7 +64,6 @@ from kuangchao.platform.execution.heartbeat import (
     Beat,
     Classifier,
     Verdict,
-    beat_key,
     read_beats,
 )
 from kuangchao.platform.jobs import store
@@ -88,6 +87,7 @@ from bench.heartbeats_sim import (  # noqa: E402
     raise_fd_limit,
     redis_server,
 )
+from kuangchao.platform.jobs import keys
 
 BENCH = "heartbeats"
 HANG_TIMEOUT_S = 5.0  # spec default is 300 s; shortened so hung ranks are caught in the run
@@ -136,7 +136,7 @@ def naive_read(client: redis.Redis, prefix: str, ranks: list[int]) -> dict[int, 
     """What a straightforward controller does: one GET per rank, one round trip each."""
     out: dict[int, Beat | None] = {}
     for r in ranks:
-        raw = client.get(beat_key(prefix, JOB, r))
+        raw = client.get(keys.beat(prefix, JOB, r))
         out[r] = Beat.decode(r, raw) if raw is not None else None
     return out
 
@@ -252,7 +252,7 @@ def run(ranks: int, seconds: float, writers: int, connections: int) -> int:
         ctl = store.connect(url)  # the controller's client: decode_responses=True
         stats = redis.Redis.from_url(url)
         job_keys = JobStore(ctl, prefix)  # the worker's names for the job's flags and progress
-        flag_keys = [job_keys.key("job", JOB, f) for f in ("preempt", "cancel")]
+        flag_keys = [keys.preempt(job_keys.p, JOB), keys.cancel(job_keys.p, JOB)]
         if not private:  # leave room for the shared server's other clients
             try:
                 maxclients = int(next(iter(stats.config_get("maxclients").values()), 10000))
@@ -279,7 +279,7 @@ def run(ranks: int, seconds: float, writers: int, connections: int) -> int:
                 lo, hi = w * ranks // writers, (w + 1) * ranks // writers
                 conns = max(1, (w + 1) * connections // writers - w * connections // writers)
                 cfg = WriterConfig(w, all_ranks[lo:hi], roles, host, port, prefix, min(conns, hi - lo),
-                                   flag_keys, job_keys.key("job", JOB, "progress"))
+                                   flag_keys, keys.progress(job_keys.p, JOB))
                 procs.append(ctx.Process(target=beat_writer, args=(cfg, shared), daemon=True))
                 procs[-1].start()
             t = time.monotonic()

@@ -35,7 +35,8 @@ from pathlib import Path
 import redis
 
 from bench.harness import REDIS_URL, log
-from kuangchao.platform.execution.heartbeat import Beat, beat_key, stack_request_key
+from kuangchao.platform.execution.heartbeat import Beat
+from kuangchao.platform.jobs import keys as redis_keys
 from kuangchao.platform.runtime.procs import free_port
 
 JOB = "hbbench"
@@ -205,7 +206,8 @@ def beat_writer(cfg: WriterConfig, shared: WriterShared) -> None:
     flags = b"".join(_resp(b"EXISTS", k.encode()) for k in cfg.flag_keys)
     heads, tails = [], []
     for r in cfg.ranks:
-        key, req = beat_key(cfg.prefix, JOB, r).encode(), stack_request_key(cfg.prefix, JOB, r).encode()
+        key = redis_keys.beat(cfg.prefix, JOB, r).encode()
+        req = redis_keys.stack_request(cfg.prefix, JOB, r).encode()
         heads.append(b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n" % (len(key), key))
         tails.append(b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl) + _resp(b"GET", req) + flags)
     replies = 2 + len(cfg.flag_keys)  # a beat's replies, +1 when it carries progress

@@ -23,7 +23,8 @@ from prometheus_client.core import (
 )
 
 from kuangchao.platform.cluster import quarantine
-from kuangchao.platform.execution.heartbeat import Beat, beat_key
+from kuangchao.platform.execution.heartbeat import Beat
+from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics as m
@@ -102,14 +103,14 @@ class ClusterCollector:
         """Everything the gauges need, in one pipelined round trip."""
         store = self.store
         with store.r.pipeline(transaction=False) as pipe:
-            pipe.hgetall(m.cluster_key(store.p))
-            pipe.get(store.key("info", "nodes"))
-            pipe.get(store.key("info", "queues"))
+            pipe.hgetall(keys.cluster_metrics(store.p))
+            pipe.get(keys.info(store.p, "nodes"))
+            pipe.get(keys.info(store.p, "queues"))
             for job in jobs:
-                pipe.hgetall(m.job_key(store.p, job.id))
-                pipe.hgetall(store.key("job", job.id, "progress"))
-                pipe.lindex(store.key("job", job.id, "checkpoints"), -1)
-                pipe.mget([beat_key(store.p, job.id, r) for r in range(max(1, job.world_size))])
+                pipe.hgetall(keys.job_metrics(store.p, job.id))
+                pipe.hgetall(keys.progress(store.p, job.id))
+                pipe.lindex(keys.checkpoints(store.p, job.id), -1)
+                pipe.mget([keys.beat(store.p, job.id, r) for r in range(max(1, job.world_size))])
             out = pipe.execute()
         reads: dict[str, Any] = {"cluster": out[0], "nodes": _json(out[1]) or {"nodes": []},
                                  "queues": _json(out[2]), "jobs": {}, "progress": {},

@@ -24,6 +24,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kuangchao.platform.jobs import keys
+
 PHASES = ("init", "train", "data", "forward", "backward", "optimizer", "checkpoint", "collective",
           "done")
 _SEP = "|"
@@ -72,16 +74,6 @@ class Beat(NamedTuple):
         return max(0.0, self.ts - self.progress_ts)
 
 
-def beat_key(prefix: str, job_id: str, rank: int) -> str:
-    return f"{prefix}job:{job_id}:hb:{rank}"
-
-
-def stack_request_key(prefix: str, job_id: str, rank: int) -> str:
-    return f"{prefix}job:{job_id}:stackreq:{rank}"
-
-
-def stack_key(prefix: str, job_id: str, rank: int) -> str:
-    return f"{prefix}job:{job_id}:stacks:{rank}"
 
 
 @dataclass(frozen=True)
@@ -189,7 +181,7 @@ def read_beats(client, prefix: str, job_id: str, ranks: Iterable[int], chunk: in
     out: dict[int, Beat | None] = {}
     with client.pipeline(transaction=False) as pipe:
         for i in range(0, len(ranks), chunk):
-            pipe.mget([beat_key(prefix, job_id, r) for r in ranks[i:i + chunk]])
+            pipe.mget([keys.beat(prefix, job_id, r) for r in ranks[i:i + chunk]])
         replies = pipe.execute()
     values = [v for reply in replies for v in reply]
     if cache is None:

@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kuangchao.platform.jobs import keys
+
 KINDS = ("comm", "memory", "gradient", "profile")
 SYNCED_KINDS = ("gradient", "profile")  # captured by every rank at one agreed step
 ANSWER_TTL_S = 3600
@@ -51,12 +53,6 @@ class DebugRequest:
             return None
 
 
-def request_key(prefix: str, job_id: str) -> str:
-    return f"{prefix}job:{job_id}:debug:req"
-
-
-def answers_key(prefix: str, job_id: str, request_id: str) -> str:
-    return f"{prefix}job:{job_id}:debug:{request_id}"
 
 
 def post(client: Any, prefix: str, job_id: str, kind: str, step: int | None = None,
@@ -65,13 +61,13 @@ def post(client: Any, prefix: str, job_id: str, kind: str, step: int | None = No
     if kind not in KINDS:
         raise ValueError(f"unknown debug kind {kind!r}; choose one of {', '.join(KINDS)}")
     req = DebugRequest(secrets.token_hex(6), kind, step, steps, time.time())
-    client.set(request_key(prefix, job_id), req.to_json(), ex=ANSWER_TTL_S)
+    client.set(keys.debug_request(prefix, job_id), req.to_json(), ex=ANSWER_TTL_S)
     return req
 
 
 def answer(client: Any, prefix: str, job_id: str, request_id: str, rank: int,
            body: dict[str, Any]) -> None:
-    key = answers_key(prefix, job_id, request_id)
+    key = keys.debug_answers(prefix, job_id, request_id)
     with client.pipeline(transaction=False) as pipe:
         pipe.hset(key, str(rank), json.dumps(body, default=str))
         pipe.expire(key, ANSWER_TTL_S)
@@ -80,7 +76,7 @@ def answer(client: Any, prefix: str, job_id: str, request_id: str, rank: int,
 
 def read_answers(client: Any, prefix: str, job_id: str, request_id: str) -> dict[int, dict]:
     out = {}
-    for rank, raw in client.hgetall(answers_key(prefix, job_id, request_id)).items():
+    for rank, raw in client.hgetall(keys.debug_answers(prefix, job_id, request_id)).items():
         try:
             out[int(rank)] = json.loads(raw)
         except (TypeError, ValueError):

@@ -1,26 +1,6 @@
 """Job state in Redis.
 
-Keys (all under the configured prefix, default `kc:`):
-
-    {p}job:{id}               JSON job record, with a `version`
-    {p}jobs                   sorted set of job ids by creation time
-    {p}jobs:active            set of ids of jobs not yet finished (what the scheduler reads)
-    {p}job:{id}:events        list of JSON events
-    {p}job:{id}:logs          list of JSON log lines (capped)
-    {p}job:{id}:progress      hash: step, total_steps, loss, initial_loss, tokens_per_s, step_s
-    {p}job:{id}:curve         list of JSON points {step, ts, loss, ...}, one per logged step (capped)
-    {p}job:{id}:checkpoints   list of JSON {step, path, bytes}
-    {p}job:{id}:cancel        set when a cancel was requested
-    {p}job:{id}:preempt       set (to the job it yields to) when preemption was requested
-    {p}job:{id}:controller    name/pid of the controller running the job
-    {p}job:{id}:reports       list of JSON reports from the ranks, for the controller to apply
-    {p}job:{id}:answer:{rid}  the controller's answer to report `rid` (JSON, expires)
-    {p}job:{id}:hb:{rank}     a rank's heartbeat (TTL), see heartbeat.py
-    {p}job:{id}:stackreq:{r}  set by the controller to ask rank r for its stacks
-    {p}job:{id}:stacks:{r}    rank r's answer
-    {p}sched:wake             list the scheduler blocks on; a push wakes it
-    {p}node:{name}:failures   sorted set of a node's failure times
-    {p}quarantine             hash: node name -> JSON {since, until, reason, failures}
+Key names come from platform/jobs/keys.py (docs/architecture.md has the table).
 
 Writers that race (API, scheduler, job controller) update a record with
 compare-and-set on its version, so no update is ever lost.
@@ -39,6 +19,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from kuangchao.platform.errors import JobNotFound, StoreUnavailable
+from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.observability import metrics
 
@@ -129,42 +110,39 @@ class JobStore:
     def from_url(cls, url: str | None, prefix: str = "kc:") -> JobStore:
         return cls(connect(url), prefix)
 
-    def key(self, *parts: str) -> str:
-        return self.p + ":".join(parts)
-
     # -- records -----------------------------------------------------------
     def create(self, job: JobRecord, event_message: str = "submitted") -> JobRecord:
         job = dataclasses.replace(job, version=1)
         with self.r.pipeline() as pipe:
-            pipe.set(self.key("job", job.id), json.dumps(job.to_json()), nx=True)
-            pipe.zadd(self.key("jobs"), {job.id: job.created_at})
-            pipe.sadd(self.key("jobs", "active"), job.id)
-            pipe.rpush(self.key("job", job.id, "events"), json.dumps(
+            pipe.set(keys.job(self.p, job.id), json.dumps(job.to_json()), nx=True)
+            pipe.zadd(keys.jobs(self.p), {job.id: job.created_at})
+            pipe.sadd(keys.active(self.p), job.id)
+            pipe.rpush(keys.events(self.p, job.id), json.dumps(
                 {"ts": job.created_at, "type": "state", "from": None, "to": job.state.value,
                  "message": event_message}))
-            pipe.rpush(self.key("sched", "wake"), job.id)
+            pipe.rpush(keys.sched_wake(self.p), job.id)
             pipe.execute()
         return job
 
     def get(self, job_id: str) -> JobRecord:
-        raw = self.r.get(self.key("job", job_id))
+        raw = self.r.get(keys.job(self.p, job_id))
         if raw is None:
             raise JobNotFound.for_id(job_id)
         return JobRecord.from_json(json.loads(raw))
 
     def list(self, limit: int = 1000) -> list[JobRecord]:
         """The newest `limit` jobs, oldest first."""
-        return self._records(self.r.zrange(self.key("jobs"), -limit, -1))
+        return self._records(self.r.zrange(keys.jobs(self.p), -limit, -1))
 
     def list_active(self) -> list[JobRecord]:
         """Every job that has not finished, however old, oldest first."""
-        jobs = self._records(list(self.r.smembers(self.key("jobs", "active"))))
+        jobs = self._records(list(self.r.smembers(keys.active(self.p))))
         return sorted(jobs, key=lambda j: (j.created_at, j.id))
 
     def _records(self, ids: list[str]) -> list[JobRecord]:
         if not ids:
             return []
-        raws = self.r.mget([self.key("job", i) for i in ids])
+        raws = self.r.mget([keys.job(self.p, i) for i in ids])
         return [JobRecord.from_json(json.loads(r)) for r in raws if r]
 
     def update(
@@ -200,46 +178,46 @@ class JobStore:
     def _commit_call(self, cur: JobRecord, new: JobRecord,
                      event: dict[str, Any] | None) -> tuple[list[str], list[str]]:
         """The commit script's keys and arguments for `cur` becoming `new`."""
-        keys = [self.key("job", new.id), self.key("job", new.id, "events")]
+        names = [keys.job(self.p, new.id), keys.events(self.p, new.id)]
         args = [str(cur.version), json.dumps(new.to_json()),
                 json.dumps({"ts": time.time(), **event}, default=str) if event else "", str(EVENT_CAP),
                 new.id]
         if new.state.is_terminal and not cur.state.is_terminal:
             (finished,) = metrics.increments(metrics.JOBS_FINISHED, 1.0,
                                              {"state": new.state.value, "queue": new.queue})
-            keys += [self.key("jobs", "active"), self.key("job", new.id, "targets"),
-                     metrics.cluster_key(self.p)]
+            names += [keys.active(self.p), keys.targets(self.p, new.id),
+                     keys.cluster_metrics(self.p)]
             args.append(finished)
-        return keys, args
+        return names, args
 
     # -- events, logs, progress, checkpoints -------------------------------
     def add_event(self, job_id: str, event: dict[str, Any]) -> None:
         event = {"ts": time.time(), **event}
-        k = self.key("job", job_id, "events")
+        k = keys.events(self.p, job_id)
         with self.r.pipeline() as pipe:
             pipe.rpush(k, json.dumps(event, default=str))
             pipe.ltrim(k, -EVENT_CAP, -1)
             pipe.execute()
 
     def events(self, job_id: str, start: int = 0) -> list[dict[str, Any]]:
-        return [json.loads(e) for e in self.r.lrange(self.key("job", job_id, "events"), start, -1)]
+        return [json.loads(e) for e in self.r.lrange(keys.events(self.p, job_id), start, -1)]
 
     def add_logs(self, job_id: str, records: list[dict[str, Any]]) -> None:
         if not records:
             return
-        k = self.key("job", job_id, "logs")
+        k = keys.logs(self.p, job_id)
         with self.r.pipeline() as pipe:
             pipe.rpush(k, *[json.dumps(r, default=str) for r in records])
             pipe.ltrim(k, -LOG_CAP, -1)
             pipe.execute()
 
     def logs(self, job_id: str, start: int = 0) -> list[dict[str, Any]]:
-        return [json.loads(e) for e in self.r.lrange(self.key("job", job_id, "logs"), start, -1)]
+        return [json.loads(e) for e in self.r.lrange(keys.logs(self.p, job_id), start, -1)]
 
     def add_metrics(self, job_id: str, points: list[dict[str, Any]]) -> None:
         if not points:
             return
-        k = self.key("job", job_id, "curve")
+        k = keys.curve(self.p, job_id)
         with self.r.pipeline() as pipe:
             pipe.rpush(k, *[json.dumps(p) for p in points])
             pipe.ltrim(k, -METRICS_CAP, -1)
@@ -248,11 +226,11 @@ class JobStore:
     def metrics(self, job_id: str, start: int = 0) -> list[dict[str, Any]]:
         """Logged points from `start` on, oldest first. A step replayed after a
         recovery appears again, with the recovered run's values."""
-        return [json.loads(e) for e in self.r.lrange(self.key("job", job_id, "curve"), start, -1)]
+        return [json.loads(e) for e in self.r.lrange(keys.curve(self.p, job_id), start, -1)]
 
     def set_progress(self, job_id: str, progress: dict[str, Any]) -> None:
         """Merge progress fields; `initial_loss` is written once and kept across restarts."""
-        k = self.key("job", job_id, "progress")
+        k = keys.progress(self.p, job_id)
         progress = dict(progress)
         initial = progress.pop("initial_loss", None)
         with self.r.pipeline() as pipe:
@@ -263,14 +241,14 @@ class JobStore:
             pipe.execute()
 
     def progress(self, job_id: str) -> dict[str, Any]:
-        raw = self.r.hgetall(self.key("job", job_id, "progress"))
+        raw = self.r.hgetall(keys.progress(self.p, job_id))
         return {k: json.loads(v) for k, v in raw.items()}
 
     def add_checkpoint(self, job_id: str, ckpt: dict[str, Any]) -> None:
-        self.r.rpush(self.key("job", job_id, "checkpoints"), json.dumps(ckpt))
+        self.r.rpush(keys.checkpoints(self.p, job_id), json.dumps(ckpt))
 
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
-        return [json.loads(c) for c in self.r.lrange(self.key("job", job_id, "checkpoints"), 0, -1)]
+        return [json.loads(c) for c in self.r.lrange(keys.checkpoints(self.p, job_id), 0, -1)]
 
     def annotate_restart(self, job_id: str, fields: dict[str, Any]) -> JobRecord | None:
         """Add timings to the newest restart entry, keeping fields already set.
@@ -313,11 +291,11 @@ class JobStore:
 
     def claim_controller(self, job_id: str, ident: str) -> str | None:
         """Record `ident` (`name/pid`) as the job's controller; return the one recorded before."""
-        return self.r.set(self.key("job", job_id, "controller"), ident, get=True)
+        return self.r.set(keys.controller(self.p, job_id), ident, get=True)
 
     def controller(self, job_id: str) -> str | None:
         """The `name/pid` of the controller last recorded for the job."""
-        return self.r.get(self.key("job", job_id, "controller"))
+        return self.r.get(keys.controller(self.p, job_id))
 
     # -- reports from the ranks --------------------------------------------------
     # Ranks never write the job record: what they have to tell the control plane
@@ -325,11 +303,11 @@ class JobStore:
     # goes on this list, and the job's controller applies it
     # (platform/execution/reports.py).
     def post_report(self, job_id: str, report: dict[str, Any]) -> None:
-        self.r.rpush(self.key("job", job_id, "reports"), json.dumps(report, default=str))
+        self.r.rpush(keys.reports(self.p, job_id), json.dumps(report, default=str))
 
     def take_reports(self, job_id: str) -> list[dict[str, Any]]:
         """Every report posted and not yet taken, oldest first; each is taken once."""
-        k = self.key("job", job_id, "reports")
+        k = keys.reports(self.p, job_id)
         with self.r.pipeline() as pipe:  # MULTI: a report posted meanwhile waits for the next take
             pipe.lrange(k, 0, -1)
             pipe.delete(k)
@@ -337,29 +315,29 @@ class JobStore:
         return [json.loads(r) for r in raw]
 
     def answer_report(self, job_id: str, report_id: str, answer: Any, ttl_s: int = 600) -> None:
-        self.r.set(self.key("job", job_id, "answer", report_id), json.dumps(answer), ex=ttl_s)
+        self.r.set(keys.answer(self.p, job_id, report_id), json.dumps(answer), ex=ttl_s)
 
     def report_answer(self, job_id: str, report_id: str) -> Any:
         """The controller's answer to a report, or None while there is none."""
-        raw = self.r.get(self.key("job", job_id, "answer", report_id))
+        raw = self.r.get(keys.answer(self.p, job_id, report_id))
         return json.loads(raw) if raw is not None else None
 
     # -- heartbeats and stacks ------------------------------------------------
     def request_stacks(self, job_id: str, ranks: list[int], ttl_s: float = 60.0) -> None:
         with self.r.pipeline(transaction=False) as pipe:
             for rank in ranks:
-                pipe.delete(self.key("job", job_id, "stacks", str(rank)))
-                pipe.set(self.key("job", job_id, "stackreq", str(rank)), "1", ex=int(ttl_s))
+                pipe.delete(keys.stacks(self.p, job_id, rank))
+                pipe.set(keys.stack_request(self.p, job_id, rank), "1", ex=int(ttl_s))
             pipe.execute()
 
     def stacks(self, job_id: str, ranks: list[int]) -> dict[int, str]:
-        values = self.r.mget([self.key("job", job_id, "stacks", str(r)) for r in ranks])
+        values = self.r.mget([keys.stacks(self.p, job_id, r) for r in ranks])
         return {r: v for r, v in zip(ranks, values, strict=True) if v}
 
     # -- node quarantine -------------------------------------------------------
     def record_node_failure(self, node: str, ts: float, window_s: float) -> list[float]:
         """Add one failure to a node's history; return its failures within the window."""
-        k = self.key("node", node, "failures")
+        k = keys.node_failures(self.p, node)
         with self.r.pipeline() as pipe:
             pipe.zadd(k, {f"{ts:.6f}": ts})
             pipe.zremrangebyscore(k, "-inf", ts - window_s)
@@ -369,100 +347,100 @@ class JobStore:
         return [score for _, score in members]
 
     def quarantine_node(self, node: str, entry: dict[str, Any]) -> None:
-        self.r.hset(self.key("quarantine"), node, json.dumps(entry))
+        self.r.hset(keys.quarantine(self.p), node, json.dumps(entry))
 
     def release_node(self, node: str) -> bool:
         with self.r.pipeline() as pipe:
-            pipe.hdel(self.key("quarantine"), node)
-            pipe.delete(self.key("node", node, "failures"))
+            pipe.hdel(keys.quarantine(self.p), node)
+            pipe.delete(keys.node_failures(self.p, node))
             removed, _ = pipe.execute()
         return bool(removed)
 
     def quarantine(self) -> dict[str, dict[str, Any]]:
         """Every stored quarantine entry (expired ones included; see quarantine.active)."""
-        return {k: json.loads(v) for k, v in self.r.hgetall(self.key("quarantine")).items()}
+        return {k: json.loads(v) for k, v in self.r.hgetall(keys.quarantine(self.p)).items()}
 
     # -- cancellation and scheduler wake-ups --------------------------------
     def request_cancel(self, job_id: str) -> None:
-        self.r.set(self.key("job", job_id, "cancel"), "1")
+        self.r.set(keys.cancel(self.p, job_id), "1")
         self.wake_scheduler(job_id)
 
     def cancel_requested(self, job_id: str) -> bool:
-        return bool(self.r.exists(self.key("job", job_id, "cancel")))
+        return bool(self.r.exists(keys.cancel(self.p, job_id)))
 
     def request_preempt(self, job_id: str, for_job: str) -> None:
-        self.r.set(self.key("job", job_id, "preempt"), for_job)
+        self.r.set(keys.preempt(self.p, job_id), for_job)
 
     def preempt_requested(self, job_id: str) -> bool:
-        return bool(self.r.exists(self.key("job", job_id, "preempt")))
+        return bool(self.r.exists(keys.preempt(self.p, job_id)))
 
     def clear_preempt(self, job_id: str) -> None:
-        self.r.delete(self.key("job", job_id, "preempt"))
+        self.r.delete(keys.preempt(self.p, job_id))
 
     # -- elastic resizes -----------------------------------------------------
     # The scheduler raises `resize` for the job's controller (the request itself is
     # on the record); the controller publishes each new process-group generation
     # and raises `rejoin` with its number for the ranks, which read it every step.
     def request_resize(self, job_id: str) -> None:
-        self.r.set(self.key("job", job_id, "resize"), "1")
+        self.r.set(keys.resize(self.p, job_id), "1")
 
     def resize_requested(self, job_id: str) -> bool:
-        return bool(self.r.exists(self.key("job", job_id, "resize")))
+        return bool(self.r.exists(keys.resize(self.p, job_id)))
 
     def clear_resize(self, job_id: str) -> None:
-        self.r.delete(self.key("job", job_id, "resize"))
+        self.r.delete(keys.resize(self.p, job_id))
 
     def publish_generation(self, job_id: str, generation: dict[str, Any], signal: bool) -> None:
         """Store the next generation; with `signal`, ask running ranks to rejoin at their next step."""
         with self.r.pipeline() as pipe:
-            pipe.set(self.key("job", job_id, "generation"), json.dumps(generation))
+            pipe.set(keys.generation(self.p, job_id), json.dumps(generation))
             if signal:
-                pipe.set(self.key("job", job_id, "rejoin"), str(generation["gen"]))
+                pipe.set(keys.rejoin(self.p, job_id), str(generation["gen"]))
             else:  # a group formed from scratch: no earlier request may reach its ranks
-                pipe.delete(self.key("job", job_id, "rejoin"))
+                pipe.delete(keys.rejoin(self.p, job_id))
             pipe.execute()
 
     def generation(self, job_id: str) -> dict[str, Any] | None:
-        raw = self.r.get(self.key("job", job_id, "generation"))
+        raw = self.r.get(keys.generation(self.p, job_id))
         return json.loads(raw) if raw else None
 
     def rejoin_requested(self, job_id: str) -> int:
         """The generation ranks are asked to rejoin, 0 when none."""
-        raw = self.r.get(self.key("job", job_id, "rejoin"))
+        raw = self.r.get(keys.rejoin(self.p, job_id))
         return int(raw) if raw else 0
 
     def clear_rejoin(self, job_id: str) -> None:
-        self.r.delete(self.key("job", job_id, "rejoin"))
+        self.r.delete(keys.rejoin(self.p, job_id))
 
     # The sample record of `data.record_samples`: field "step/dp_size/dp_rank",
     # value "start:stop,..." (the global sample indices of each micro-batch).
     def record_samples(self, job_id: str, fields: dict[str, str]) -> None:
         if fields:
-            self.r.hset(self.key("job", job_id, "samples"), mapping=fields)
+            self.r.hset(keys.samples(self.p, job_id), mapping=fields)
 
     def samples(self, job_id: str) -> dict[str, str]:
-        return self.r.hgetall(self.key("job", job_id, "samples"))
+        return self.r.hgetall(keys.samples(self.p, job_id))
 
     def forget_samples_from(self, job_id: str, step: int) -> None:
         """Drop the record of steps `step` and later (a restore undid them)."""
-        key = self.key("job", job_id, "samples")
+        key = keys.samples(self.p, job_id)
         undone = [f for f in self.r.hkeys(key) if int(f.split("/", 1)[0]) >= step]
         if undone:
             self.r.hdel(key, *undone)
 
     def wake_scheduler(self, reason: str = "") -> None:
-        self.r.rpush(self.key("sched", "wake"), reason or "tick")
+        self.r.rpush(keys.sched_wake(self.p), reason or "tick")
 
     def wait_for_wake(self, timeout_s: float) -> None:
         """Block until someone wakes the scheduler or `timeout_s` passes."""
-        got = self.r.blpop([self.key("sched", "wake")], timeout=timeout_s)
+        got = self.r.blpop([keys.sched_wake(self.p)], timeout=timeout_s)
         if got:  # drain the backlog: one cycle serves all pending wake-ups
-            self.r.delete(self.key("sched", "wake"))
+            self.r.delete(keys.sched_wake(self.p))
 
     # -- cluster-wide info ---------------------------------------------------
     def set_info(self, name: str, value: dict[str, Any]) -> None:
-        self.r.set(self.key("info", name), json.dumps(value))
+        self.r.set(keys.info(self.p, name), json.dumps(value))
 
     def info(self, name: str) -> dict[str, Any] | None:
-        raw = self.r.get(self.key("info", name))
+        raw = self.r.get(keys.info(self.p, name))
         return json.loads(raw) if raw else None

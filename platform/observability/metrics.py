@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kuangchao.platform.jobs import keys
 from kuangchao.platform.security.tokens import INTERFACES
 
 log = logging.getLogger(__name__)
@@ -177,15 +178,6 @@ CONTROL_PLANE = (JOBS, JOB_INFO, JOB_STATE_AGE, JOB_RECOVERING, JOB_WORLD_SIZE, 
 ALL = CONTROL_PLANE + WORKER
 
 
-def cluster_key(prefix: str) -> str:
-    return f"{prefix}metrics:cluster"
-
-
-def job_key(prefix: str, job_id: str) -> str:
-    """Inside the job's own key space, so the job's Redis user may record to it."""
-    return f"{prefix}job:{job_id}:metrics"
-
-
 # -- the record in Redis ----------------------------------------------------------
 # A hash per scope. A field is the JSON of [series name, {label: value}]; the
 # value is a float added to with HINCRBYFLOAT, so concurrent recorders never
@@ -257,11 +249,11 @@ class MetricsRecorder:
 
 
 def cluster_recorder(client: Any, prefix: str) -> MetricsRecorder:
-    return MetricsRecorder(client, cluster_key(prefix))
+    return MetricsRecorder(client, keys.cluster_metrics(prefix))
 
 
 def job_recorder(client: Any, prefix: str, job_id: str) -> MetricsRecorder:
-    return MetricsRecorder(client, job_key(prefix, job_id))
+    return MetricsRecorder(client, keys.job_metrics(prefix, job_id))  # the job's Redis user may write it
 
 
 # -- reading it back --------------------------------------------------------------

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.state import JobRecord
 
 if TYPE_CHECKING:  # the store's type only: this module stays free of Redis
@@ -28,8 +29,6 @@ if TYPE_CHECKING:  # the store's type only: this module stays free of Redis
 REFRESH_S = 5.0
 
 
-def targets_key(prefix: str, job_id: str) -> str:
-    return f"{prefix}job:{job_id}:targets"
 
 
 def groups(jobs: list[JobRecord], registered: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
@@ -60,7 +59,7 @@ def read_groups(store: JobStore) -> list[dict[str, Any]]:
         return []
     with store.r.pipeline(transaction=False) as pipe:
         for job in jobs:
-            pipe.hgetall(targets_key(store.p, job.id))
+            pipe.hgetall(keys.targets(store.p, job.id))
         raws = pipe.execute()
     return groups(jobs, {job.id: raw for job, raw in zip(jobs, raws, strict=True)})
 

@@ -23,6 +23,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from kuangchao.platform.errors import ClusterError, JobNotFound, TokenError
+from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
 from kuangchao.platform.security import redis_acl
@@ -121,10 +122,10 @@ class TokenAuthority:
 
     # -- keys in Redis -------------------------------------------------------------
     def revoked_key(self, token_id: str) -> str:
-        return self.store.key("auth", "revoked", token_id)
+        return keys.revoked(self.store.p, token_id)
 
     def _issued_key(self, job_id: str) -> str:
-        return self.store.key("auth", "issued", job_id)
+        return keys.issued(self.store.p, job_id)
 
     def public_key(self) -> bytes:
         return self._public
@@ -153,7 +154,7 @@ class TokenAuthority:
         # resolving symlinks here, on the head, could name another place.
         ckpt = checkpoint_dir(spec.checkpoint.path, job_id)
         return Scope(devices=tuple(gpus), groups=TRAINER_GROUPS, checkpoint_prefix=str(ckpt),
-                     redis_prefix=self.store.key("job", job_id) + ":")
+                     redis_prefix=keys.job(self.store.p, job_id) + ":")
 
     def grant_workers(self, job_id: str, ranks: dict[int, tuple[int, ...]]) -> dict[int, WorkerGrant]:
         """A token per rank (scoped to its GPUs) and the job's Redis URL.
@@ -162,7 +163,7 @@ class TokenAuthority:
         password) for later ranks: replacements and grown replicas.
         """
         spec = JobSpec.model_validate(self.store.get(job_id).spec)
-        self.store.r.sadd(self.store.key("auth", "jobs"), job_id)
+        self.store.r.sadd(keys.auth_jobs(self.store.p), job_id)
         url = self.job_redis_url(job_id)
         interfaces = TRAINER_BASE | frozenset(spec.permission.collectives)
         out = {}
@@ -177,7 +178,7 @@ class TokenAuthority:
         """A token for one of the job's other modules (its controller, a data
         loader, a monitor): the role's interfaces, the job's checkpoint prefix."""
         spec = JobSpec.model_validate(self.store.get(job_id).spec)
-        self.store.r.sadd(self.store.key("auth", "jobs"), job_id)
+        self.store.r.sadd(keys.auth_jobs(self.store.p), job_id)
         full = self.trainer_scope(job_id, spec, ())
         scope = Scope(checkpoint_prefix=full.checkpoint_prefix, redis_prefix=full.redis_prefix)
         token, _ = self._mint(f"{job_id}/{module}", job_id, role, scope, ROLE_INTERFACES[role],
@@ -187,13 +188,13 @@ class TokenAuthority:
     def job_redis_url(self, job_id: str) -> str | None:
         if not self.job_acl or not self.admin_url:
             return self.admin_url
-        secret_key = self.store.key("auth", "jobuser", job_id)
+        secret_key = keys.job_user_secret(self.store.p, job_id)
         password = self.store.r.get(secret_key)
         if password is None:
             _, password = redis_acl.grant_job_user(self.store.r, self.store.p, job_id)
             self.store.r.set(secret_key, password)
             self._audit("token-authority", "redis.grant", f"redis-user/{redis_acl.job_user(job_id)}",
-                        "allow", f"keys {self.store.key('job', job_id)}[:*]", job_id)
+                        "allow", f"keys {keys.job(self.store.p, job_id)}[:*]", job_id)
         return redis_acl.url_for(self.admin_url, redis_acl.job_user(job_id), password)
 
     # -- checking, renewing, revoking ----------------------------------------------
@@ -239,7 +240,7 @@ class TokenAuthority:
             self.revoke(tid, reason, exp, job=job_id, quiet=True)
         self.store.r.delete(self._issued_key(job_id))
         if self._ended(job_id):
-            self.store.r.srem(self.store.key("auth", "jobs"), job_id)
+            self.store.r.srem(keys.auth_jobs(self.store.p), job_id)
         self._audit("token-authority", "token.revoke", f"job/{job_id}", "allow",
                     f"{reason}: {len(live)} live token(s)", job_id)
         if self.job_acl and self.admin_url and self._ended(job_id):
@@ -247,7 +248,7 @@ class TokenAuthority:
                 redis_acl.revoke_job_user(self.store.r, job_id)
             except Exception as exc:  # never blocks the job's end; the audit says so
                 log.warning("could not delete the Redis user of job %s: %s", job_id, exc)
-            self.store.r.delete(self.store.key("auth", "jobuser", job_id))
+            self.store.r.delete(keys.job_user_secret(self.store.p, job_id))
         return len(live)
 
     def sweep(self) -> list[str]:
@@ -257,7 +258,7 @@ class TokenAuthority:
         rest: a job cancelled while queued after a run, a controller that died.
         """
         done = []
-        for job_id in self.store.r.smembers(self.store.key("auth", "jobs")):
+        for job_id in self.store.r.smembers(keys.auth_jobs(self.store.p)):
             if self._ended(job_id):
                 self.revoke_job(job_id, "the job ended")
                 done.append(job_id)
@@ -271,8 +272,8 @@ class TokenAuthority:
         if not (self.job_acl and self.admin_url):
             return []
         restored = []
-        for job_id in self.store.r.smembers(self.store.key("auth", "jobs")):
-            password = self.store.r.get(self.store.key("auth", "jobuser", job_id))
+        for job_id in self.store.r.smembers(keys.auth_jobs(self.store.p)):
+            password = self.store.r.get(keys.job_user_secret(self.store.p, job_id))
             if password is None or redis_acl.has_job_user(self.store.r, job_id):
                 continue
             if self._ended(job_id):

@@ -12,6 +12,7 @@ import json
 import time
 from typing import Any
 
+from kuangchao.platform.jobs import keys
 from kuangchao.platform.security.apikeys import Principal, StoredKey, new_key, stored_key
 
 BOOTSTRAP_NAME = "kc-up-admin"
@@ -27,7 +28,7 @@ class KeyStore:
     """
 
     def __init__(self, client: Any, prefix: str) -> None:
-        self.r, self.key = client, f"{prefix}auth:keys"
+        self.r, self.key = client, keys.api_keys(prefix)
 
     def get(self, key_id: str | None) -> StoredKey | None:
         if not key_id:

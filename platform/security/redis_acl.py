@@ -15,6 +15,8 @@ import secrets
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from kuangchao.platform.jobs import keys
+
 # Categories first, then the exceptions: later ACL rules win.
 _RULES = ("resetchannels", "-@all", "+@read", "+@write", "+@connection", "+@transaction",
           "+@scripting", "-@dangerous", "-@admin", "-scan", "-keys", "-randomkey",
@@ -33,8 +35,8 @@ def grant_job_user(admin: Any, prefix: str, job_id: str,
     # Revocation marks are readable (not writable), so workers can see that a
     # token of theirs was revoked.
     admin.execute_command("ACL", "SETUSER", name, "reset", "on", f">{password}",
-                          f"~{prefix}job:{job_id}", f"~{prefix}job:{job_id}:*",
-                          f"%R~{prefix}auth:revoked:*", *_RULES)
+                          f"~{keys.job(prefix, job_id)}", f"~{keys.job_prefix(prefix, job_id)}*",
+                          f"%R~{keys.revoked(prefix, '*')}", *_RULES)
     return name, password
 
 

@@ -7,13 +7,14 @@ import json
 import pytest
 import redis
 
+from kuangchao.platform.jobs import keys
 from kuangchao.platform.security.audit import AuditLog, AuditRecord
 
 pytestmark = pytest.mark.integration
 
 
 def test_records_reach_the_stream_and_the_file_and_filter_back(store, tmp_path):
-    trail = AuditLog(store.r, store.key("audit"), tmp_path / "audit.jsonl")
+    trail = AuditLog(store.r, keys.audit(store.p), tmp_path / "audit.jsonl")
     trail.record(AuditRecord("alice", "job.submit", "job/a1", "allow", job="a1", ts=100.0))
     trail.record(AuditRecord("job-b/rank-1", "collective.broadcast", "group/dp", "deny",
                              reason="not in the whitelist", job="b1", ts=101.0))

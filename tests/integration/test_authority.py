@@ -9,6 +9,7 @@ import time
 import pytest
 
 from kuangchao.platform.errors import ClusterError, TokenError
+from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.security.audit import AuditLog
 from kuangchao.platform.security.authority import TokenAuthority, load_signing_key
@@ -26,7 +27,7 @@ SPEC = {"permission": {"collectives": ["all_reduce", "broadcast", "all_gather"],
 
 def authority(store, tmp_path, age_s: float = 0.0) -> TokenAuthority:
     """An authority whose clock runs `age_s` behind, so its tokens are born that old."""
-    trail = AuditLog(store.r, store.key("audit"), tmp_path / "audit.jsonl")
+    trail = AuditLog(store.r, keys.audit(store.p), tmp_path / "audit.jsonl")
     return TokenAuthority(store, generate_key(), trail, admin_url=None, job_acl=False,
                           clock=lambda: time.time() - age_s)
 
@@ -40,7 +41,7 @@ def test_grants_carry_the_specs_whitelist_scope_and_ttl(store, tmp_path):
     assert claims.interfaces == {"all_reduce", "broadcast", "all_gather", "checkpoint_read",
                                  "checkpoint_write", "heartbeat"}
     assert claims.scope.devices == (2, 3) and claims.scope.checkpoint_prefix == "/data/ckpt/job-g1"
-    assert claims.scope.redis_prefix == store.key("job", "job-g1") + ":"
+    assert claims.scope.redis_prefix == keys.job(store.p, "job-g1") + ":"
     assert claims.expires_at - claims.issued_at == 60
     assert grants[0].public_key == auth.public_key() and b"PRIVATE" not in grants[0].public_key
     mints = [r for r in auth.trail.read(job="job-g1") if r["action"] == "token.mint"]

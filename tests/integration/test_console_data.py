@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.operations import node_view
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
 from kuangchao.workers.runtime.heartbeat import Heartbeat
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 def test_every_logged_step_keeps_its_point_though_progress_merges(store):
     hb = Heartbeat(store.r, store.p, "jm", 0, "node-0")
-    hb.carry(store.key("job", "jm", "progress"), {})
+    hb.carry(keys.progress(store.p, "jm"), {})
     for step in (1, 10, 20):  # three reports before one beat: progress keeps the newest only
         hb.publish({"step": step, "loss": 5.0 - step / 10}, {"step": step, "loss": 5.0 - step / 10})
     hb.publish({"step": 21})  # an unlogged step adds no point

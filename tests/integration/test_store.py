@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.state import JobRecord, cancel
 
 pytestmark = pytest.mark.integration
@@ -24,16 +25,23 @@ def test_active_index_keeps_old_waiting_jobs_and_drops_finished_ones(store):
     assert active[0] == "j000" and "j005" not in active and len(active) == 29
 
 
+def raced_once(store, change, rival):
+    """`change`, wrapped so that on its first run `rival` is committed between its
+    read and its write (its compare-and-set then fails once and it runs again)."""
+    raced = []
+
+    def run(j):
+        if not raced:
+            raced.append(1)
+            store.update(j.id, rival)
+        return change(j)
+    return run
+
+
 def test_update_loses_no_write_when_two_writers_race(store):
     store.create(job(1))
-    seen = []
-
-    def bump(j):
-        if not seen:  # a second writer slips in between this read and its write
-            seen.append(1)
-            store.update(j.id, lambda k: (replace(k, restarts=k.restarts + 1), None))
-        return replace(j, preemptions=j.preemptions + 1), None
-
+    bump = raced_once(store, lambda j: (replace(j, preemptions=j.preemptions + 1), None),
+                      lambda k: (replace(k, restarts=k.restarts + 1), None))
     out = store.update("j001", bump)
     assert out.restarts == 1 and out.preemptions == 1 and out.version == 3
 
@@ -43,14 +51,14 @@ def test_a_finishing_commit_records_its_event_active_set_and_counter_at_once(sto
     from kuangchao.platform.observability import metrics
 
     store.create(job(7))
-    store.r.set(store.key("job", "j007", "targets"), "[]")
-    counter = metrics.cluster_key(store.p)
+    store.r.set(keys.targets(store.p, "j007"), "[]")
+    counter = keys.cluster_metrics(store.p)
     (field,) = metrics.increments(metrics.JOBS_FINISHED, 1.0, {"state": "FAILED", "queue": "default"})
     out = store.update("j007", lambda j: fail(j, "boom"))
     assert out.state.value == "FAILED" and out.version == 2
     assert store.events("j007")[-1]["to"] == "FAILED" and store.events("j007")[-1]["message"] == "boom"
     assert "j007" not in {j.id for j in store.list_active()}
-    assert not store.r.exists(store.key("job", "j007", "targets"))
+    assert not store.r.exists(keys.targets(store.p, "j007"))
     assert float(store.r.hget(counter, field)) == 1.0
     # Applying the operation again changes nothing: no second event, no second count.
     assert store.update("j007", lambda j: fail(j, "again")) is None
@@ -61,14 +69,8 @@ def test_a_commit_that_loses_the_race_appends_no_event(store):
     from kuangchao.platform.jobs.state import admit
 
     store.create(job(8))
-    calls = []
-
-    def admit_once_raced(j):
-        if not calls:  # another writer bumps the version between this read and its write
-            calls.append(1)
-            store.update(j.id, lambda k: (replace(k, priority=k.priority + 1), None))
-        return admit(j, "admitted")
-
-    out = store.update("j008", admit_once_raced)
+    admit_raced = raced_once(store, lambda j: admit(j, "admitted"),
+                             lambda k: (replace(k, priority=k.priority + 1), None))
+    out = store.update("j008", admit_raced)
     assert out.state.value == "PLACING" and out.priority == 51
     assert [e["to"] for e in store.events("j008") if e["type"] == "state"] == ["QUEUED", "PLACING"]

@@ -228,3 +228,16 @@ def test_unit_tests_start_no_process_and_reach_no_service():
         bad = {m for m in imports(path) if m.startswith(UNPURE_TEST_IMPORTS)}
         assert not bad, (f"{path.relative_to(ROOT)} imports {sorted(bad)}: move the test to "
                          "tests/process, tests/layouts or tests/integration")
+
+
+def test_redis_key_names_are_built_only_in_the_keys_module():
+    # `{prefix}job:`, `{p}auth:` ...: a key spelled out anywhere else drifts from the table.
+    spelled = re.compile(r"\{(?:prefix|p|self\.p|store\.p)\}(?:job|jobs|auth|info|sched|node|quarantine|metrics)\b")
+    for path in code_files():
+        if path == ROOT / "platform" / "jobs" / "keys.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.JoinedStr):
+                text = ast.unparse(node)
+                assert not spelled.search(text), (
+                    f"{path.relative_to(ROOT)} spells a Redis key ({text}); add it to platform/jobs/keys.py")

@@ -3,7 +3,8 @@ with explicit clocks."""
 
 import pytest
 
-from kuangchao.platform.execution.heartbeat import Beat, Classifier, beat_key, read_beats
+from kuangchao.platform.execution.heartbeat import Beat, Classifier, read_beats
+from kuangchao.platform.jobs import keys
 
 TIMEOUT, HANG = 10.0, 60.0
 WALL0 = 1_700_000_000.0  # wall clock (beat ts) at monotonic 0
@@ -181,7 +182,7 @@ class FakePipeline:
         self.queued.append(list(keys))
 
     def execute(self):
-        return [[self.data.get(k) for k in keys] for keys in self.queued]
+        return [[self.data.get(k) for k in batch] for batch in self.queued]
 
 
 class FakeClient:
@@ -196,10 +197,10 @@ class FakeClient:
 
 def test_read_beats_reads_every_rank_in_chunks_with_one_pipeline():
     beats = {r: beat(r, seq=r + 1, ts=WALL0 + r) for r in range(7) if r != 4}
-    data = {beat_key("p:", "j1", r): b.encode() for r, b in beats.items()}
-    data[beat_key("p:", "j1", 5)] = "not a beat"
+    data = {keys.beat("p:", "j1", r): b.encode() for r, b in beats.items()}
+    data[keys.beat("p:", "j1", 5)] = "not a beat"
     client = FakeClient(data)
     out = read_beats(client, "p:", "j1", range(7), chunk=3)
     assert out == {0: beats[0], 1: beats[1], 2: beats[2], 3: beats[3], 4: None, 5: None, 6: beats[6]}
     [pipe] = client.pipelines
-    assert [len(keys) for keys in pipe.queued] == [3, 3, 1]
+    assert [len(batch) for batch in pipe.queued] == [3, 3, 1]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kuangchao.platform.jobs import debugreq
+from kuangchao.platform.jobs import debugreq, keys
 from kuangchao.platform.jobs.debugreq import DebugRequest
 from kuangchao.workers.runtime.telemetry import WorkerTelemetry, memory
 
@@ -77,7 +77,7 @@ class DebugResponder:
         self._answered: set[str] = set()
 
     def __call__(self) -> None:
-        req = DebugRequest.from_json(self.client.get(debugreq.request_key(self.prefix, self.job_id)))
+        req = DebugRequest.from_json(self.client.get(keys.debug_request(self.prefix, self.job_id)))
         if req is None or req.kind not in ("comm", "memory") or req.id in self._answered:
             return
         self._answered.add(req.id)

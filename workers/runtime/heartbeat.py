@@ -28,7 +28,8 @@ from typing import Any
 
 import redis
 
-from kuangchao.platform.execution.heartbeat import Beat, beat_key, stack_key, stack_request_key
+from kuangchao.platform.execution.heartbeat import Beat
+from kuangchao.platform.jobs import keys
 
 _log = logging.getLogger(__name__)
 STACK_TTL_S = 3600
@@ -96,7 +97,7 @@ class Heartbeat:
             old, self.rank = self.rank, rank
         if old != rank:
             try:
-                self.client.delete(beat_key(self.prefix, self.job_id, old))
+                self.client.delete(keys.beat(self.prefix, self.job_id, old))
             except redis.RedisError:
                 pass  # it expires on its own
         self.beat_once_quietly()
@@ -148,7 +149,7 @@ class Heartbeat:
         if not delete:
             return
         try:  # a clean exit is not a death: take the key away at once
-            self.client.delete(beat_key(self.prefix, self.job_id, self.rank))
+            self.client.delete(keys.beat(self.prefix, self.job_id, self.rank))
         except redis.RedisError:
             pass
 
@@ -174,9 +175,9 @@ class Heartbeat:
         flags = list(self.flag_keys.items())
         try:
             with self.client.pipeline(transaction=False) as pipe:
-                pipe.set(beat_key(self.prefix, self.job_id, self.rank), beat.encode(),
+                pipe.set(keys.beat(self.prefix, self.job_id, self.rank), beat.encode(),
                          px=int(self.timeout_s * 1000))
-                pipe.get(stack_request_key(self.prefix, self.job_id, self.rank))
+                pipe.get(keys.stack_request(self.prefix, self.job_id, self.rank))
                 for _, key in flags:
                     pipe.exists(key)
                 if progress and self.progress_key:
@@ -198,8 +199,8 @@ class Heartbeat:
         text = (f"rank {self.rank} pid {os.getpid()} on {self.node}, step {self.step}, "
                 f"phase {self.phase}\n" + dump_stacks())
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.set(stack_key(self.prefix, self.job_id, self.rank), text, ex=STACK_TTL_S)
-            pipe.delete(stack_request_key(self.prefix, self.job_id, self.rank))
+            pipe.set(keys.stacks(self.prefix, self.job_id, self.rank), text, ex=STACK_TTL_S)
+            pipe.delete(keys.stack_request(self.prefix, self.job_id, self.rank))
             pipe.execute()
 
     def _debug(self) -> None:

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from kuangchao.platform.jobs import keys
 from kuangchao.platform.observability import metrics as m
-from kuangchao.platform.observability.scrape_targets import targets_key
 
 _log = logging.getLogger(__name__)
 DISABLE_ENV = "KC_WORKER_METRICS"  # "0": no endpoint, no timing (bench/metrics.py's baseline)
@@ -267,14 +267,14 @@ def register(client: Any, prefix: str, telemetry: WorkerTelemetry) -> None:
     entry = {"addr": telemetry.address, "node": telemetry.node, "pid": os.getpid(),
              "ts": time.time()}
     try:
-        client.hset(targets_key(prefix, telemetry.job_id), str(telemetry.rank), json.dumps(entry))
+        client.hset(keys.targets(prefix, telemetry.job_id), str(telemetry.rank), json.dumps(entry))
     except Exception as exc:  # noqa: BLE001
         _log.warning("could not register the metrics endpoint: %s", exc)
 
 
 def unregister(client: Any, prefix: str, telemetry: WorkerTelemetry) -> None:
     """Take this rank's entry away, unless another process has taken the rank since."""
-    key = targets_key(prefix, telemetry.job_id)
+    key = keys.targets(prefix, telemetry.job_id)
     try:
         raw = client.hget(key, str(telemetry.rank))
         if raw and json.loads(raw).get("pid") == os.getpid():

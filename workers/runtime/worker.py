@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from kuangchao.platform.cluster.topology import GPU_RESOURCE_PREFIX
-from kuangchao.platform.jobs import debugreq
+from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
 from kuangchao.platform.settings import Settings
@@ -104,10 +104,10 @@ class TrainWorker:
                 on_log=lambda level, msg: self.sink.emit(msg, level=level, module="heartbeat"),
             )
             if self.store is not None:
-                self.heartbeat.carry(self.store.key("job", job_id, "progress"), {
-                    "preempt": self.store.key("job", job_id, "preempt"),
-                    "cancel": self.store.key("job", job_id, "cancel"),
-                    "debug": debugreq.request_key(settings.redis_prefix, job_id)})
+                self.heartbeat.carry(keys.progress(self.store.p, job_id), {
+                    "preempt": keys.preempt(self.store.p, job_id),
+                    "cancel": keys.cancel(self.store.p, job_id),
+                    "debug": keys.debug_request(settings.redis_prefix, job_id)})
                 if self.telemetry is not None:
                     self.heartbeat.on_debug = DebugResponder(
                         self.heartbeat.client, settings.redis_prefix, job_id, self.telemetry,
@@ -138,7 +138,7 @@ class TrainWorker:
         store = self.store
 
         def revoked(token_id: str) -> bool:
-            return store is not None and bool(store.r.exists(store.key("auth", "revoked", token_id)))
+            return store is not None and bool(store.r.exists(keys.revoked(store.p, token_id)))
 
         def denied(interface: str, resource: str, reason: str) -> None:
             message = f"rank {self.rank} was refused {interface} on {resource}: {reason}"

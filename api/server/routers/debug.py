@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kuangchao.api.server.auth import allowed, require, visible_job
 from kuangchao.api.server.deps import Store
-from kuangchao.platform.jobs import debugreq
+from kuangchao.platform.jobs import debugreq, keys
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.security.apikeys import Principal
@@ -58,7 +58,7 @@ def _wait(store: JobStore, job: JobRecord, req_id: str, timeout_s: float) -> dic
 def _retire(store: JobStore, job_id: str, req_id: str) -> None:
     """Take the request away once answered, unless a newer one replaced it: ranks stop
     looking at it (the answers stay for an hour)."""
-    key = debugreq.request_key(store.p, job_id)
+    key = keys.debug_request(store.p, job_id)
     req = debugreq.DebugRequest.from_json(store.r.get(key))
     if req is not None and req.id == req_id:
         store.r.delete(key)
