@@ -16,7 +16,7 @@ What is simulated:
   slow-start ranks stay in phase `init` with frozen progress (must NOT be
   flagged: start-up is untimed).
 * The controller. In this process, every 0.5 s (`JobController.poll_s`):
-  `read_beats` (pipelined MGETs over the store client `store.connect` gives
+  `read_beats` (pipelined MGETs over the store client `redis_client.connect` gives
   the controller) + `Classifier.observe` for all ranks; heartbeat timeout
   10 s (the spec default), hang timeout shortened to 5 s so hangs show up
   within the run. The classifier must flag exactly the dead ranks (expired)
@@ -66,7 +66,7 @@ from kuangchao.platform.execution.heartbeat import (
     Verdict,
     read_beats,
 )
-from kuangchao.platform.jobs import store
+from kuangchao.platform.jobs import redis_client
 from kuangchao.platform.jobs.store import JobStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
@@ -249,7 +249,7 @@ def run(ranks: int, seconds: float, writers: int, connections: int) -> int:
     roles = pick_roles(ranks)
     all_ranks = list(range(ranks))
     with redis_server(maxclients=connections + 64) as (url, private):
-        ctl = store.connect(url)  # the controller's client: decode_responses=True
+        ctl = redis_client.connect(url)  # the controller's client: decode_responses=True
         stats = redis.Redis.from_url(url)
         job_keys = JobStore(ctl, prefix)  # the worker's names for the job's flags and progress
         flag_keys = [keys.preempt(job_keys.p, JOB), keys.cancel(job_keys.p, JOB)]

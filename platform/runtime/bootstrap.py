@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kuangchao.platform.errors import ClusterError, WatchEnded
-from kuangchao.platform.jobs.store import JobStore, redact
+from kuangchao.platform.jobs.redis_client import redact
+from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings
 
 

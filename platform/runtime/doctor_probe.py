@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao.platform.cluster.topology import LABEL_NODE, LABEL_ROLE
-from kuangchao.platform.jobs.store import redact
+from kuangchao.platform.jobs.redis_client import redact
 from kuangchao.platform.runtime import procs
 from kuangchao.platform.runtime.doctor import (
     Finding,

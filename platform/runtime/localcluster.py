@@ -23,7 +23,8 @@ from typing import Any
 
 from kuangchao.platform.cluster.topology import LABEL_ROLE, ClusterTopology, gpu_resource, load_topology
 from kuangchao.platform.errors import ClusterError
-from kuangchao.platform.jobs.store import JobStore, connect, redact
+from kuangchao.platform.jobs.redis_client import connect, redact
+from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.runtime import procs
 from kuangchao.platform.scheduling.queues import QueueTable, load_queues
 from kuangchao.platform.settings import (

@@ -232,7 +232,8 @@ def test_unit_tests_start_no_process_and_reach_no_service():
 
 def test_redis_key_names_are_built_only_in_the_keys_module():
     # `{prefix}job:`, `{p}auth:` ...: a key spelled out anywhere else drifts from the table.
-    spelled = re.compile(r"\{(?:prefix|p|self\.p|store\.p)\}(?:job|jobs|auth|info|sched|node|quarantine|metrics)\b")
+    spelled = re.compile(r"\{(?:prefix|p|self\.p|store\.p)\}"
+                         r"(?:job|jobs|auth|info|sched|node|quarantine|metrics)\b")
     for path in code_files():
         if path == ROOT / "platform" / "jobs" / "keys.py":
             continue

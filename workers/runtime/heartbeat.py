@@ -248,7 +248,7 @@ def _queue_progress(pipe: Any, key: str, progress: dict[str, Any]) -> None:
 
 def _queue_points(pipe: Any, progress_key: str, points: list[dict[str, Any]]) -> None:
     """The store's metrics append (JobStore.add_metrics), next to the progress key."""
-    from kuangchao.platform.jobs.store import METRICS_CAP
+    from kuangchao.platform.jobs.streams import METRICS_CAP
 
     key = progress_key.rsplit(":", 1)[0] + ":curve"
     pipe.rpush(key, *[json.dumps(p) for p in points])

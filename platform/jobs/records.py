@@ -1,0 +1,185 @@
+"""Job records: create, read and update them with compare-and-set on a version.
+
+Writers that race (API, scheduler, job controller) never lose an update: each
+commit is one Lua script that sets the record only when the version read is
+still the stored one, and appends its event, and for a finished job updates the
+active set, the scrape targets and the finished counter, in the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from kuangchao.platform.errors import JobNotFound, StoreUnavailable
+from kuangchao.platform.jobs import keys
+from kuangchao.platform.jobs.state import JobRecord
+from kuangchao.platform.jobs.streams import EVENT_CAP
+from kuangchao.platform.observability import metrics
+
+# One commit of a record: set it only when the stored version still matches the
+# one read, and, in the same atomic step, append its event, take a finished job
+# out of the active set (and Prometheus's targets) and count it as finished. A
+# crash between the steps can no longer lose the event or leave a finished job
+# active. The metric field comes from the metrics catalogue (metrics.increments).
+#   KEYS: record, events, and only for a commit that finishes the job: the active
+#         set, scrape targets, cluster metrics hash (a job's own Redis user, which
+#         may name only its job's keys, never finishes a job)
+#   ARGV: version read, new record, event ('' for none), event cap,
+#         job id, finished-metric field
+COMMIT_SCRIPT = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return -1 end
+local v = cjson.decode(cur)['version']
+if tostring(v) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+if ARGV[3] ~= '' then
+  redis.call('RPUSH', KEYS[2], ARGV[3])
+  redis.call('LTRIM', KEYS[2], -tonumber(ARGV[4]), -1)
+end
+if #KEYS == 5 then
+  redis.call('SREM', KEYS[3], ARGV[5])
+  redis.call('DEL', KEYS[4])
+  redis.call('HINCRBYFLOAT', KEYS[5], ARGV[6], 1)
+end
+return 1
+"""
+
+
+class Records:
+    """The records part of `JobStore` (it holds the client and the prefix)."""
+
+    r: redis.Redis
+    p: str
+    _commit: Any
+
+    def create(self, job: JobRecord, event_message: str = "submitted") -> JobRecord:
+        job = dataclasses.replace(job, version=1)
+        with self.r.pipeline() as pipe:
+            pipe.set(keys.job(self.p, job.id), json.dumps(job.to_json()), nx=True)
+            pipe.zadd(keys.jobs(self.p), {job.id: job.created_at})
+            pipe.sadd(keys.active(self.p), job.id)
+            pipe.rpush(keys.events(self.p, job.id), json.dumps(
+                {"ts": job.created_at, "type": "state", "from": None, "to": job.state.value,
+                 "message": event_message}))
+            pipe.rpush(keys.sched_wake(self.p), job.id)
+            pipe.execute()
+        return job
+
+    def get(self, job_id: str) -> JobRecord:
+        raw = self.r.get(keys.job(self.p, job_id))
+        if raw is None:
+            raise JobNotFound.for_id(job_id)
+        return JobRecord.from_json(json.loads(raw))
+
+    def list(self, limit: int = 1000) -> list[JobRecord]:
+        """The newest `limit` jobs, oldest first."""
+        return self._records(self.r.zrange(keys.jobs(self.p), -limit, -1))
+
+    def list_active(self) -> list[JobRecord]:
+        """Every job that has not finished, however old, oldest first."""
+        jobs = self._records(list(self.r.smembers(keys.active(self.p))))
+        return sorted(jobs, key=lambda j: (j.created_at, j.id))
+
+    def _records(self, ids: list[str]) -> list[JobRecord]:
+        if not ids:
+            return []
+        raws = self.r.mget([keys.job(self.p, i) for i in ids])
+        return [JobRecord.from_json(json.loads(r)) for r in raws if r]
+
+    def update(
+        self,
+        job_id: str,
+        fn: Callable[[JobRecord], tuple[JobRecord, dict | None] | None],
+        attempts: int = 50,
+    ) -> JobRecord | None:
+        """Read-modify-write with compare-and-set.
+
+        Args:
+            job_id: The job.
+            fn: Given the current record, returns `(new_record, event_or_None)`,
+                or None to leave the record alone. It may run more than once.
+
+        Returns:
+            The stored new record, or None when `fn` chose not to change it.
+        """
+        for _ in range(attempts):
+            cur = self.get(job_id)
+            out = fn(cur)
+            if out is None:
+                return None
+            new, event = out
+            new = dataclasses.replace(new, version=cur.version + 1)
+            ok = self._commit(*self._commit_call(cur, new, event))
+            if ok == 1:
+                return new
+            if ok == -1:
+                raise JobNotFound(f"job {job_id!r} vanished from the store")
+        raise StoreUnavailable(f"job {job_id}: too much write contention; retry the request")
+
+    def _commit_call(self, cur: JobRecord, new: JobRecord,
+                     event: dict[str, Any] | None) -> tuple[list[str], list[str]]:
+        """The commit script's keys and arguments for `cur` becoming `new`."""
+        names = [keys.job(self.p, new.id), keys.events(self.p, new.id)]
+        args = [str(cur.version), json.dumps(new.to_json()),
+                json.dumps({"ts": time.time(), **event}, default=str) if event else "", str(EVENT_CAP),
+                new.id]
+        if new.state.is_terminal and not cur.state.is_terminal:
+            (finished,) = metrics.increments(metrics.JOBS_FINISHED, 1.0,
+                                             {"state": new.state.value, "queue": new.queue})
+            names += [keys.active(self.p), keys.targets(self.p, new.id),
+                     keys.cluster_metrics(self.p)]
+            args.append(finished)
+        return names, args
+
+    def annotate_restart(self, job_id: str, fields: dict[str, Any]) -> JobRecord | None:
+        """Add timings to the newest restart entry, keeping fields already set.
+
+        A no-op when the job has no restart or the newest one already has
+        every field (a preemption's resume, say, must not touch it).
+        """
+        return self._annotate_last(job_id, "restart_log", fields)
+
+    def annotate_resize(self, job_id: str, fields: dict[str, Any]) -> JobRecord | None:
+        """Add fields to the newest resize entry, keeping those already set."""
+        return self._annotate_last(job_id, "resize_log", fields)
+
+    def _annotate_last(self, job_id: str, log: str, fields: dict[str, Any]) -> JobRecord | None:
+        def add(j: JobRecord):
+            entries = getattr(j, log)
+            if not entries:
+                return None
+            last = entries[-1]
+            new = {k: v for k, v in fields.items() if k not in last and v is not None}
+            if not new:
+                return None
+            return dataclasses.replace(j, **{log: (*entries[:-1], {**last, **new})}), None
+        return self.update(job_id, add)
+
+    def close_resize(self, job_id: str, first_step_at: float, world_size: int) -> dict[str, Any] | None:
+        """Stamp the open resize entry to `world_size` ranks with its first step and
+        `resize_s` (decision to first step), in one update; returns it, or None."""
+        out: dict[str, Any] = {}
+
+        def close(j: JobRecord):
+            last = j.resize_log[-1] if j.resize_log else None
+            if (last is None or "first_step_at" in last or "requested_at" not in last
+                    or last.get("to_world_size") != world_size):
+                return None
+            out.update(last, first_step_at=first_step_at,
+                       resize_s=round(first_step_at - last["requested_at"], 3))
+            return dataclasses.replace(j, resize_log=(*j.resize_log[:-1], dict(out))), None
+        return out if self.update(job_id, close) is not None else None
+
+    def claim_controller(self, job_id: str, ident: str) -> str | None:
+        """Record `ident` (`name/pid`) as the job's controller; return the one recorded before."""
+        return self.r.set(keys.controller(self.p, job_id), ident, get=True)
+
+    def controller(self, job_id: str) -> str | None:
+        """The `name/pid` of the controller last recorded for the job."""
+        return self.r.get(keys.controller(self.p, job_id))
