@@ -15,6 +15,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from kuangchao.platform.spec.defaults import value
 from kuangchao.workers.checkpoint.format import (
     MANIFEST,
     read_manifest,
@@ -51,7 +52,7 @@ def job_checkpoint_dir(job_id: str) -> Path:
     except KuangchaoError as exc:
         fail(f"{job_id!r} is not a folder, and looking it up as a job failed: {exc.message}. "
              "Pass a checkpoint folder instead, e.g. ~/.kuangchao/checkpoints/<job id>")
-    root = Path(job.spec.get("checkpoint", {}).get("path", "checkpoints")).expanduser()
+    root = Path(value(job.spec, "checkpoint", "path")).expanduser()
     if not root.is_absolute():  # records from before paths were resolved at submission
         root = kc_home() / root
     return root / job.id

@@ -29,6 +29,7 @@ from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics as m
 from kuangchao.platform.scheduling.queues import QueueTable
+from kuangchao.platform.spec.defaults import value
 
 _BY_NAME = {d.name: d for d in m.ALL}
 
@@ -138,7 +139,7 @@ class ClusterCollector:
             fams["kc_job_recovering_seconds"].add_metric([job.id], max(0.0, recovering))
             fams["kc_job_world_size"].add_metric([job.id], job.world_size)
             progress = reads["progress"][job.id]
-            total = progress.get("total_steps") or job.spec.get("training", {}).get("steps")
+            total = progress.get("total_steps") or value(job.spec, "training", "steps")
             fams["kc_job_step"].add_metric([job.id], float(progress.get("step") or 0))
             if isinstance(total, int | float):
                 fams["kc_job_total_steps"].add_metric([job.id], float(total))

@@ -20,6 +20,7 @@ from kuangchao.platform.planning import autoplan
 from kuangchao.platform.scheduling.policies import order_key
 from kuangchao.platform.scheduling.queues import QueueTable
 from kuangchao.platform.settings import kc_home
+from kuangchao.platform.spec.defaults import value
 from kuangchao.platform.spec.elastic import elastic_range, samples_seen
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
 
@@ -165,7 +166,7 @@ def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None =
     # A job that never started has neither progress nor checkpoints to read.
     fresh = job.started_at is None and job.restarts == 0
     prog = {} if fresh else store.progress(job.id)
-    total = job.spec.get("training", {}).get("steps")
+    total = value(job.spec, "training", "steps")
     d["progress"] = {
         "step": prog.get("step", 0),
         "total_steps": prog.get("total_steps", total),

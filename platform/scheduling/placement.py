@@ -20,10 +20,12 @@ Rules, from hard to soft:
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
 from kuangchao.platform.cluster.topology import NodeInfo
+from kuangchao.platform.spec.defaults import value
 
 
 @dataclass(frozen=True)
@@ -61,12 +63,12 @@ class Traffic:
 
 def traffic_from_spec(spec_doc: dict) -> Traffic:
     """Estimate per-step traffic from a job spec document (fp32 gradients)."""
-    m, p = spec_doc.get("model", {}), spec_doc.get("parallel", {})
-    d, layers, vocab = m.get("d_model", 128), m.get("n_layers", 2), m.get("vocab_size", 256)
+    m = functools.partial(value, spec_doc, "model")
+    d, layers, vocab = m("d_model"), m("n_layers"), m("vocab_size")
     params = 12 * layers * d * d + vocab * d
-    micro = p.get("micro_batch_size", 8) * p.get("gradient_accumulation_steps", 1)
-    return Traffic(grad_bytes=4.0 * params,
-                   activation_bytes=2.0 * micro * m.get("seq_len", 128) * d * 4)
+    micro = value(spec_doc, "parallel", "micro_batch_size") * value(
+        spec_doc, "parallel", "gradient_accumulation_steps")
+    return Traffic(grad_bytes=4.0 * params, activation_bytes=2.0 * micro * m("seq_len") * d * 4)
 
 
 @dataclass(frozen=True)

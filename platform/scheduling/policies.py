@@ -22,6 +22,7 @@ from kuangchao.platform.scheduling.placement import (
     traffic_from_spec,
 )
 from kuangchao.platform.scheduling.queues import QueueTable
+from kuangchao.platform.spec.defaults import value
 from kuangchao.platform.spec.elastic import elastic_range
 
 MAX_VICTIM_CANDIDATES = 64
@@ -104,12 +105,11 @@ def job_shape(job: JobRecord) -> JobShape:
 
 def shape_of(spec_doc: dict) -> JobShape:
     """The parallel layout of a spec document."""
-    par = spec_doc.get("parallel", {})
     return JobShape(
-        dp=int(par.get("data_parallel_size", 1)),
-        tp=int(par.get("tensor_parallel_size", 1)),
-        pp=int(par.get("pipeline_parallel_size", 1)),
-        gpus_per_rank=int(par.get("gpus_per_rank", 1)),
+        dp=int(value(spec_doc, "parallel", "data_parallel_size")),
+        tp=int(value(spec_doc, "parallel", "tensor_parallel_size")),
+        pp=int(value(spec_doc, "parallel", "pipeline_parallel_size")),
+        gpus_per_rank=int(value(spec_doc, "parallel", "gpus_per_rank")),
     )
 
 

@@ -18,8 +18,11 @@ ask this module.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
+
+from kuangchao.platform.spec.defaults import value
 
 
 @dataclass(frozen=True)
@@ -72,20 +75,18 @@ class ElasticRange:
 
 def elastic_range(spec_doc: dict[str, Any]) -> ElasticRange:
     """The range of a spec document (validated or stored on a job record)."""
-    par = spec_doc.get("parallel", {})
-    el = spec_doc.get("elastic") or {}
-    dp = int(par.get("data_parallel_size", 1))
-    micro = int(par.get("micro_batch_size", 8))
-    accum = int(par.get("gradient_accumulation_steps", 1))
-    lo = el.get("min_replicas")
-    hi = el.get("max_replicas")
+    par = functools.partial(value, spec_doc, "parallel")
+    dp = int(par("data_parallel_size"))
+    micro = int(par("micro_batch_size"))
+    accum = int(par("gradient_accumulation_steps"))
+    lo = value(spec_doc, "elastic", "min_replicas")
+    hi = value(spec_doc, "elastic", "max_replicas")
     lo = int(lo) if lo is not None else (dp if hi is None else 1)
     hi = int(hi) if hi is not None else max(dp, lo)
     return ElasticRange(
         min_replicas=lo, max_replicas=hi, micro_batch_size=micro, global_batch=micro * accum * dp,
-        ranks_per_replica=int(par.get("tensor_parallel_size", 1))
-        * int(par.get("pipeline_parallel_size", 1)),
-        gpus_per_rank=int(par.get("gpus_per_rank", 1)))
+        ranks_per_replica=int(par("tensor_parallel_size")) * int(par("pipeline_parallel_size")),
+        gpus_per_rank=int(par("gpus_per_rank")))
 
 
 def range_errors(spec_doc: dict[str, Any]) -> list[tuple[str, str]]:

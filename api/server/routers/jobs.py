@@ -13,6 +13,7 @@ from kuangchao.api.server.deps import Store, active_jobs, spec_422
 from kuangchao.platform.errors import InvalidTransition, SpecError
 from kuangchao.platform.jobs import operations as jobs
 from kuangchao.platform.security.apikeys import Principal
+from kuangchao.platform.spec.defaults import value
 from kuangchao.platform.spec.jobspec import validate_spec
 from kuangchao.platform.spec.text import BUNDLE_TYPE, parse_bundle, parse_spec_text
 
@@ -100,7 +101,7 @@ def patch_job(job_id: str, body: ScaleRequest, store: Store, who: Scaler) -> dic
 @router.get("/{job_id}/samples", summary="The job's sample record (data.record_samples)")
 def job_samples(job_id: str, store: Store, who: Reader) -> dict[str, Any]:
     job = visible_job(store, who, job_id, "job.read")
-    return {"record_samples": bool(job.spec.get("data", {}).get("record_samples")),
+    return {"record_samples": bool(value(job.spec, "data", "record_samples")),
             "samples": store.samples(job_id)}
 
 
