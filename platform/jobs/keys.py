@@ -11,6 +11,9 @@ those and nothing else (platform/security/redis_acl.py).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 PATTERNS = {
     "job": "job:{id}",
     "jobs": "jobs",
@@ -60,68 +63,36 @@ def job(p: str, job_id: str) -> str:
     return f"{p}job:{job_id}"
 
 
-def events(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:events"
+def _key(name: str) -> Callable[..., str]:
+    """The builder `(prefix, *ids)` of `PATTERNS[name]`, its ids in the pattern's order;
+    for keys no hot path builds (heartbeats, spelled out below, come 16k at a time)."""
+    template = re.sub(r"\{[^}]*\}", "{}", PATTERNS[name])
+
+    def build(p: str, *ids: object) -> str:
+        return p + template.format(*ids)
+    return build
 
 
-def logs(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:logs"
-
-
-def progress(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:progress"
-
-
-def curve(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:curve"
-
-
-def job_metrics(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:metrics"
-
-
-def checkpoints(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:checkpoints"
-
-
-def cancel(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:cancel"
-
-
-def preempt(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:preempt"
-
-
-def resize(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:resize"
-
-
-def generation(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:generation"
-
-
-def rejoin(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:rejoin"
-
-
-def samples(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:samples"
-
-
-def controller(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:controller"
-
-
-def reports(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:reports"
+events = _key("events")
+logs = _key("logs")
+progress = _key("progress")
+curve = _key("curve")
+job_metrics = _key("job_metrics")
+checkpoints = _key("checkpoints")
+cancel = _key("cancel")
+preempt = _key("preempt")
+resize = _key("resize")
+generation = _key("generation")
+rejoin = _key("rejoin")
+samples = _key("samples")
+controller = _key("controller")
+reports = _key("reports")
+targets = _key("targets")
+debug_request = _key("debug_request")
 
 
 def answer(p: str, job_id: str, report_id: str) -> str:
     return f"{p}job:{job_id}:answer:{report_id}"
-
-
-def targets(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:targets"
 
 
 def beat(p: str, job_id: str, rank: int) -> str:
@@ -136,46 +107,27 @@ def stacks(p: str, job_id: str, rank: int) -> str:
     return f"{p}job:{job_id}:stacks:{rank}"
 
 
-def debug_request(p: str, job_id: str) -> str:
-    return f"{p}job:{job_id}:debug:req"
-
-
 def debug_answers(p: str, job_id: str, request_id: str) -> str:
     return f"{p}job:{job_id}:debug:{request_id}"
 
 
-# -- the cluster's keys ---------------------------------------------------------------
-def jobs(p: str) -> str:
-    return f"{p}jobs"
-
-
-def active(p: str) -> str:
-    return f"{p}jobs:active"
+# -- the cluster's keys, and security's
+jobs = _key("jobs")
+active = _key("active")
+quarantine = _key("quarantine")
+sched_wake = _key("sched_wake")
+cluster_metrics = _key("cluster_metrics")
+api_keys = _key("api_keys")
+auth_jobs = _key("auth_jobs")
+audit = _key("audit")
 
 
 def node_failures(p: str, name: str) -> str:
     return f"{p}node:{name}:failures"
 
 
-def quarantine(p: str) -> str:
-    return f"{p}quarantine"
-
-
-def sched_wake(p: str) -> str:
-    return f"{p}sched:wake"
-
-
 def info(p: str, name: str) -> str:
     return f"{p}info:{name}"
-
-
-def cluster_metrics(p: str) -> str:
-    return f"{p}metrics:cluster"
-
-
-# -- security -------------------------------------------------------------------------
-def api_keys(p: str) -> str:
-    return f"{p}auth:keys"
 
 
 def revoked(p: str, token_id: str) -> str:
@@ -186,13 +138,5 @@ def issued(p: str, job_id: str) -> str:
     return f"{p}auth:issued:{job_id}"
 
 
-def auth_jobs(p: str) -> str:
-    return f"{p}auth:jobs"
-
-
 def job_user_secret(p: str, job_id: str) -> str:
     return f"{p}auth:jobuser:{job_id}"
-
-
-def audit(p: str) -> str:
-    return f"{p}audit"

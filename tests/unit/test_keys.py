@@ -10,9 +10,12 @@ from kuangchao.platform.jobs import keys
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILDERS = {name: fn for name, fn in vars(keys).items()
-            if inspect.isfunction(fn) and fn.__module__ == keys.__name__ and name != "job_prefix"}
-PLACEHOLDERS = {"job_id": "{id}", "report_id": "{rid}", "request_id": "{rid}", "rank": "{rank}",
-                "name": "{name}", "token_id": "{token}"}
+            if inspect.isfunction(fn) and fn.__module__ == keys.__name__
+            and not name.startswith("_") and name != "job_prefix"}
+
+
+def placeholders(pattern: str) -> list[str]:
+    return re.findall(r"\{[^}]*\}", pattern)
 
 
 def test_every_builder_has_a_pattern_and_every_pattern_a_builder():
@@ -21,12 +24,8 @@ def test_every_builder_has_a_pattern_and_every_pattern_a_builder():
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_builder_makes_its_pattern_under_the_prefix(name):
-    fn = BUILDERS[name]
-    params = list(inspect.signature(fn).parameters)[1:]
     pattern = keys.PATTERNS[name]
-    # the security keys name the job `{job}`
-    names = {**PLACEHOLDERS, "job_id": "{job}"} if "{job}" in pattern else PLACEHOLDERS
-    assert fn("kc:", *(names[p] for p in params)) == "kc:" + pattern
+    assert BUILDERS[name]("kc:", *placeholders(pattern)) == "kc:" + pattern
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
@@ -39,6 +38,10 @@ def test_the_architecture_doc_lists_the_key(name):
 def test_a_jobs_own_keys_share_the_prefix_its_redis_user_may_reach():
     for name, pattern in keys.PATTERNS.items():
         if pattern.startswith("job:{id}:"):
-            params = list(inspect.signature(BUILDERS[name]).parameters)[1:]
-            assert BUILDERS[name]("kc:", "j-1", *(["x"] * (len(params) - 1))).startswith(
-                keys.job_prefix("kc:", "j-1"))
+            ids = ["j-1", *["x"] * (len(placeholders(pattern)) - 1)]
+            assert BUILDERS[name]("kc:", *ids).startswith(keys.job_prefix("kc:", "j-1"))
+
+
+def test_builders_fill_ids_in_the_patterns_order():
+    assert keys.answer("p:", "j", "r7") == "p:job:j:answer:r7"
+    assert keys.events("p:", "j") == "p:job:j:events" and keys.audit("p:") == "p:audit"
