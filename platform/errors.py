@@ -120,6 +120,11 @@ class WorkerLost(KuangchaoError):
         self.failure = failure
 
 
+class RankFailed(KuangchaoError):
+    """A rank's train function raised, or a call to the job's ranks failed; the
+    message is the rank's error without Ray's wrapping."""
+
+
 class GaveUp(KuangchaoError):
     """The failure used up `max_restarts`; the job is already FAILED."""
 

@@ -26,41 +26,49 @@ def worker_settings(settings: Settings, grant: dict[str, Any]) -> Settings:
 
 
 class Credentials:
-    """Mixin for `JobController`: needs `job_id`, `planned`, `store` and `authority`."""
+    """One job's credentials, as its controller handles them.
 
-    job_id: str
-    planned: list[Any]
-    store: Any
-    authority: Any
-    own_claims: Claims | None = None
+    Args:
+        job_id: The job.
+        authority: The token authority's actor; found by name on first use when None.
+    """
 
-    def _grants(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
-        """Fresh credentials for these ranks: a token each, the public key, the job's Redis URL."""
+    def __init__(self, job_id: str, authority: Any = None) -> None:
+        self.job_id = job_id
+        self.authority = authority
+        self.own_claims: Claims | None = None
+
+    def _authority(self) -> Any:
         if self.authority is None:
             try:
                 self.authority = ray.get_actor(AUTHORITY_NAME, namespace=RAY_NAMESPACE)
             except ValueError:
                 raise ClusterError("no token authority is running, and no rank may start "
                                    "without a token; start the control plane with `kc up`") from None
-        if not ranks:
-            return {}
-        ranks_gpus = {r: tuple(self.planned[r] or ()) for r in ranks}
-        return ray.get(self.authority.grant_workers.remote(self.job_id, ranks_gpus), timeout=60)
+        return self.authority
 
-    def _controller_claims(self) -> Claims:
+    def grants(self, ranks_gpus: dict[int, tuple[int, ...]]) -> dict[int, dict[str, Any]]:
+        """Fresh credentials for these ranks (each with the GPUs it was planned):
+        a token each, the public key, the job's Redis URL."""
+        authority = self._authority()
+        if not ranks_gpus:
+            return {}
+        return ray.get(authority.grant_workers.remote(self.job_id, ranks_gpus), timeout=60)
+
+    def _claims(self) -> Claims:
         """The controller's own token (role `controller`), verified with the public key."""
         if self.own_claims is None:
-            self._grants([])  # finds the authority
-            grant = ray.get(self.authority.grant_module.remote(self.job_id, "controller",
-                                                               "controller"), timeout=60)
+            authority = self._authority()
+            grant = ray.get(authority.grant_module.remote(self.job_id, "controller", "controller"),
+                            timeout=60)
             self.own_claims = Verifier(load_public(grant["public_key"].encode())).verify(
                 grant["token"])
         return self.own_claims
 
-    def _within_job(self, path: Path) -> Path:
+    def within_job(self, path: Path | str) -> Path:
         """`path` if it lies in the job's checkpoint folder, as the controller's token
         scopes it; a final checkpoint elsewhere (another job's) never counts."""
-        claims = self._controller_claims()
+        claims = self._claims()
         try:
             check(claims, "checkpoint_read")
             return Path(within_prefix(claims.scope.checkpoint_prefix, str(path)))
@@ -68,7 +76,7 @@ class Credentials:
             raise KuangchaoError(f"the final checkpoint {path} is not this job's: {exc.message}; "
                                  "save it with ctx.checkpoint") from None
 
-    def _retire_credentials(self) -> None:
+    def retire(self, store: Any) -> None:
         """Once the job has ended, revoke its tokens and remove its Redis user.
 
         A job going back to the queue keeps them: its next run asks for fresh
@@ -78,7 +86,7 @@ class Credentials:
         if self.authority is None:
             return
         try:
-            state = self.store.get(self.job_id).state
+            state = store.get(self.job_id).state
             if state.is_terminal:
                 ray.get(self.authority.revoke_job.remote(self.job_id, f"job {state.value}"),
                         timeout=30)

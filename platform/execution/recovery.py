@@ -14,8 +14,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kuangchao.platform.cluster import quarantine
 from kuangchao.platform.cluster.quarantine import NODE_FAULT_KINDS, QuarantinePolicy
-from kuangchao.platform.jobs.state import JobState, fail, recover, requeue
+from kuangchao.platform.errors import GaveUp
+from kuangchao.platform.execution.failure_policy import (
+    Action,
+    FailureDecision,
+    FailureView,
+    Slot,
+    decide,
+    restarts_exhausted,
+)
+from kuangchao.platform.jobs.state import Change, JobRecord, JobState, fail, recover, requeue
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
 
@@ -54,10 +64,22 @@ def record_failure(store: JobStore, job_id: str, failure: Failure, max_restarts:
     Returns:
         True when the job is now RECOVERING and should be brought back.
     """
-    quarantined = _report_node(store, failure, policy or QuarantinePolicy())
+    quarantined = report_node(store, failure, policy or QuarantinePolicy())
     job = store.get(job_id)
     if job.state.is_terminal:
         return False
+    gave_up = (f"gave up after {job.restarts} restart(s) (fault_tolerance.max_restarts)"
+               if restarts_exhausted(job.restarts, max_restarts) else None)
+    return write_failure(store, job_id, failure, quarantined, gave_up)
+
+
+def write_failure(store: JobStore, job_id: str, failure: Failure,
+                  quarantined: dict[str, Any] | None, gave_up: str | None) -> bool:
+    """The failure's events and metrics, then FAILED (`gave_up` says why) or RECOVERING.
+
+    Returns:
+        True when the job is now RECOVERING.
+    """
     store.add_event(job_id, {"type": "failure", "message": failure.message, **failure.record()})
     if failure.detected_after_s is not None:
         metrics.cluster_recorder(store.r, store.p).observe(
@@ -67,17 +89,47 @@ def record_failure(store: JobStore, job_id: str, failure: Failure, max_restarts:
         store.add_event(job_id, {"type": "quarantine", "node": failure.node,
                                  "message": f"node {failure.node} quarantined until {until}: "
                                             f"{quarantined['reason']}"})
-    if job.restarts >= max_restarts:
-        _fail(store, job_id, f"{failure.message}; gave up after {job.restarts} restart(s) "
-                             "(fault_tolerance.max_restarts)")
+    if gave_up is not None:
+        store.update(job_id, lambda j: fail(j, f"{failure.message}; {gave_up}"))
         return False
-    entry = {"restart": job.restarts + 1, **failure.record()}
 
-    if store.update(job_id, lambda j: recover(j, failure.message, entry)) is None:
+    def restart(j: JobRecord) -> Change:
+        return recover(j, failure.message, {"restart": j.restarts + 1, **failure.record()})
+
+    if store.update(job_id, restart) is None:
         return False
     metrics.job_recorder(store.r, store.p, job_id).inc(metrics.RESTARTS, job=job_id,
                                                           cause=failure.kind)
     return True
+
+
+def judge(store: JobStore, job_id: str, failure: Failure, group: Any, spec: Any, live: bool,
+          policy: QuarantinePolicy | None = None) -> FailureDecision:
+    """Count a running job's failure and ask the failure policy what to do about it.
+
+    The node is reported first, since the failure may put it in quarantine,
+    which the policy must see. `group` answers which nodes are lost and
+    whether a placement group still holds the ranks.
+
+    Raises:
+        GaveUp: The job has ended (past `max_restarts`, or another path ended it).
+    """
+    quarantined = report_node(store, failure, policy or QuarantinePolicy())
+    job = store.get(job_id)
+    if job.state.is_terminal:
+        raise GaveUp(failure.message)
+    slots = tuple(Slot(p.rank, p.node, p.node_id) for p in job.placement if p.rank < group.world)
+    lost = frozenset(s.node_id for s in slots if live and group.node_lost(s.node_id))
+    decision = decide(FailureView(
+        kind=failure.kind, rank=failure.rank, restarts=job.restarts,
+        max_restarts=spec.fault_tolerance.max_restarts, live=live, has_group=group.placed,
+        slots=slots, lost_nodes=lost,
+        blocked=frozenset(quarantine.active(store.quarantine(), time.time())),
+        elastic=spec.elastic_range))
+    gave_up = decision.reason if decision.action is Action.FAIL else None
+    if not write_failure(store, job_id, failure, quarantined, gave_up):
+        raise GaveUp(failure.message)
+    return decision
 
 
 def requeue_for_recovery(store: JobStore, job_id: str, teardown_s: float) -> None:
@@ -89,11 +141,7 @@ def requeue_for_recovery(store: JobStore, job_id: str, teardown_s: float) -> Non
     store.wake_scheduler(job_id)
 
 
-def _fail(store: JobStore, job_id: str, message: str) -> None:
-    store.update(job_id, lambda j: fail(j, message))
-
-
-def _report_node(store: JobStore, failure: Failure,
+def report_node(store: JobStore, failure: Failure,
                  policy: QuarantinePolicy) -> dict[str, Any] | None:
     """Count the failure against its node; quarantine the node past the policy's limit.
 

@@ -1,6 +1,6 @@
 """The job controller's side of a live resize, planned or after a lost node.
 
-A mixin of `JobController`. The scheduler asks for a resize on the job
+`ResizeExecutor` works over the job's worker group. The scheduler asks for a resize on the job
 record (grow into GPUs it reserved, shrink for a higher-priority job, or the
 size a user asked for); a lost rank of an elastic job asks for one by
 itself. Either way the controller:
@@ -23,109 +23,94 @@ import dataclasses
 import time
 from typing import Any
 
-import ray
-from ray.util.placement_group import remove_placement_group
-
-from kuangchao.platform.cluster import quarantine
-from kuangchao.platform.errors import Cancelled, FinishedDuringResize, GaveUp, KuangchaoError, WorkerLost
-from kuangchao.platform.execution.bundles import pinned_nodes, rank_resources
-from kuangchao.platform.execution.recovery import Failure, record_failure
-from kuangchao.platform.execution.watch import kill_process
+from kuangchao.platform.errors import Cancelled, FinishedDuringResize, KuangchaoError, WorkerLost
+from kuangchao.platform.execution.failure_policy import FailureDecision
+from kuangchao.platform.execution.recovery import Failure
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank, resize, settle_resize
-from kuangchao.platform.spec.elastic import Membership, plan_membership, replicas_left
+from kuangchao.platform.spec.elastic import Membership, plan_membership
 from kuangchao.platform.spec.jobspec import JobSpec
 
 GENERATION_READY_S = 300.0  # survivors finish their step, joiners take the state
-JOINER_READY_S = 60.0  # a new rank's placement group and process; a grow is called off past it
 LEAVE_WAIT_S = 30.0
 POLL_S = 0.02
 
-
-@dataclasses.dataclass
-class _Joiner:
-    """A replica that joins: its planned slots, and its placement group when it already has one."""
-
-    slots: list[PlacedRank]
-    pg: Any = None
+Joiner = tuple[list[PlacedRank], Any]  # a joining replica's slots, and its placement group if any
 
 
-class LiveResize:
-    """Methods `JobController` runs to change a job's data-parallel size."""
+class ResizeExecutor:
+    """Changes one job's data-parallel size over its worker group.
 
-    _cause = "requested"
-    resize_by_restart: dict[str, Any] | None = None
+    Args:
+        store: The job store.
+        job_id: The job.
+        group: The worker group.
+        formation: Publishes generations and re-arms the heartbeat watch.
+        live: Whether the job resizes in place (else a resize is a checkpoint and a restart).
+    """
+
+    def __init__(self, store: Any, job_id: str, group: Any, formation: Any, live: bool) -> None:
+        self.store, self.job_id, self.group, self.formation = store, job_id, group, formation
+        self.live = live
+        self.cause = "requested"
+        self.by_restart: dict[str, Any] | None = None  # a resize that became a restart
 
     # -- triggers -------------------------------------------------------------
-    def _resize_on_request(self, spec: JobSpec) -> None:
+    def on_request(self, spec: JobSpec) -> None:
         """Act on the resize the scheduler asked for on the job record."""
         job = self.store.get(self.job_id)
         req = job.resize
         self.store.clear_resize(self.job_id)
         if req is None or job.state is not JobState.RUNNING:
             return
+        to = int(req["to"])
         if not self.live:
             # A train function that cannot resize in place checkpoints and yields;
             # the scheduler places it again at the size it can have.
-            self.resize_by_restart = req
-            self._open_entry(req, int(req["to"]), "restart")
-            self.store.request_preempt(self.job_id, f"resize to {req['to']} replicas")
+            self.by_restart = req
+            self._open_entry(req, to, "restart")
+            self.store.request_preempt(self.job_id, f"resize to {to} replicas")
             return
-        to = int(req["to"])
-        m = plan_membership(self.world, self.spec_range, to)
-        reserved = sorted((p for p in job.placement if p.rank >= self.world), key=lambda p: p.rank)
-        joiners = [_Joiner(reserved[i:i + self.rpr]) for i in range(0, len(m.joining), self.rpr)]
-        if len(reserved) < len(m.joining) or any(len(j.slots) < self.rpr for j in joiners):
+        rng = spec.elastic_range
+        rpr, world = rng.ranks_per_replica, self.group.world
+        m = plan_membership(world, rng, to)
+        reserved = sorted((p for p in job.placement if p.rank >= world), key=lambda p: p.rank)
+        joiners: list[Joiner] = [(reserved[i:i + rpr], None)
+                                 for i in range(0, len(m.joining), rpr)]
+        if len(reserved) < len(m.joining) or any(len(slots) < rpr for slots, _ in joiners):
             self._drop_request(f"resize to {to} replicas dropped: the scheduler reserved "
                                f"{len(reserved)} slot(s) for {len(m.joining)} new rank(s)")
             return
-        self._begin(job, req, m, "live")
+        self._begin(req, m, spec)
         try:
             self._run_generation(spec, m, joiners, dead=set(), planned=True)
         except FinishedDuringResize:
             pass  # the old group's results are in; the watch collects them
 
-    def _resize_after_loss(self, failure: Failure, spec: JobSpec) -> bool:
-        """An elastic job lost ranks: re-form the group around the survivors.
+    def after_loss(self, failure: Failure, decision: FailureDecision, spec: JobSpec) -> bool:
+        """An elastic job lost ranks: re-form the group around the survivors, as decided.
 
-        Replicas whose node is still there (and not quarantined) get fresh
-        ranks in their own placement group; replicas on a lost node are
-        dropped. Returns False when the job cannot go on this way (fewer than
-        `min_replicas` left, a second failure during a resize): the caller
-        sends it back to the queue.
+        Replicas in `decision.refill` get fresh ranks in their own placement
+        group; the others are dropped. Returns False when the job finished
+        meanwhile (the caller sends it back to the queue).
         """
-        if failure.rank is None or failure.kind == "resize" or not self.pgs:
-            return False
+        assert decision.membership is not None and failure.rank is not None
+        rng = spec.elastic_range
         job = self.store.get(self.job_id)
-        by_rank = {p.rank: p for p in job.placement if p.rank < self.world}
-        lost = self._lost_nodes({p.node_id for p in by_rank.values()})
-        dead = {failure.rank} | {r for r, p in by_rank.items() if p.node_id in lost}
-        if not record_failure(self.store, self.job_id, failure, spec.fault_tolerance.max_restarts,
-                              self.settings.quarantine):
-            raise GaveUp(failure.message)
-        # After the failure is counted: it may just have put its node in quarantine.
-        blocked = quarantine.active(self.store.quarantine(), time.time())
-        rng, cur = self.spec_range, self.world // self.rpr
-        hit = sorted({r // self.rpr for r in dead})
-        replaceable = [i for i in hit if all(
-            by_rank[r].node_id not in lost and by_rank[r].node not in blocked
-            for r in rng.replica_ranks(i))]
-        sizes = rng.sizes(upto=replicas_left(self.world, rng, dead) + len(replaceable))
-        if not sizes:
-            return False  # below min_replicas: the job, RECOVERING, goes back to the queue
-        if failure.kind != "died" and self.watch is not None:
-            kill_process(self.watch.hosts.get(failure.rank), by_rank[failure.rank].node_id)
-        for r in dead:
-            self._kill(self.workers[r])
-        to = sizes[0]
-        m = plan_membership(self.world, rng, to, drop_ranks=dead)
-        joiners = [_Joiner([by_rank[r] for r in rng.replica_ranks(i)], self.pgs[i])
-                   for i in replaceable][:len(m.joining) // self.rpr]
-        job = self.store.get(self.job_id)
-        self._begin(job, {"to": to, "from": cur, "cause": failure.kind,
-                          "requested_at": failure.failed_at or time.time()}, m, "live")
+        by_rank = {p.rank: p for p in job.placement if p.rank < self.group.world}
+        watch = self.formation.watch
+        for r in decision.dead:
+            self.group.stop(r, watch.hosts.get(r) if watch and r == failure.rank else None,
+                            by_rank[r].node_id, hard=r == failure.rank and failure.kind != "died")
+        m = decision.membership
+        joiners: list[Joiner] = [([by_rank[r] for r in rng.replica_ranks(i)], self.group.pgs[i])
+                                 for i in decision.refill]
+        cur = self.group.world // rng.ranks_per_replica
+        self._begin({"to": m.world_size // rng.ranks_per_replica, "from": cur,
+                     "cause": failure.kind, "requested_at": failure.failed_at or time.time()},
+                    m, spec)
         t0 = time.monotonic()
         try:
-            self._run_generation(spec, m, joiners, dead=dead)
+            self._run_generation(spec, m, joiners, dead=set(decision.dead))
         except FinishedDuringResize:
             return False
         self.store.annotate_restart(self.job_id, {"path": "live", "placement_s":
@@ -133,7 +118,7 @@ class LiveResize:
         return True
 
     # -- the generation change -----------------------------------------------------
-    def _run_generation(self, spec: JobSpec, m: Membership, joiners: list[_Joiner],
+    def _run_generation(self, spec: JobSpec, m: Membership, joiners: list[Joiner],
                         dead: set[int], planned: bool = False) -> None:
         """Move the job to membership `m`.
 
@@ -145,85 +130,70 @@ class LiveResize:
         the job goes on at its size and the reserved GPUs are given back.
         """
         t0 = time.monotonic()
-        old = (list(self.workers), list(self.refs), list(self.pgs), list(self.bundles),
-               list(self.planned), list(self.infos))
+        old = self.group.snapshot()
+        order = sorted(m.ranks, key=m.ranks.__getitem__)  # old ranks in their new order
         try:
-            self._prepare(spec, m, joiners, old)
-        except (KuangchaoError, ray.exceptions.RayError) as exc:
+            self.group.reshape(order, joiners)
+        except KuangchaoError as exc:
             if isinstance(exc, Cancelled) or not planned:
                 self._fail_resize(exc, m)
-            self._call_off(old, m, joiners, exc)
+            self._call_off(old, exc)
             return
         try:
-            gen, leaving = self._go(spec, m, dead, old)
+            gen = self.formation.publish(m.ranks, m.joining, self.cause, signal=True)
+            self.group.run(spec.model_dump(mode="json"), m.joining, join=gen.to_json(),
+                           join_timeout_s=GENERATION_READY_S)
+            self._await_generation(gen)
         except FinishedDuringResize:
-            self._rollback_switch(old, m)
+            self._back_to(old)
             raise
-        except (KuangchaoError, ray.exceptions.RayError) as exc:
+        except KuangchaoError as exc:
             self._fail_resize(exc, m)
         formed_s = time.monotonic() - t0
-        self._release(leaving, old, m)
-        self._commit(spec, m, joiners, gen, formed_s)
+        leaving = [r for r in range(len(old.members)) if r not in m.ranks and r not in dead]
+        self.group.release(old, leaving, LEAVE_WAIT_S)
+        self._commit(spec, m, [s for slots, _ in joiners for s in slots], gen, formed_s)
 
-    def _fail_resize(self, exc: BaseException, m: Membership) -> None:
+    @staticmethod
+    def _fail_resize(exc: KuangchaoError, m: Membership) -> None:
         if isinstance(exc, Cancelled):
             raise exc
-        message = exc.message if isinstance(exc, KuangchaoError) else str(exc).splitlines()[0]
         raise WorkerLost(Failure("resize", f"live resize to {m.world_size} rank(s) failed: "
-                                           f"{message}")) from None
+                                           f"{exc.message}")) from None
 
-    def _prepare(self, spec: JobSpec, m: Membership, joiners: list[_Joiner], old: tuple) -> None:
-        """Start the joining ranks (and their placement groups) while the others train on."""
-        workers, refs, pgs, bundles, planned, infos = old
-        order = sorted(m.ranks, key=m.ranks.__getitem__)  # old ranks in their new order
-        kept = [order[i] // self.rpr for i in range(0, len(order), self.rpr)]
-        pinned = pinned_nodes()
-        fresh = [j for j in joiners if j.pg is None]
-        for j in fresh:
-            j.pg = self._replica_pg(j.slots, [rank_resources(spec, p, pinned) for p in j.slots])
-        self.pgs = [pgs[i] for i in kept] + [j.pg for j in joiners]
-        slots = [s for j in joiners for s in j.slots]
-        self.bundles = [bundles[r] for r in order] + [rank_resources(spec, s, pinned) for s in slots]
-        self.planned = [planned[r] for r in order] + [s.gpus if s.node_id in pinned else None
-                                                      for s in slots]
-        self.world = m.world_size
-        self.workers = [workers[r] for r in order]
-        self.refs = [refs[r] for r in order]
-        self.infos = [infos[r] for r in order]
-        self._await_pgs([j.pg for j in fresh], JOINER_READY_S)
-        self.workers += [self._spawn(rank, s.node, spec) for rank, s in zip(m.joining, slots,
-                                                                            strict=True)]
-        new_infos = self._wait_ready([self.workers[r].describe.remote() for r in m.joining],
-                                     JOINER_READY_S, "new ranks")
-        for s, info in zip(slots, new_infos, strict=True):
-            if s.node_id and info["node_id"] != s.node_id:
-                raise KuangchaoError(f"a new rank was planned on {s.node} but started on node "
-                                     f"{info['node_id'][:12]}")
-        self.infos += list(new_infos)
+    def _await_generation(self, gen: Any) -> None:
+        """Until every rank of `gen` is in and holds the state; fail on a rank's error.
 
-    def _go(self, spec: JobSpec, m: Membership, dead: set[int],
-            old: tuple) -> tuple[Any, list[int]]:
-        """Publish the generation, start the joiners' training, wait until the group is whole."""
-        gen = self._publish(m.world_size, m.ranks, m.joining, self._cause, signal=True)
-        doc = spec.model_dump(mode="json")
-        for rank in m.joining:
-            self.workers[rank].join.remote(gen.to_json(), rank, GENERATION_READY_S)
-            self.refs.append(self.workers[rank].run.remote(doc))
-        leaving = [r for r in range(len(old[0])) if r not in m.ranks and r not in dead]
-        self._await_generation(gen)
-        return gen, leaving
+        Leaving ranks are not watched here: they return once they read the
+        generation, and the release waits for them.
+        """
+        keys = [gen.ready_key(r) for r in range(gen.world_size)]
+        deadline = time.monotonic() + GENERATION_READY_S
+        while not self.group.formed(keys):
+            for outcome in self.group.finished():
+                if outcome.died is not None or outcome.error is not None:
+                    raise KuangchaoError(outcome.error or f"rank {outcome.rank} died: "
+                                                          f"{outcome.died}")
+                if not (isinstance(outcome.value, dict) and outcome.value.get("left")):
+                    raise FinishedDuringResize()
+            if self.store.cancel_requested(self.job_id):
+                raise Cancelled("cancelled")
+            if time.monotonic() > deadline:
+                raise KuangchaoError(f"generation {gen.gen} not formed within "
+                                     f"{GENERATION_READY_S:.0f}s")
+            time.sleep(POLL_S)
 
-    def _call_off(self, old: tuple, m: Membership, joiners: list[_Joiner], exc: BaseException) -> None:
+    def _back_to(self, old: Any) -> None:
+        """Keep the old group's ranks: the job finished first, or the new ranks never came."""
+        self.group.restore(old)
+        self.store.clear_rejoin(self.job_id)
+
+    def _call_off(self, old: Any, exc: KuangchaoError) -> None:
         """A grow whose new ranks could not start: keep training at the old size."""
-        message = exc.message if isinstance(exc, KuangchaoError) else str(exc).splitlines()[0]
-        new_pgs = [j.pg for j in joiners if j.pg is not None and j.pg not in old[2]]
-        self._rollback_switch(old, m)
-        for pg in new_pgs:
-            try:
-                remove_placement_group(pg)
-            except Exception:
-                pass
-        world = self.world
+        new_pgs = [pg for pg in self.group.pgs if all(pg is not p for p in old.pgs)]
+        self._back_to(old)
+        self.group.drop_pgs(new_pgs)
+        world, message = self.group.world, exc.message
 
         def back(j: JobRecord):
             if j.state is not JobState.RESIZING:
@@ -236,73 +206,31 @@ class LiveResize:
         self.store.update(self.job_id, back)
         self.store.wake_scheduler(self.job_id)
 
-    def _await_generation(self, gen: Any) -> None:
-        """Until every rank of `gen` is in and holds the state; fail on a rank's error.
-
-        Leaving ranks are not watched here: they return once they read the
-        generation, and `_release` waits for them.
-        """
-        keys = [gen.ready_key(r) for r in range(gen.world_size)]
-        deadline = time.monotonic() + GENERATION_READY_S
-        while not self.kv.check(keys):
-            done, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
-            for ref in done:
-                result = ray.get(ref)  # raises a rank's error, or its death
-                if not (isinstance(result, dict) and result.get("left")):
-                    raise FinishedDuringResize()
-            if self.store.cancel_requested(self.job_id):
-                raise Cancelled("cancelled")
-            if time.monotonic() > deadline:
-                raise KuangchaoError(f"generation {gen.gen} not formed within "
-                                     f"{GENERATION_READY_S:.0f}s")
-            time.sleep(POLL_S)
-
-    def _rollback_switch(self, old: tuple, m: Membership) -> None:
-        """Keep the old group's ranks: the job finished first, or the new ranks never came."""
-        for rank in m.joining:
-            if rank < len(self.workers):
-                self._kill(self.workers[rank])
-        self.workers, self.refs, self.pgs, self.bundles, self.planned, self.infos = (
-            list(x) for x in old)
-        self.world = len(self.workers)
-        self.store.clear_rejoin(self.job_id)
-
-    def _release(self, leaving: list[int], old: tuple, m: Membership) -> None:
-        """Let the leaving ranks finish, stop them and free their replicas' GPUs."""
-        workers, refs, pgs = old[0], old[1], old[2]
-        if leaving:
-            ray.wait([refs[r] for r in leaving], num_returns=len(leaving), timeout=LEAVE_WAIT_S)
-        for r in range(len(workers)):
-            if r not in m.ranks:
-                self._kill(workers[r])
-        keep = {id(pg) for pg in self.pgs}
-        for pg in pgs:
-            if id(pg) not in keep:
-                try:
-                    remove_placement_group(pg)
-                except Exception:
-                    pass
-
     # -- records ------------------------------------------------------------------
-    def _entry(self, req: dict[str, Any], to: int, path: str) -> dict[str, Any]:
+    def _entry(self, req: dict[str, Any], to: int, rpr: int, path: str) -> dict[str, Any]:
         """A resize's record; the first step at the new size closes it (`resize_s`)."""
-        cur = self.world // self.rpr
-        return {"from": cur, "to": to, "from_world_size": self.world,
-                "to_world_size": to * self.rpr, "cause": str(req.get("cause") or "requested"),
+        world = self.group.world
+        return {"from": world // rpr, "to": to, "from_world_size": world,
+                "to_world_size": to * rpr, "cause": str(req.get("cause") or "requested"),
                 "path": path, "requested_at": req.get("requested_at") or time.time(),
                 "for_job": req.get("for_job")}
 
     def _open_entry(self, req: dict[str, Any], to: int, path: str) -> None:
-        entry = self._entry(req, to, path)
+        entry = self._entry(req, to, self._rpr(), path)
         self.store.update(self.job_id, lambda j: (dataclasses.replace(
             j, resize_log=(*j.resize_log, entry)), None))
 
-    def _begin(self, job: JobRecord, req: dict[str, Any], m: Membership, path: str) -> None:
+    def _rpr(self) -> int:
+        spec = self.formation.spec
+        return spec.elastic_range.ranks_per_replica if spec else 1
+
+    def _begin(self, req: dict[str, Any], m: Membership, spec: JobSpec) -> None:
         """RESIZING, with the resize's entry opened (the first step at the new size closes it)."""
-        cur = self.world // self.rpr
-        self._cause = str(req.get("cause") or "requested")
-        entry = self._entry(req, m.world_size // self.rpr, path)
-        message = (f"resizing from {cur} to {entry['to']} replica(s) ({self._cause})"
+        rpr = spec.elastic_range.ranks_per_replica
+        cur = self.group.world // rpr
+        self.cause = str(req.get("cause") or "requested")
+        entry = self._entry(req, m.world_size // rpr, rpr, "live")
+        message = (f"resizing from {cur} to {entry['to']} replica(s) ({self.cause})"
                    if entry["to"] != cur else f"replacing {len(m.joining)} rank(s) in place")
 
         def begin(j: JobRecord):
@@ -310,10 +238,9 @@ class LiveResize:
             return resize(j, message, resize_log=log)
         self.store.update(self.job_id, begin)
 
-    def _commit(self, spec: JobSpec, m: Membership, joiners: list[_Joiner], gen: Any,
+    def _commit(self, spec: JobSpec, m: Membership, slots: list[PlacedRank], gen: Any,
                 formed_s: float) -> None:
-        infos, world = self.infos, m.world_size
-        slots = [s for j in joiners for s in j.slots]
+        infos, world = self.group.infos, m.world_size
         by_new = {new: old for old, new in m.ranks.items()}
 
         def done(j: JobRecord):
@@ -334,22 +261,8 @@ class LiveResize:
             self.store.annotate_resize(self.job_id, {"formed_s": round(formed_s, 3)})
         self.store.clear_rejoin(self.job_id)
         self.store.wake_scheduler(self.job_id)  # GPUs a shrink freed are someone's now
-        self._watch_ranks(spec, infos)
+        self.formation.watch_ranks(infos)
 
     def _drop_request(self, message: str) -> None:
         self.store.update(self.job_id, lambda j: (dataclasses.replace(j, resize=None), {
             "type": "resize", "message": message}) if j.resize else None)
-
-    # -- helpers --------------------------------------------------------------
-    @staticmethod
-    def _kill(actor: Any) -> None:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:
-            pass
-
-    @staticmethod
-    def _lost_nodes(node_ids: set[str]) -> set[str]:
-        from kuangchao.platform.execution.inplace import node_lost
-
-        return {n for n in node_ids if node_lost(n)}

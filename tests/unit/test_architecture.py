@@ -23,9 +23,14 @@ PURE = [
     "platform/security/redis_acl.py", "platform/security/audit.py",
     "platform/observability/metrics.py", "platform/observability/scrape_targets.py",
     "platform/observability/logjson.py",
+    "platform/execution/failure_policy.py",
+    "platform/execution/members.py",
 ]
 # The scheduler's cycle is Ray-free but still takes the Redis-backed JobStore.
-RAY_FREE = [*PURE, "platform/scheduling/scheduler.py"]
+# The controller reaches Ray only through its worker group, loaded when none is given.
+RAY_FREE = [*PURE, "platform/scheduling/scheduler.py", "platform/execution/controller.py",
+            "platform/execution/formation.py", "platform/execution/detection.py",
+            "platform/execution/inplace.py", "platform/execution/resize.py"]
 SERVICES = ("ray", "redis", "torch")
 MAX_TOP_LEVEL_MODULES = 8
 

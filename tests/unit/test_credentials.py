@@ -90,9 +90,9 @@ def test_the_controller_accepts_only_a_final_checkpoint_in_the_jobs_folder():
     _, claims = Minter(generate_key()).mint("job-1/controller", "job-1", "controller",
                                             Scope(checkpoint_prefix="/ckpt/job-1"),
                                             {"checkpoint_read", "heartbeat"}, 600)
-    ctl = Credentials()
+    ctl = Credentials("job-1")
     ctl.own_claims = claims
-    assert str(ctl._within_job("/ckpt/job-1/step_00000010")) == "/ckpt/job-1/step_00000010"
+    assert str(ctl.within_job("/ckpt/job-1/step_00000010")) == "/ckpt/job-1/step_00000010"
     for elsewhere in ("/ckpt/job-2/step_00000010", "/ckpt/job-1/../job-2/step_00000010"):
         with pytest.raises(KuangchaoError, match="is not this job's"):
-            ctl._within_job(elsewhere)
+            ctl.within_job(elsewhere)

@@ -1,0 +1,126 @@
+"""What to do about a failed rank: the controller's one decision, made purely.
+
+The controller gathers the facts (the failure, the job's restarts and
+placement, which nodes are gone or quarantined, how the job may resize) into
+a `FailureView`; `decide` turns them into a frozen `FailureDecision`. The
+controller then applies it: replace the rank in place, shrink (or re-form)
+the group around the survivors, send the job back to the queue, or fail it.
+Nothing here touches Ray or Redis, so every branch is unit-tested directly.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kuangchao.platform.spec.elastic import ElasticRange, Membership, plan_membership, replicas_left
+
+# Failures the in-place path can handle: the rank's node is still there.
+IN_PLACE_KINDS = frozenset({"died", "expired", "hung"})
+
+
+class Action(enum.StrEnum):
+    REPLACE = "replace"  # a fresh (or spare) process for the failed rank; survivors stay
+    RESHAPE = "reshape"  # live: re-form the group without the lost ranks, refilled where possible
+    REQUEUE = "requeue"  # tear down; the scheduler places the job again
+    FAIL = "fail"  # past fault_tolerance.max_restarts
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one rank of the current group runs."""
+
+    rank: int
+    node: str
+    node_id: str
+
+
+@dataclass(frozen=True)
+class FailureView:
+    """What the controller knows when a rank fails.
+
+    kind, rank: The failure's kind and the rank it names (None: the whole job).
+    restarts, max_restarts: From the job record and its spec.
+    live: The job resizes in place (elastic, `live_resize`).
+    has_group: A placement group still holds the ranks (False once torn down).
+    slots: The current group's ranks.
+    lost_nodes: Node ids that are gone; blocked: node names in quarantine.
+    elastic: The job's replica range.
+    """
+
+    kind: str
+    rank: int | None
+    restarts: int
+    max_restarts: int
+    live: bool
+    has_group: bool
+    slots: tuple[Slot, ...]
+    lost_nodes: frozenset[str] = frozenset()
+    blocked: frozenset[str] = frozenset()
+    elastic: ElasticRange | None = None
+
+
+@dataclass(frozen=True)
+class FailureDecision:
+    """The action, and for a reshape the new membership and what refills it.
+
+    dead: The ranks lost (the failed one and every rank on a lost node).
+    refill: Replicas (by index) hit by the failure whose nodes are all still
+        usable: their placement groups get fresh ranks.
+    """
+
+    action: Action
+    reason: str
+    dead: frozenset[int] = frozenset()
+    membership: Membership | None = None
+    refill: tuple[int, ...] = field(default_factory=tuple)
+
+
+def restarts_exhausted(restarts: int, max_restarts: int) -> bool:
+    """Whether a job that has restarted `restarts` times may not restart again."""
+    return restarts >= max_restarts
+
+
+def decide(view: FailureView) -> FailureDecision:
+    """The action for one failure (see `Action`)."""
+    if restarts_exhausted(view.restarts, view.max_restarts):
+        return FailureDecision(Action.FAIL, f"gave up after {view.restarts} restart(s) "
+                                            "(fault_tolerance.max_restarts)")
+    if view.rank is None or not view.has_group:
+        return FailureDecision(Action.REQUEUE, "the whole job is affected: place it again")
+    if view.live:
+        return _reshape(view)
+    if view.kind not in IN_PLACE_KINDS:
+        return FailureDecision(Action.REQUEUE, f"a {view.kind} failure needs a new placement")
+    slot = _slot(view, view.rank)
+    if slot is not None and slot.node in view.blocked:
+        return FailureDecision(Action.REQUEUE, f"node {slot.node} is quarantined: place the job "
+                                               "elsewhere")
+    return FailureDecision(Action.REPLACE, f"replace rank {view.rank} in place",
+                           dead=frozenset({view.rank}))
+
+
+def _reshape(view: FailureView) -> FailureDecision:
+    """An elastic job re-forms around its survivors, refilling replicas whose nodes remain."""
+    rng = view.elastic
+    if rng is None or view.kind == "resize":
+        return FailureDecision(Action.REQUEUE, "a failure during a resize: place the job again")
+    world = len(view.slots)
+    dead = {view.rank} | {s.rank for s in view.slots if s.node_id in view.lost_nodes}
+    hit = sorted({r // rng.ranks_per_replica for r in dead})
+    refill = tuple(i for i in hit if all(
+        (s := _slot(view, r)) is not None and s.node_id not in view.lost_nodes
+        and s.node not in view.blocked for r in rng.replica_ranks(i)))
+    sizes = rng.sizes(upto=replicas_left(world, rng, dead) + len(refill))
+    if not sizes:
+        return FailureDecision(Action.REQUEUE, f"fewer than {rng.min_replicas} replica(s) left "
+                                               "(elastic.min_replicas): place the job again",
+                               dead=frozenset(dead))
+    m = plan_membership(world, rng, sizes[0], drop_ranks=dead)
+    usable = len(m.joining) // rng.ranks_per_replica
+    return FailureDecision(Action.RESHAPE, f"re-form at {sizes[0]} replica(s)", dead=frozenset(dead),
+                           membership=m, refill=refill[:usable])
+
+
+def _slot(view: FailureView, rank: int) -> Slot | None:
+    return next((s for s in view.slots if s.rank == rank), None)

@@ -1,0 +1,75 @@
+"""Warm spare processes: one per node a job uses, to replace a failed rank at once.
+
+A spare has imported everything a rank needs but holds no rank; when a rank on
+its node fails, the spare adopts that rank (its token, GPUs and heartbeat)
+instead of a fresh actor starting from nothing (`spare_workers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kuangchao.platform.execution.grants import worker_settings
+from kuangchao.platform.settings import Settings
+from kuangchao.workers.runtime.worker import SpareWorker
+
+SPARE_WAIT_S = 60.0
+
+
+class SparePool:
+    """The warm spares of one job, by Ray node id."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.by_node: dict[str, Any] = {}
+
+    def keep(self, node_ids: set[str]) -> None:
+        """Start a spare on each of these nodes that has none."""
+        for node_id in node_ids - set(self.by_node):
+            self.by_node[node_id] = ray.remote(SpareWorker).options(
+                num_cpus=0, max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+
+    def take(self, node_id: str, grant: Callable[[], dict[str, Any]], rank: dict[str, Any]) -> Any:
+        """The spare on `node_id`, made the rank `rank` describes; None when there is none.
+
+        `rank` holds job_id, rank, world_size, gpu_ids, node, heartbeat and authority;
+        `grant` fetches the rank's fresh credentials.
+        """
+        spare = self.by_node.pop(node_id, None)
+        if spare is None:
+            return None
+        # A spare still warming up is further along than a fresh actor would be.
+        ready, _ = ray.wait([spare.__ray_ready__.remote()], timeout=SPARE_WAIT_S)
+        if not ready:
+            kill_actor(spare)
+            return None
+        try:
+            token = grant()
+            ray.get(spare.adopt.remote(rank["job_id"], rank["rank"], rank["world_size"],
+                                       worker_settings(self.settings, token), rank["gpu_ids"],
+                                       rank["node"], rank["heartbeat"], token, rank["authority"]),
+                    timeout=30)
+        except ray.exceptions.RayError:
+            kill_actor(spare)
+            return None
+        return spare
+
+    def close(self) -> None:
+        for spare in self.by_node.values():
+            kill_actor(spare)
+        self.by_node = {}
+
+
+def kill_actor(actor: Any) -> None:
+    """Kill an actor without a restart; one already gone is fine."""
+    if actor is None:
+        return
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:
+        pass

@@ -1,0 +1,79 @@
+"""The failure policy: one pure decision per failed rank."""
+
+from kuangchao.platform.execution.failure_policy import Action, FailureView, Slot, decide
+from kuangchao.platform.spec.elastic import ElasticRange
+
+SLOTS = (Slot(0, "n0", "id0"), Slot(1, "n1", "id1"), Slot(2, "n2", "id2"), Slot(3, "n3", "id3"))
+
+
+def view(**kw) -> FailureView:
+    base = dict(kind="died", rank=1, restarts=0, max_restarts=3, live=False, has_group=True,
+                slots=SLOTS)
+    return FailureView(**{**base, **kw})
+
+
+def elastic(min_replicas=1, max_replicas=4, rpr=1) -> ElasticRange:
+    return ElasticRange(min_replicas=min_replicas, max_replicas=max_replicas, micro_batch_size=1,
+                        global_batch=4 * rpr, ranks_per_replica=rpr)
+
+
+def test_a_dead_rank_on_a_healthy_node_is_replaced_in_place():
+    d = decide(view())
+    assert d.action is Action.REPLACE and d.dead == {1}
+
+
+def test_expired_and_hung_ranks_are_replaced_in_place_too():
+    assert decide(view(kind="expired")).action is Action.REPLACE
+    assert decide(view(kind="hung")).action is Action.REPLACE
+
+
+def test_a_lost_node_or_a_numeric_fault_needs_a_new_placement_for_a_fixed_size_job():
+    assert decide(view(kind="node_lost")).action is Action.REQUEUE
+    assert decide(view(kind="placement", rank=None)).action is Action.REQUEUE
+
+
+def test_a_rank_on_a_quarantined_node_is_placed_elsewhere():
+    d = decide(view(blocked=frozenset({"n1"})))
+    assert d.action is Action.REQUEUE and "quarantined" in d.reason
+
+
+def test_a_torn_down_group_can_only_be_placed_again():
+    assert decide(view(has_group=False)).action is Action.REQUEUE
+
+
+def test_the_restart_budget_comes_first_whatever_the_failure():
+    d = decide(view(restarts=3, max_restarts=3, live=True, elastic=elastic()))
+    assert d.action is Action.FAIL and "fault_tolerance.max_restarts" in d.reason
+    assert decide(view(restarts=2, max_restarts=3)).action is Action.REPLACE
+    assert decide(view(restarts=0, max_restarts=0)).action is Action.FAIL
+
+
+def test_a_live_job_that_lost_a_node_shrinks_without_refilling_it():
+    d = decide(view(kind="node_lost", live=True, lost_nodes=frozenset({"id1"}), elastic=elastic()))
+    assert d.action is Action.RESHAPE and d.dead == {1} and d.refill == ()
+    # Three survivors, but 3 replicas do not divide the global batch of 4: the job runs at 2.
+    assert d.membership.world_size == 2 and d.membership.ranks == {0: 0, 2: 1}
+
+
+def test_a_live_job_refills_a_replica_whose_node_is_still_there():
+    d = decide(view(live=True, elastic=elastic()))
+    assert d.action is Action.RESHAPE and d.refill == (1,)
+    assert d.membership.world_size == 4 and d.membership.joining == (3,)
+
+
+def test_every_rank_on_a_lost_node_is_counted_dead_with_its_replica_peers():
+    slots = (Slot(0, "a", "ida"), Slot(1, "a", "ida"), Slot(2, "b", "idb"), Slot(3, "b", "idb"))
+    d = decide(view(rank=0, kind="node_lost", live=True, slots=slots,
+                    lost_nodes=frozenset({"ida"}), elastic=elastic(max_replicas=2, rpr=2)))
+    assert d.action is Action.RESHAPE and d.dead == {0, 1}
+    assert d.membership.world_size == 2 and d.membership.ranks == {2: 0, 3: 1}
+
+
+def test_a_live_job_below_min_replicas_goes_back_to_the_queue():
+    d = decide(view(kind="node_lost", live=True, lost_nodes=frozenset({"id1", "id2", "id3"}),
+                    elastic=elastic(min_replicas=2)))
+    assert d.action is Action.REQUEUE and "elastic.min_replicas" in d.reason
+
+
+def test_a_failure_during_a_live_resize_is_placed_again():
+    assert decide(view(kind="resize", live=True, elastic=elastic())).action is Action.REQUEUE
