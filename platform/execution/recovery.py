@@ -82,7 +82,7 @@ def write_failure(store: JobStore, job_id: str, failure: Failure,
     """
     store.add_event(job_id, {"type": "failure", "message": failure.message, **failure.record()})
     if failure.detected_after_s is not None:
-        metrics.cluster_recorder(store.r, store.p).observe(
+        store.recorder().observe(
             metrics.FAILURE_DETECTION, failure.detected_after_s, cause=failure.kind)
     if quarantined:
         until = time.strftime("%H:%M:%S", time.localtime(quarantined["until"]))
@@ -98,7 +98,7 @@ def write_failure(store: JobStore, job_id: str, failure: Failure,
 
     if store.update(job_id, restart) is None:
         return False
-    metrics.job_recorder(store.r, store.p, job_id).inc(metrics.RESTARTS, job=job_id,
+    store.recorder(job_id).inc(metrics.RESTARTS, job=job_id,
                                                           cause=failure.kind)
     return True
 
