@@ -9,7 +9,9 @@ its result: the job's final checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,15 +215,24 @@ class FakeGroup:
         self.members, self.pgs, self.running = [], [], set()
 
 
-def placed_job(store: Any, job_id: str, spec: dict[str, Any], nodes: list[str],
-               reserved: int = 0) -> JobRecord:
-    """A job in PLACING on `nodes` (one rank each), with `reserved` more slots planned."""
-    world = len(nodes)
-    placement = tuple(PlacedRank(r, n, f"id-{n}", "leaf0", gpu=None, gpus=())
-                      for r, n in enumerate(nodes))
-    extra = tuple(PlacedRank(world + i, f"spare{i}", f"id-spare{i}", "leaf0")
-                  for i in range(reserved))
-    job = JobRecord(id=job_id, name=job_id, spec=spec, state=JobState.PLACING, world_size=world,
-                    gpus=0, replicas=world, placement=placement + extra)
+def placed_job(store: Any, job_id: str, spec: dict[str, Any], nodes: list[str]) -> JobRecord:
+    """A job in PLACING on `nodes` (one rank each)."""
+    placement = tuple(PlacedRank(r, n, f"id-{n}", "leaf0") for r, n in enumerate(nodes))
+    job = JobRecord(id=job_id, name=job_id, spec=spec, state=JobState.PLACING,
+                    world_size=len(nodes), gpus=0, replicas=len(nodes), placement=placement)
     store.create(job)
     return store.get(job_id)
+
+
+def ask_resize(store: Any, job_id: str, to: int, cause: str, new_nodes: list[str] = (),
+               for_job: str | None = None) -> None:
+    """What the scheduler does: a resize request on the record, the slots it reserved
+    for the new ranks appended to the placement, and the flag for the controller."""
+    def ask(j: JobRecord):
+        added = tuple(PlacedRank(j.world_size + i, n, f"id-{n}", "leaf0")
+                      for i, n in enumerate(new_nodes))
+        return dataclasses.replace(j, placement=j.placement + added, resize={
+            "to": to, "from": j.replicas, "cause": cause, "for_job": for_job,
+            "requested_at": time.time()}), None
+    store.update(job_id, ask)
+    store.request_resize(job_id)

@@ -12,13 +12,14 @@ import time
 
 import pytest
 
+from kuangchao.platform.cluster.quarantine import QuarantinePolicy
 from kuangchao.platform.execution.controller import JobController
 from kuangchao.platform.execution.heartbeat import Verdict
 from kuangchao.platform.execution.members import Outcome
 from kuangchao.platform.jobs.memory import MemoryStore
 from kuangchao.platform.jobs.state import JobState
 from kuangchao.platform.settings import Settings
-from tests.unit.controller_fakes import FakeCredentials, FakeGroup, Step, placed_job
+from tests.unit.controller_fakes import FakeCredentials, FakeGroup, Step, ask_resize, placed_job
 
 
 def spec_doc(tmp_path, world=2, **sections) -> dict:
@@ -31,6 +32,9 @@ def spec_doc(tmp_path, world=2, **sections) -> dict:
     return doc
 
 
+# No service is reached: the store and the worker group are given to the controller.
+SETTINGS = Settings(redis_url=None, redis_prefix="kc-test:", ray_address=None,
+                    api_url="http://127.0.0.1:1", quarantine=QuarantinePolicy())
 ELASTIC = {"min_replicas": 1, "max_replicas": 4, "resize": "live"}
 
 
@@ -40,7 +44,7 @@ def store():
 
 
 def controller(store, group, job_id="j1") -> JobController:
-    return JobController(job_id, Settings(), store=store, poll_s=0.0, group=group,
+    return JobController(job_id, SETTINGS, store=store, poll_s=0.0, group=group,
                          watch_factory=group.watch_factory, credentials=FakeCredentials())
 
 
@@ -143,33 +147,22 @@ def test_a_dead_rank_on_a_live_node_is_refilled_in_its_own_placement_group(store
 
 
 def test_the_scheduler_grows_a_running_job_into_the_slots_it_reserved(store, tmp_path):
-    placed_job(store, "j1", spec_doc(tmp_path, elastic=ELASTIC), ["n0", "n1"], reserved=2)
-
-    def ask_for_four():
-        store.update("j1", lambda j: (dataclasses.replace(
-            j, resize={"to": 4, "from": 2, "cause": "grow", "requested_at": time.time()}), None))
-        store.request_resize("j1")
-
-    group = FakeGroup(tmp_path / "ckpt" / "j1", [Step(action=ask_for_four)])
+    placed_job(store, "j1", spec_doc(tmp_path, elastic=ELASTIC), ["n0", "n1"])
+    grow = Step(action=lambda: ask_resize(store, "j1", 4, "grow", ["n2", "n3"]))
+    group = FakeGroup(tmp_path / "ckpt" / "j1", [grow])
     assert controller(store, group).run() == "SUCCEEDED"
     job = store.get("j1")
     assert job.world_size == 4 and job.replicas == 4 and job.resize is None
     assert [p.rank for p in job.placement] == [0, 1, 2, 3]
-    assert {p.node for p in job.placement} == {"n0", "n1", "spare0", "spare1"}
+    assert [p.node for p in job.placement] == ["n0", "n1", "n2", "n3"]
     assert ("reshape", (0, 1), 2) in group.calls and ("run", (2, 3)) in group.calls
     assert job.resize_log[-1]["to"] == 4 and job.resize_log[-1]["cause"] == "grow"
 
 
 def test_the_scheduler_shrinks_a_running_job_and_the_leaving_rank_is_released(store, tmp_path):
     placed_job(store, "j1", spec_doc(tmp_path, elastic=ELASTIC), ["n0", "n1"])
-
-    def ask_for_one():
-        store.update("j1", lambda j: (dataclasses.replace(
-            j, resize={"to": 1, "from": 2, "cause": "preempt", "for_job": "j2",
-                       "requested_at": time.time()}), None))
-        store.request_resize("j1")
-
-    group = FakeGroup(tmp_path / "ckpt" / "j1", [Step(action=ask_for_one)])
+    shrink = Step(action=lambda: ask_resize(store, "j1", 1, "preempt", for_job="j2"))
+    group = FakeGroup(tmp_path / "ckpt" / "j1", [shrink])
     assert controller(store, group).run() == "SUCCEEDED"
     job = store.get("j1")
     assert job.world_size == 1 and [p.node for p in job.placement] == ["n0"]
@@ -179,16 +172,11 @@ def test_the_scheduler_shrinks_a_running_job_and_the_leaving_rank_is_released(st
 
 def test_a_job_that_cannot_resize_live_checkpoints_and_is_placed_again(store, tmp_path):
     doc = spec_doc(tmp_path, elastic={**ELASTIC, "resize": "restart"})
-    placed_job(store, "j1", doc, ["n0", "n1"], reserved=2)
-
-    def ask_for_four():
-        store.update("j1", lambda j: (dataclasses.replace(
-            j, resize={"to": 4, "from": 2, "cause": "grow", "requested_at": time.time()}), None))
-        store.request_resize("j1")
-
+    placed_job(store, "j1", doc, ["n0", "n1"])
     preempted = {"preempted": True, "steps": 7}
     group = FakeGroup(tmp_path / "ckpt" / "j1", [
-        Step(action=ask_for_four), Step([Outcome(0, value=preempted), Outcome(1, value=preempted)])])
+        Step(action=lambda: ask_resize(store, "j1", 4, "grow", ["n2", "n3"])),
+        Step([Outcome(0, value=preempted), Outcome(1, value=preempted)])])
     assert controller(store, group).run() == "QUEUED"
     job = store.get("j1")
     assert "resizing to 4 replica(s) by a restart (grow)" in job.message
@@ -212,7 +200,7 @@ def test_a_cancel_request_stops_the_ranks_and_ends_the_job(store, tmp_path):
     placed_job(store, "j1", spec_doc(tmp_path), ["n0", "n1"])
     group = FakeGroup(tmp_path / "ckpt" / "j1", [Step(action=lambda: store.request_cancel("j1"))])
     creds = FakeCredentials()
-    ctl = JobController("j1", Settings(), store=store, poll_s=0.0, group=group,
+    ctl = JobController("j1", SETTINGS, store=store, poll_s=0.0, group=group,
                         watch_factory=group.watch_factory, credentials=creds)
     assert ctl.run() == "CANCELLED"
     assert ("teardown",) in group.calls and creds.retired == 1
@@ -233,7 +221,7 @@ def test_a_train_function_that_saves_nothing_fails_with_what_to_call(store, tmp_
     placed_job(store, "j1", spec_doc(tmp_path), ["n0", "n1"])
     group = FakeGroup(tmp_path / "ckpt" / "j1")
     group.results = lambda rank: {"steps": 5}
-    ctl = JobController("j1", Settings(), store=store, poll_s=0.0, group=group,
+    ctl = JobController("j1", SETTINGS, store=store, poll_s=0.0, group=group,
                         watch_factory=group.watch_factory, credentials=FakeCredentials(),
                         latest_checkpoint=lambda spec, job_id: None)
     assert ctl.run() == "FAILED"
