@@ -119,6 +119,7 @@ class EventPublic(Passthrough):
     ts: Number
     type: str
     message: str | None = None
+    reason: str | None = Field(None, description="why, for the types that say (rollback, ...)")
 
 
 class EventList(Public):
