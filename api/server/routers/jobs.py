@@ -11,8 +11,15 @@ from starlette.concurrency import run_in_threadpool
 from kuangchao.api.server.auth import allowed, audit, require, visible_job
 from kuangchao.api.server.deps import Store, active_jobs, spec_422
 from kuangchao.api.server.schemas.common import errors
-from kuangchao.api.server.schemas.jobs import (DryRunPublic, EventList, JobList, JobPublic, LogList,
-                                               MetricPointList, SamplesPublic)
+from kuangchao.api.server.schemas.jobs import (
+    DryRunPublic,
+    EventList,
+    JobList,
+    JobPublic,
+    LogList,
+    MetricPointList,
+    SamplesPublic,
+)
 from kuangchao.platform.errors import InvalidTransition, SpecError
 from kuangchao.platform.jobs import operations as jobs
 from kuangchao.platform.security.apikeys import Principal
