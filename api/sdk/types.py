@@ -117,7 +117,8 @@ class Job(View):
 
     @property
     def reason(self) -> str | None:
-        return self.get("reason")
+        """Why the job is where it is: for FAILED, the last error (the record's `message`)."""
+        return self.get("message")
 
     @property
     def queue(self) -> str | None:
@@ -171,7 +172,7 @@ class Event(View):
 
     @property
     def message(self) -> str:
-        return str(self._get("message") or self._get("reason", ""))
+        return str(self._get("message", "") or self._get("reason", ""))
 
 
 class LogLine(View):

@@ -13,6 +13,9 @@ from kuangchao.api.server.routers import admin, audit, debug, health, jobs, node
 from kuangchao.platform.errors import StoreUnavailable
 from kuangchao.platform.version import __version__
 
+ROUTERS = (health.router, jobs.router, debug.router, queues.router, nodes.router, admin.router,
+           audit.router, ui.router)
+
 
 def create_app() -> FastAPI:
     # /docs and /redoc would load their assets from a CDN, which an offline
@@ -20,8 +23,8 @@ def create_app() -> FastAPI:
     # with a key, like every route but /healthz and the console's static files (/ui).
     app = FastAPI(title="kuangchao", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    for module in (health, jobs, debug, queues, nodes, admin, audit, ui):
-        app.include_router(module.router)
+    for router in ROUTERS:
+        app.include_router(router)
     metrics.install(app)
 
     @app.get("/openapi.json", include_in_schema=False)

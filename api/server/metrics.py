@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import PlainTextResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -31,6 +32,8 @@ from prometheus_client import (
 from kuangchao.api.server.auth import audit, bearer, caller
 from kuangchao.api.server.cluster_metrics import ClusterCollector
 from kuangchao.api.server.deps import get_store
+from kuangchao.api.server.schemas.cluster import ScrapeGroup
+from kuangchao.api.server.schemas.common import errors
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics as catalog
 from kuangchao.platform.observability import scrape_targets
@@ -101,14 +104,19 @@ def install(app: FastAPI) -> None:
     app.add_middleware(RequestTimer)
 
     @app.get("/metrics", tags=["health"], summary="Prometheus metrics (scrape token or "
-                                                  "operator key)")
+                                                  "operator key)",
+             response_class=PlainTextResponse, responses={
+                 **errors(401, 403, 503, inline=True),
+                 200: {"content": {"text/plain": {"schema": {
+                     "type": "string", "description": "the Prometheus text exposition format"}}}}})
     async def metrics(request: Request) -> Response:
         store = await _scraper(request)
         return Response(await run_in_threadpool(exposition, store), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/metrics/targets", tags=["health"],
              summary="The ranks' metrics endpoints as Prometheus HTTP service discovery "
-                     "(scrape token or operator key)")
+                     "(scrape token or operator key)",
+             response_model=list[ScrapeGroup], responses=errors(401, 403, 503))
     async def targets(request: Request) -> list[dict]:
         store = await _scraper(request)
         return await run_in_threadpool(scrape_targets.read_groups, store)

@@ -1,10 +1,13 @@
-"""Schemathesis against the API's own /openapi.json: no input, however odd, gets a 5xx.
+"""Schemathesis against the API's own /openapi.json: no input, however odd, gets a 5xx,
+and every answer matches what the schema documents for its status: the body its
+response model (api/server/schemas/) describes, under the documented media type.
 
 The API runs as a real uvicorn server on a free port, on the real Redis (else
 an embedded Valkey) under a key prefix of its own, with an admin key written
 straight to Redis, so every route is reached past authentication. Every
-generated request carries that key; any 4xx is a fine answer, while a 5xx or
-a dropped connection fails the operation's test. Each operation is fuzzed
+generated request carries that key; any 4xx is a fine answer, while a 5xx, a
+dropped connection, or a body (4xx included) that does not match its documented
+schema fails the operation's test. Each operation is fuzzed
 twice: with the path parameters schemathesis makes up (mostly 404s), and
 with them naming a job, key or node that exists.
 
@@ -30,6 +33,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
 
 from kuangchao.api.server.app import app
 from kuangchao.platform.jobs.store import JobStore
@@ -48,6 +52,7 @@ SEED = os.environ.get("KC_FUZZ_SEED", "1")
 
 # What the run saw, per operation: answers by status, for the summary.
 SEEN: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+CHECKS = [not_a_server_error, response_schema_conformance, content_type_conformance]
 
 
 class Api:
@@ -217,7 +222,7 @@ def _exercise(case, api: Api) -> None:
     if response.request.headers.get("Authorization") == api.headers["Authorization"]:
         assert response.status_code != 401, f"{case.operation.label} refused our key: {response.text}"
     try:
-        case.validate_response(response, checks=[not_a_server_error], headers=api.headers)
+        case.validate_response(response, checks=CHECKS, headers=api.headers)
     except BaseException:
         time.sleep(0.2)  # let the server flush its traceback
         print(f"server log:\n{api.log_tail()}")

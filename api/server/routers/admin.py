@@ -9,9 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kuangchao.api.server.auth import allowed, keystore, require
 from kuangchao.api.server.deps import Store
+from kuangchao.api.server.schemas.access import KeyCreated, KeyList, PrincipalPublic
+from kuangchao.api.server.schemas.common import errors
 from kuangchao.platform.security.apikeys import ROLES, Principal
 
-router = APIRouter(prefix="/v1/admin/keys", tags=["admin"])
+router = APIRouter(prefix="/v1/admin/keys", tags=["admin"],
+                   responses=errors(401, 403, 422, 503))
 Admin = Annotated[Principal, Depends(require("key.manage"))]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$"
 
@@ -25,7 +28,8 @@ class KeyRequest(BaseModel):
                                 description="seconds until the key expires (default: never)")
 
 
-@router.post("", status_code=201, summary="Create a key; the response holds it, shown once")
+@router.post("", status_code=201, summary="Create a key; the response holds it, shown once",
+             response_model=KeyCreated)
 def create_key(body: KeyRequest, store: Store, who: Admin) -> dict[str, Any]:
     key, principal = keystore(store).create(body.name, body.tenant, body.role, body.ttl_s)
     allowed(store, who, "key.create", f"key/{principal.key_id}", name=body.name,
@@ -33,12 +37,13 @@ def create_key(body: KeyRequest, store: Store, who: Admin) -> dict[str, Any]:
     return {"key": key, **principal.to_json()}
 
 
-@router.get("", summary="Keys (never the keys themselves)")
+@router.get("", summary="Keys (never the keys themselves)", response_model=KeyList)
 def list_keys(store: Store, _: Admin, include_revoked: bool = False) -> dict[str, Any]:
     return {"keys": [p.to_json() for p in keystore(store).list(include_revoked)]}
 
 
-@router.delete("/{key_id}", summary="Revoke a key; requests with it answer 401 from now on")
+@router.delete("/{key_id}", summary="Revoke a key; requests with it answer 401 from now on",
+               response_model=PrincipalPublic, responses=errors(404))
 def revoke_key(key_id: str, store: Store, who: Admin) -> dict[str, Any]:
     principal = keystore(store).revoke(key_id)
     if principal is None:

@@ -7,13 +7,17 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 
 from kuangchao.api.server.auth import audit_log, require
+from kuangchao.api.server.schemas.access import AuditList
+from kuangchao.api.server.schemas.common import errors
 from kuangchao.platform.security.apikeys import Principal
 from kuangchao.platform.security.audit import AuditLog
 
-router = APIRouter(prefix="/v1/audit", tags=["audit"])
+router = APIRouter(prefix="/v1/audit", tags=["audit"],
+                   responses=errors(401, 403, 422, 503))
 
 
-@router.get("", summary="Audit records, oldest first (the newest `limit` that match)")
+@router.get("", summary="Audit records, oldest first (the newest `limit` that match)",
+            response_model=AuditList)
 def read_audit(_: Annotated[Principal, Depends(require("audit.read"))],
                trail: Annotated[AuditLog, Depends(audit_log)],
                job: str | None = None,

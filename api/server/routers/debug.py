@@ -14,12 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kuangchao.api.server.auth import allowed, require, visible_job
 from kuangchao.api.server.deps import Store
+from kuangchao.api.server.schemas.common import errors
+from kuangchao.api.server.schemas.debug import DebugReport, ProfileStarted, ProfileStatus
 from kuangchao.platform.jobs import debugreq, keys
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.security.apikeys import Principal
 
-router = APIRouter(prefix="/v1/jobs", tags=["debug"])
+router = APIRouter(prefix="/v1/jobs", tags=["debug"],
+                   responses=errors(401, 403, 404, 409, 422, 503))
 Debugger = Annotated[Principal, Depends(require("job.debug"))]
 Reader = Annotated[Principal, Depends(require("job.read"))]
 _ID = re.compile(r"^[0-9a-f]{12}$")
@@ -65,7 +68,8 @@ def _retire(store: JobStore, job_id: str, req_id: str) -> None:
 
 
 @router.post("/{job_id}/debug/{kind}", summary="Every rank's communication groups, memory, "
-                                               "or gradients compared across replicas")
+                                               "or gradients compared across replicas",
+             response_model=DebugReport, response_model_exclude_unset=True)
 def debug(job_id: str, kind: Literal["comm", "memory", "gradient"], store: Store, who: Debugger,
           ask: Annotated[DebugAsk | None, Body()] = None) -> dict[str, Any]:
     """Waits for every rank (up to `timeout_s`); ranks that did not answer are listed in
@@ -89,7 +93,8 @@ def debug(job_id: str, kind: Literal["comm", "memory", "gradient"], store: Store
 
 
 @router.post("/{job_id}/profiles", status_code=202,
-             summary="Record a torch.profiler trace of the next `steps` steps on every rank")
+             summary="Record a torch.profiler trace of the next `steps` steps on every rank",
+             response_model=ProfileStarted)
 def start_profile(job_id: str, store: Store, who: Debugger,
                   ask: Annotated[ProfileAsk | None, Body()] = None) -> dict[str, Any]:
     ask = ask or ProfileAsk()
@@ -100,7 +105,8 @@ def start_profile(job_id: str, store: Store, who: Debugger,
     return {"job": job_id, "id": req.id, "steps": ask.steps, "ranks": job.world_size}
 
 
-@router.get("/{job_id}/profiles/{profile_id}", summary="A profile's per-rank summaries and files")
+@router.get("/{job_id}/profiles/{profile_id}", summary="A profile's per-rank summaries and files",
+            response_model=ProfileStatus)
 def profile_status(job_id: str, profile_id: str, store: Store, who: Reader) -> dict[str, Any]:
     job = visible_job(store, who, job_id, "job.read")
     if not _ID.match(profile_id):
@@ -116,7 +122,9 @@ def profile_status(job_id: str, profile_id: str, store: Store, who: Reader) -> d
 
 
 @router.get("/{job_id}/profiles/{profile_id}/{name}", summary="Download one rank's Chrome/"
-            "Perfetto trace (gzip-compressed JSON)", response_class=FileResponse)
+            "Perfetto trace (gzip-compressed JSON)", response_class=FileResponse,
+            responses={200: {"content": {"application/gzip": {
+                "schema": {"type": "string", "format": "binary"}}}}})
 def profile_file(job_id: str, profile_id: str, name: str, store: Store,
                  who: Reader) -> FileResponse:
     job = visible_job(store, who, job_id, "job.read")

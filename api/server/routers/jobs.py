@@ -10,6 +10,16 @@ from starlette.concurrency import run_in_threadpool
 
 from kuangchao.api.server.auth import allowed, audit, require, visible_job
 from kuangchao.api.server.deps import Store, active_jobs, spec_422
+from kuangchao.api.server.schemas.common import errors
+from kuangchao.api.server.schemas.jobs import (
+    DryRunPublic,
+    EventList,
+    JobList,
+    JobPublic,
+    LogList,
+    MetricPointList,
+    SamplesPublic,
+)
 from kuangchao.platform.errors import InvalidTransition, SpecError
 from kuangchao.platform.jobs import operations as jobs
 from kuangchao.platform.security.apikeys import Principal
@@ -17,7 +27,8 @@ from kuangchao.platform.spec.defaults import value
 from kuangchao.platform.spec.jobspec import validate_spec
 from kuangchao.platform.spec.text import BUNDLE_TYPE, parse_bundle, parse_spec_text
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"],
+                   responses=errors(401, 403, 404, 409, 422, 503))
 
 
 Submitter = Annotated[Principal, Depends(require("job.submit"))]
@@ -31,19 +42,21 @@ _MAX_INDEX = 2**63 - 1
 
 
 @router.post("", status_code=201, summary="Submit a job: JSON or YAML, or a bundle of a YAML and "
-             f"the files its extends: names (Content-Type: {BUNDLE_TYPE})")
-async def submit_job(request: Request, response: Response, store: Store, who: Submitter,
+             f"the files its extends: names (Content-Type: {BUNDLE_TYPE})",
+             response_model=JobPublic, response_model_exclude_unset=True,
+             responses={200: {"model": DryRunPublic, "description": "dry_run: the validated spec"}})
+async def submit_job(request: Request, store: Store, who: Submitter,
                      dry_run: bool = Query(False, description="Only validate: 200 with the "
                                            "validated spec, or 422; nothing is queued")
-                     ) -> dict[str, Any]:
+                     ) -> dict[str, Any] | Response:
     """Validate and queue a job; `parallel: auto` is resolved to the planner's layout here."""
     body = (await request.body()).decode("utf-8", errors="replace")
     bundled = request.headers.get("content-type", "").startswith(BUNDLE_TYPE)
     try:
         spec = validate_spec(parse_bundle(body) if bundled else parse_spec_text(body))
-        if dry_run:
-            response.status_code = 200
-            return await run_in_threadpool(jobs.dry_run, store, spec)
+        if dry_run:  # a 200 of its own shape: it bypasses the 201's response model
+            checked = DryRunPublic.model_validate(await run_in_threadpool(jobs.dry_run, store, spec))
+            return Response(checked.model_dump_json(), media_type="application/json")
         if spec.parallel.auto:  # the planner resolves it; its search runs off the event loop
             job = await run_in_threadpool(jobs.submit, store, spec, owner=who.name,
                                           tenant=who.tenant)
@@ -55,7 +68,8 @@ async def submit_job(request: Request, response: Response, store: Store, who: Su
     return jobs.job_view(store, job, active_jobs(store))
 
 
-@router.get("", summary="List the jobs the caller's tenant may see, newest last")
+@router.get("", summary="List the jobs the caller's tenant may see, newest last",
+            response_model=JobList, response_model_exclude_unset=True)
 def list_jobs(store: Store, who: Reader,
               limit: int = Query(200, ge=1, le=10000)) -> dict[str, Any]:
     active = active_jobs(store)  # queue positions count every waiting job, however old
@@ -63,12 +77,14 @@ def list_jobs(store: Store, who: Reader,
                      if who.sees(j.tenant)]}
 
 
-@router.get("/{job_id}", summary="One job")
+@router.get("/{job_id}", summary="One job", response_model=JobPublic,
+            response_model_exclude_unset=True)
 def get_job(job_id: str, store: Store, who: Reader) -> dict[str, Any]:
     return jobs.job_view(store, visible_job(store, who, job_id, "job.read"), active_jobs(store))
 
 
-@router.post("/{job_id}/cancel", summary="Cancel a job")
+@router.post("/{job_id}/cancel", summary="Cancel a job", response_model=JobPublic,
+             response_model_exclude_unset=True)
 def cancel_job(job_id: str, store: Store, who: Canceller) -> dict[str, Any]:
     visible_job(store, who, job_id, "job.cancel")
     try:
@@ -85,7 +101,8 @@ class ScaleRequest(BaseModel):
     replicas: int = Field(ge=1, description="data-parallel replicas to run at")
 
 
-@router.patch("/{job_id}", summary="Resize an elastic job: {\"replicas\": N}")
+@router.patch("/{job_id}", summary="Resize an elastic job: {\"replicas\": N}",
+              response_model=JobPublic, response_model_exclude_unset=True)
 def patch_job(job_id: str, body: ScaleRequest, store: Store, who: Scaler) -> dict[str, Any]:
     visible_job(store, who, job_id, "job.scale")
     try:
@@ -98,14 +115,16 @@ def patch_job(job_id: str, body: ScaleRequest, store: Store, who: Scaler) -> dic
     return jobs.job_view(store, job)
 
 
-@router.get("/{job_id}/samples", summary="The job's sample record (data.record_samples)")
+@router.get("/{job_id}/samples", summary="The job's sample record (data.record_samples)",
+            response_model=SamplesPublic)
 def job_samples(job_id: str, store: Store, who: Reader) -> dict[str, Any]:
     job = visible_job(store, who, job_id, "job.read")
     return {"record_samples": bool(value(job.spec, "data", "record_samples")),
             "samples": store.samples(job_id)}
 
 
-@router.get("/{job_id}/events", summary="The job's events, oldest first")
+@router.get("/{job_id}/events", summary="The job's events, oldest first",
+            response_model=EventList, response_model_exclude_unset=True)
 def job_events(job_id: str, store: Store, who: Reader,
                start: int = Query(0, ge=0, le=_MAX_INDEX)) -> dict[str, Any]:
     visible_job(store, who, job_id, "job.read")
@@ -113,7 +132,8 @@ def job_events(job_id: str, store: Store, who: Reader,
     return {"events": events, "next": start + len(events)}
 
 
-@router.get("/{job_id}/metrics", summary="The loss curve: one point per logged step, oldest first")
+@router.get("/{job_id}/metrics", summary="The loss curve: one point per logged step, oldest first",
+            response_model=MetricPointList, response_model_exclude_unset=True)
 def job_metrics(job_id: str, store: Store, who: Reader,
                 start: int = Query(0, ge=0, le=_MAX_INDEX)) -> dict[str, Any]:
     """Points `{step, ts, loss, tokens_per_s, step_s, ...}` from `start` on; `next` is
@@ -123,7 +143,8 @@ def job_metrics(job_id: str, store: Store, who: Reader,
     return {"points": points, "next": start + len(points)}
 
 
-@router.get("/{job_id}/logs", summary="The job's log lines from every rank")
+@router.get("/{job_id}/logs", summary="The job's log lines from every rank",
+            response_model=LogList, response_model_exclude_unset=True)
 def job_logs(job_id: str, store: Store, who: Reader,
              start: int = Query(0, ge=0, le=_MAX_INDEX),
              rank: int | None = Query(None, ge=0, le=1_000_000,

@@ -8,21 +8,24 @@ from fastapi import APIRouter, Body, Depends
 
 from kuangchao.api.server.auth import Caller, allowed, require
 from kuangchao.api.server.deps import Store, spec_422
+from kuangchao.api.server.schemas.cluster import QueueList
+from kuangchao.api.server.schemas.common import errors
 from kuangchao.platform.errors import SpecError
 from kuangchao.platform.jobs.operations import queue_view
 from kuangchao.platform.scheduling.policies import POLICIES
 from kuangchao.platform.scheduling.queues import parse_queues
 from kuangchao.platform.security.apikeys import Principal
 
-router = APIRouter(prefix="/v1/queues", tags=["queues"])
+router = APIRouter(prefix="/v1/queues", tags=["queues"], responses=errors(401, 503))
 
 
-@router.get("", summary="Queues, quotas, and the GPUs each holds")
+@router.get("", summary="Queues, quotas, and the GPUs each holds", response_model=QueueList)
 def list_queues(store: Store, _: Caller) -> dict[str, Any]:
     return queue_view(store)
 
 
-@router.put("", summary="Replace the queue table (the same document as `kc up --queues`)")
+@router.put("", summary="Replace the queue table (the same document as `kc up --queues`)",
+            response_model=QueueList, responses=errors(403, 422))
 def put_queues(store: Store, who: Annotated[Principal, Depends(require("queue.manage"))],
                doc: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
     try:

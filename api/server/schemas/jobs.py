@@ -1,0 +1,159 @@
+"""Responses of `/v1/jobs`: a job (`platform/jobs/operations.job_view`), its
+events, log lines, loss curve and sample record."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from kuangchao.api.server.schemas.common import Number, Passthrough, Public
+
+JobStateName = Literal["QUEUED", "PLACING", "RUNNING", "RECOVERING", "RESIZING", "SUCCEEDED",
+                       "FAILED", "CANCELLED"]
+
+
+class PlacementPublic(Public):
+    """Where one rank runs (`PlacedRank`); `gpu` and `pid` are filled once it starts."""
+
+    rank: int
+    node: str
+    node_id: str
+    leaf: str
+    gpu: int | None
+    pid: int | None
+    gpus: list[int]
+
+
+class ProgressPublic(Public):
+    """Rank 0's last report; zeros and nulls for a job that never started."""
+
+    step: int
+    total_steps: int | None
+    loss: Number | None
+    initial_loss: Number | None
+    tokens_per_s: Number | None
+
+
+class CheckpointPublic(Passthrough):
+    """A committed checkpoint, as the rank that wrote it listed it
+    (`workers/checkpoint/format.CheckpointInfo` plus `committed_at`). The ranks
+    own this record, so keys added there pass through."""
+
+    step: int
+    path: str
+    bytes: int | None = None
+    blocked_s: Number | None = None
+    write_s: Number | None = None
+    committed_at: Number | None = None
+
+
+class JobPublic(Public):
+    """A job: its stored record (`JobRecord`, less its version) and what the
+    view adds: progress, elastic range, checkpoints and queue position."""
+
+    id: str
+    name: str
+    # The spec as validated at submit time. A record outlives releases, so an old
+    # job's spec is not re-validated against today's JobSpec: an open document.
+    spec: dict[str, Any]
+    state: JobStateName
+    queue: str
+    priority: int
+    world_size: int
+    gpus: int
+    created_at: Number
+    started_at: Number | None
+    finished_at: Number | None
+    restarts: int
+    # One free-form entry per restart or resize, written by the controller.
+    restart_log: list[dict[str, Any]]
+    preemptions: int
+    preempting_for: str | None
+    placement: list[PlacementPublic]
+    replicas: int
+    desired_replicas: int | None
+    resize: dict[str, Any] | None
+    resize_log: list[dict[str, Any]]
+    waiting_for: str | None
+    message: str | None = Field(description="the last state change's reason; for FAILED, "
+                                            "the error")
+    driver: str
+    owner: str | None
+    tenant: str
+    state_since: Number | None
+    # The planner's chosen layout and predicted cost (platform/planning/autoplan.py).
+    plan: dict[str, Any] | None
+    progress: ProgressPublic
+    min_replicas: int
+    max_replicas: int
+    global_batch: int
+    samples_seen: int
+    measured_step_s: Number | None
+    checkpoints: list[CheckpointPublic]
+    queue_position: int | None = Field(description="1-based place in the queue while QUEUED")
+
+
+class JobList(Public):
+    jobs: list[JobPublic]
+
+
+class DryRunPublic(Public):
+    """`POST /v1/jobs?dry_run=true`: the spec as it would be queued."""
+
+    valid: Literal[True]
+    spec: dict[str, Any]  # the validated JobSpec's JSON: the request's document, completed
+    plan: dict[str, Any] | None
+
+
+class SamplesPublic(Public):
+    record_samples: bool
+    samples: dict[str, str] = Field(description="`step/dp_rank/micro` -> the sample range")
+
+
+class EventPublic(Passthrough):
+    """One entry of a job's timeline. Each `type` (state, placement, failure,
+    resize, ...) carries its own keys, written across the control plane and the
+    ranks: those pass through as they were recorded."""
+
+    ts: Number
+    type: str
+    message: str | None = None
+    reason: str | None = Field(None, description="why, for the types that say (rollback, ...)")
+
+
+class EventList(Public):
+    events: list[EventPublic]
+    next: int = Field(description="the `start` of the next call")
+
+
+class LogLinePublic(Passthrough):
+    """One line a rank logged (`workers/runtime/joblog.py`); a line may carry
+    fields of its own, which pass through."""
+
+    ts: Number | None = None
+    level: str | None = None
+    job_id: str | None = None
+    rank: int | None = None
+    module: str | None = None
+    message: str | None = None
+
+
+class LogList(Public):
+    logs: list[LogLinePublic]
+    next: int = Field(description="the `start` of the next call, filters or not")
+
+
+class MetricPointPublic(Passthrough):
+    """One logged step of the loss curve; the trainer may log more than these."""
+
+    step: int
+    ts: Number | None = None
+    loss: Number | None = None
+    tokens_per_s: Number | None = None
+    step_s: Number | None = None
+
+
+class MetricPointList(Public):
+    points: list[MetricPointPublic]
+    next: int = Field(description="the `start` of the next call")
