@@ -16,18 +16,12 @@ from kuangchao.platform.errors import InvalidTransition, JobNotFound
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank, admit, cancel
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
-from kuangchao.platform.scheduling.policies import (
-    AdmissionPolicy,
-    Admit,
-    Decision,
-    Preempt,
-    Resize,
-    Snapshot,
-    Wait,
-    make_policy,
-)
+from kuangchao.platform.scheduling.plugins.decisions import Admit, Decision, Preempt, Resize, Wait
+from kuangchao.platform.scheduling.plugins.interface import AdmissionPolicy
+from kuangchao.platform.scheduling.plugins.registry import make_policy
+from kuangchao.platform.scheduling.plugins.snapshot import Snapshot
 from kuangchao.platform.scheduling.queues import QueueTable
-from kuangchao.platform.spec.elastic import elastic_range
+from kuangchao.platform.spec.stored import spec_of
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +125,7 @@ class Scheduler:
             if j.state is not JobState.QUEUED:
                 return None
             queued_at[0] = j.state_since or j.created_at
-            rng = elastic_range(j.spec)
+            rng = spec_of(j.spec).elastic_range
             replicas = d.replicas or len(placement) // rng.ranks_per_replica
             summary = ", ".join(f"{p.rank}:{p.node}/{p.gpu}" for p in placement)
             size = (f"{replicas} of {rng.min_replicas}..{rng.max_replicas} replicas; "

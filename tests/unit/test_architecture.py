@@ -15,7 +15,10 @@ PURE = [
     "platform/spec/jobspec.py", "platform/spec/elastic.py",
     "platform/cluster/topology.py", "platform/cluster/hardware.py",
     "platform/scheduling/placement.py", "platform/scheduling/placement_score.py",
-    "platform/scheduling/policies.py", "platform/scheduling/elastic_policy.py",
+    "platform/scheduling/policies.py", *(f"platform/scheduling/plugins/{m}.py" for m in (
+        "admission", "backfill", "cycle", "decisions", "elastic", "fifo", "gang", "interface",
+        "preemption", "quota", "registry", "snapshot")),
+    "platform/spec/stored.py",
     "platform/scheduling/queues.py",
     "platform/planning/planner.py", "platform/planning/autoplan.py",
     "platform/jobs/state.py", "platform/jobs/debugreq.py",
