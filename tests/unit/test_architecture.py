@@ -245,3 +245,26 @@ def test_redis_key_names_are_built_only_in_the_keys_module():
                 text = ast.unparse(node)
                 assert not spelled.search(text), (
                     f"{path.relative_to(ROOT)} spells a Redis key ({text}); add it to platform/jobs/keys.py")
+
+
+def test_scheduling_and_spec_modules_import_each_other_without_a_cycle():
+    """Deferred imports included: a cycle hidden in a function is still a cycle."""
+    files = [*(ROOT / "platform" / "scheduling").rglob("*.py"), ROOT / "platform/spec/stored.py"]
+    graph = {f: {t for m in imports(f) if (t := module_file(m)) in files and t != f} for f in files}
+    done: set[Path] = set()
+
+    def visit(f: Path, path: tuple[Path, ...]) -> None:
+        assert f not in path, " -> ".join(p.relative_to(ROOT).as_posix() for p in (*path, f))
+        if f not in done:
+            for t in graph[f]:
+                visit(t, (*path, f))
+            done.add(f)
+
+    for f in files:
+        visit(f, ())
+
+
+def test_scheduling_modules_stay_under_400_lines():
+    for f in (ROOT / "platform" / "scheduling").rglob("*.py"):
+        lines = len(f.read_text().splitlines())
+        assert lines <= 400, f"{f.relative_to(ROOT)} has {lines} lines; split it along a seam"
