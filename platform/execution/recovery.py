@@ -60,7 +60,7 @@ def record_failure(store: JobStore, job_id: str, failure: Failure, max_restarts:
         return False
     store.add_event(job_id, {"type": "failure", "message": failure.message, **failure.record()})
     if failure.detected_after_s is not None:
-        metrics.cluster_recorder(store.r, store.p).observe(
+        store.recorder().observe(
             metrics.FAILURE_DETECTION, failure.detected_after_s, cause=failure.kind)
     if quarantined:
         until = time.strftime("%H:%M:%S", time.localtime(quarantined["until"]))
@@ -75,7 +75,7 @@ def record_failure(store: JobStore, job_id: str, failure: Failure, max_restarts:
 
     if store.update(job_id, lambda j: recover(j, failure.message, entry)) is None:
         return False
-    metrics.job_recorder(store.r, store.p, job_id).inc(metrics.RESTARTS, job=job_id,
+    store.recorder(job_id).inc(metrics.RESTARTS, job=job_id,
                                                           cause=failure.kind)
     return True
 

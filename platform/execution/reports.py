@@ -64,7 +64,7 @@ def _first_step(store: JobStore, job_id: str, report: dict[str, Any], _max: int)
 
 def _resized(store: JobStore, job_id: str, entry: dict[str, Any]) -> None:
     took = entry["resize_s"]
-    rec = metrics.job_recorder(store.r, store.p, job_id)
+    rec = store.recorder(job_id)
     rec.inc(metrics.RESIZES, job=job_id)
     rec.observe(metrics.RESIZE_SECONDS, took, job=job_id)
     store.add_event(job_id, {

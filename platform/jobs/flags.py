@@ -10,6 +10,20 @@ from typing import Any
 import redis
 
 from kuangchao.platform.jobs import keys
+from kuangchao.platform.jobs.encoding import STACK_TTL_S
+
+
+def carried_flags(p: str, job_id: str) -> dict[str, str]:
+    """The flags a rank's heartbeat reads with each beat: name -> key."""
+    return {"preempt": keys.preempt(p, job_id), "cancel": keys.cancel(p, job_id),
+            "debug": keys.debug_request(p, job_id)}
+
+
+def queue_stack_answer(pipe: Any, p: str, job_id: str, rank: int, text: str) -> None:
+    """A rank's answer to a stack request, which it also takes away; the rank's
+    heartbeat thread sends it on its own pipeline (workers/runtime/heartbeat.py)."""
+    pipe.set(keys.stacks(p, job_id, rank), text, ex=STACK_TTL_S)
+    pipe.delete(keys.stack_request(p, job_id, rank))
 
 
 class ControlFlags:
@@ -23,6 +37,14 @@ class ControlFlags:
             for rank in ranks:
                 pipe.delete(keys.stacks(self.p, job_id, rank))
                 pipe.set(keys.stack_request(self.p, job_id, rank), "1", ex=int(ttl_s))
+            pipe.execute()
+
+    def stack_requested(self, job_id: str, rank: int) -> bool:
+        return bool(self.r.exists(keys.stack_request(self.p, job_id, rank)))
+
+    def answer_stacks(self, job_id: str, rank: int, text: str) -> None:
+        with self.r.pipeline(transaction=False) as pipe:
+            queue_stack_answer(pipe, self.p, job_id, rank, text)
             pipe.execute()
 
     def stacks(self, job_id: str, ranks: list[int]) -> dict[int, str]:

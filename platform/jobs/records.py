@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,8 +17,9 @@ import redis
 
 from kuangchao.platform.errors import JobNotFound, StoreUnavailable
 from kuangchao.platform.jobs import keys
+from kuangchao.platform.jobs.encoding import EVENT_CAP, created_event, event_text
+from kuangchao.platform.jobs.record_edits import RecordEdits
 from kuangchao.platform.jobs.state import JobRecord
-from kuangchao.platform.jobs.streams import EVENT_CAP
 from kuangchao.platform.observability import metrics
 
 # One commit of a record: set it only when the stored version still matches the
@@ -51,7 +51,7 @@ return 1
 """
 
 
-class Records:
+class Records(RecordEdits):
     """The records part of `JobStore` (it holds the client and the prefix)."""
 
     r: redis.Redis
@@ -64,9 +64,8 @@ class Records:
             pipe.set(keys.job(self.p, job.id), json.dumps(job.to_json()), nx=True)
             pipe.zadd(keys.jobs(self.p), {job.id: job.created_at})
             pipe.sadd(keys.active(self.p), job.id)
-            pipe.rpush(keys.events(self.p, job.id), json.dumps(
-                {"ts": job.created_at, "type": "state", "from": None, "to": job.state.value,
-                 "message": event_message}))
+            pipe.rpush(keys.events(self.p, job.id),
+                       created_event(job.created_at, job.state.value, event_message))
             pipe.rpush(keys.sched_wake(self.p), job.id)
             pipe.execute()
         return job
@@ -127,7 +126,7 @@ class Records:
         """The commit script's keys and arguments for `cur` becoming `new`."""
         names = [keys.job(self.p, new.id), keys.events(self.p, new.id)]
         args = [str(cur.version), json.dumps(new.to_json()),
-                json.dumps({"ts": time.time(), **event}, default=str) if event else "", str(EVENT_CAP),
+                event_text(event) if event else "", str(EVENT_CAP),
                 new.id]
         if new.state.is_terminal and not cur.state.is_terminal:
             (finished,) = metrics.increments(metrics.JOBS_FINISHED, 1.0,
@@ -136,45 +135,6 @@ class Records:
                      keys.cluster_metrics(self.p)]
             args.append(finished)
         return names, args
-
-    def annotate_restart(self, job_id: str, fields: dict[str, Any]) -> JobRecord | None:
-        """Add timings to the newest restart entry, keeping fields already set.
-
-        A no-op when the job has no restart or the newest one already has
-        every field (a preemption's resume, say, must not touch it).
-        """
-        return self._annotate_last(job_id, "restart_log", fields)
-
-    def annotate_resize(self, job_id: str, fields: dict[str, Any]) -> JobRecord | None:
-        """Add fields to the newest resize entry, keeping those already set."""
-        return self._annotate_last(job_id, "resize_log", fields)
-
-    def _annotate_last(self, job_id: str, log: str, fields: dict[str, Any]) -> JobRecord | None:
-        def add(j: JobRecord):
-            entries = getattr(j, log)
-            if not entries:
-                return None
-            last = entries[-1]
-            new = {k: v for k, v in fields.items() if k not in last and v is not None}
-            if not new:
-                return None
-            return dataclasses.replace(j, **{log: (*entries[:-1], {**last, **new})}), None
-        return self.update(job_id, add)
-
-    def close_resize(self, job_id: str, first_step_at: float, world_size: int) -> dict[str, Any] | None:
-        """Stamp the open resize entry to `world_size` ranks with its first step and
-        `resize_s` (decision to first step), in one update; returns it, or None."""
-        out: dict[str, Any] = {}
-
-        def close(j: JobRecord):
-            last = j.resize_log[-1] if j.resize_log else None
-            if (last is None or "first_step_at" in last or "requested_at" not in last
-                    or last.get("to_world_size") != world_size):
-                return None
-            out.update(last, first_step_at=first_step_at,
-                       resize_s=round(first_step_at - last["requested_at"], 3))
-            return dataclasses.replace(j, resize_log=(*j.resize_log[:-1], dict(out))), None
-        return out if self.update(job_id, close) is not None else None
 
     def claim_controller(self, job_id: str, ident: str) -> str | None:
         """Record `ident` (`name/pid`) as the job's controller; return the one recorded before."""

@@ -3,7 +3,8 @@
 - records.py: job records, compare-and-set, the one commit script;
 - streams.py: events, logs, the loss curve, progress, checkpoints, samples, reports;
 - flags.py: cancel, preempt, resize, generations, stack requests, scheduler wake-ups;
-- node_health.py: node failures, quarantine, cluster info.
+- node_health.py: node failures, quarantine, cluster info;
+- recorded.py: metric hashes (the recorders) and the ranks' scrape targets.
 
 Key names come from keys.py (docs/architecture.md has the table); opening the
 connection is redis_client.py's.
@@ -15,12 +16,13 @@ import redis
 
 from kuangchao.platform.jobs.flags import ControlFlags
 from kuangchao.platform.jobs.node_health import NodeHealth
+from kuangchao.platform.jobs.recorded import Recorded
 from kuangchao.platform.jobs.records import COMMIT_SCRIPT, Records
 from kuangchao.platform.jobs.redis_client import connect
 from kuangchao.platform.jobs.streams import Streams
 
 
-class JobStore(Records, Streams, ControlFlags, NodeHealth):
+class JobStore(Records, Streams, ControlFlags, NodeHealth, Recorded):
     """Typed access to the job keys. Safe to share between threads."""
 
     def __init__(self, client: redis.Redis, prefix: str = "kc:") -> None:

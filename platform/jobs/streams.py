@@ -4,17 +4,42 @@ the sample record, and the ranks' reports with the controller's answers."""
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import redis
 
 from kuangchao.platform.jobs import keys
+from kuangchao.platform.jobs.encoding import (
+    EVENT_CAP,
+    LOG_CAP,
+    METRICS_CAP,
+    REPORT_ANSWER_TTL_S,
+    decoded,
+    decoded_list,
+    event_text,
+    loads_or_none,
+    progress_fields,
+    sample_fields_from,
+)
 
-LOG_CAP = 20_000
-# A point per logged step: 50k points cover a million steps logged every 20.
-METRICS_CAP = 50_000
-EVENT_CAP = 5_000
+
+# The two writes a rank's heartbeat thread also makes, on its own pipeline
+# (workers/runtime/heartbeat.py): the same commands, whoever sends them.
+def queue_progress(pipe: Any, p: str, job_id: str, progress: dict[str, Any]) -> None:
+    """Merge progress fields; `initial_loss` is written once and kept across restarts."""
+    k = keys.progress(p, job_id)
+    initial, rest = progress_fields(progress)
+    if initial is not None:
+        pipe.hsetnx(k, "initial_loss", initial)
+    if rest:
+        pipe.hset(k, mapping=rest)
+
+
+def queue_points(pipe: Any, p: str, job_id: str, points: list[dict[str, Any]]) -> None:
+    """Append loss-curve points, keeping the newest METRICS_CAP."""
+    k = keys.curve(p, job_id)
+    pipe.rpush(k, *[json.dumps(point) for point in points])
+    pipe.ltrim(k, -METRICS_CAP, -1)
 
 
 class Streams:
@@ -24,15 +49,14 @@ class Streams:
     p: str
 
     def add_event(self, job_id: str, event: dict[str, Any]) -> None:
-        event = {"ts": time.time(), **event}
         k = keys.events(self.p, job_id)
         with self.r.pipeline() as pipe:
-            pipe.rpush(k, json.dumps(event, default=str))
+            pipe.rpush(k, event_text(event))
             pipe.ltrim(k, -EVENT_CAP, -1)
             pipe.execute()
 
     def events(self, job_id: str, start: int = 0) -> list[dict[str, Any]]:
-        return [json.loads(e) for e in self.r.lrange(keys.events(self.p, job_id), start, -1)]
+        return decoded_list(self.r.lrange(keys.events(self.p, job_id), start, -1))
 
     def add_logs(self, job_id: str, records: list[dict[str, Any]]) -> None:
         if not records:
@@ -44,43 +68,34 @@ class Streams:
             pipe.execute()
 
     def logs(self, job_id: str, start: int = 0) -> list[dict[str, Any]]:
-        return [json.loads(e) for e in self.r.lrange(keys.logs(self.p, job_id), start, -1)]
+        return decoded_list(self.r.lrange(keys.logs(self.p, job_id), start, -1))
 
     def add_metrics(self, job_id: str, points: list[dict[str, Any]]) -> None:
         if not points:
             return
-        k = keys.curve(self.p, job_id)
         with self.r.pipeline() as pipe:
-            pipe.rpush(k, *[json.dumps(p) for p in points])
-            pipe.ltrim(k, -METRICS_CAP, -1)
+            queue_points(pipe, self.p, job_id, points)
             pipe.execute()
 
     def metrics(self, job_id: str, start: int = 0) -> list[dict[str, Any]]:
         """Logged points from `start` on, oldest first. A step replayed after a
         recovery appears again, with the recovered run's values."""
-        return [json.loads(e) for e in self.r.lrange(keys.curve(self.p, job_id), start, -1)]
+        return decoded_list(self.r.lrange(keys.curve(self.p, job_id), start, -1))
 
     def set_progress(self, job_id: str, progress: dict[str, Any]) -> None:
         """Merge progress fields; `initial_loss` is written once and kept across restarts."""
-        k = keys.progress(self.p, job_id)
-        progress = dict(progress)
-        initial = progress.pop("initial_loss", None)
         with self.r.pipeline() as pipe:
-            if initial is not None:
-                pipe.hsetnx(k, "initial_loss", json.dumps(initial))
-            if progress:
-                pipe.hset(k, mapping={f: json.dumps(v) for f, v in progress.items()})
+            queue_progress(pipe, self.p, job_id, progress)
             pipe.execute()
 
     def progress(self, job_id: str) -> dict[str, Any]:
-        raw = self.r.hgetall(keys.progress(self.p, job_id))
-        return {k: json.loads(v) for k, v in raw.items()}
+        return decoded(self.r.hgetall(keys.progress(self.p, job_id)))
 
     def add_checkpoint(self, job_id: str, ckpt: dict[str, Any]) -> None:
         self.r.rpush(keys.checkpoints(self.p, job_id), json.dumps(ckpt))
 
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
-        return [json.loads(c) for c in self.r.lrange(keys.checkpoints(self.p, job_id), 0, -1)]
+        return decoded_list(self.r.lrange(keys.checkpoints(self.p, job_id), 0, -1))
 
     # Ranks never write the job record: what they have to tell the control plane
     # (a numeric fault, a rollback done, the first step after a restart or resize)
@@ -96,15 +111,15 @@ class Streams:
             pipe.lrange(k, 0, -1)
             pipe.delete(k)
             raw, _ = pipe.execute()
-        return [json.loads(r) for r in raw]
+        return decoded_list(raw)
 
-    def answer_report(self, job_id: str, report_id: str, answer: Any, ttl_s: int = 600) -> None:
+    def answer_report(self, job_id: str, report_id: str, answer: Any,
+                      ttl_s: int = REPORT_ANSWER_TTL_S) -> None:
         self.r.set(keys.answer(self.p, job_id, report_id), json.dumps(answer), ex=ttl_s)
 
     def report_answer(self, job_id: str, report_id: str) -> Any:
         """The controller's answer to a report, or None while there is none."""
-        raw = self.r.get(keys.answer(self.p, job_id, report_id))
-        return json.loads(raw) if raw is not None else None
+        return loads_or_none(self.r.get(keys.answer(self.p, job_id, report_id)))
 
     # The sample record of `data.record_samples`: field "step/dp_size/dp_rank",
     # value "start:stop,..." (the global sample indices of each micro-batch).
@@ -118,6 +133,6 @@ class Streams:
     def forget_samples_from(self, job_id: str, step: int) -> None:
         """Drop the record of steps `step` and later (a restore undid them)."""
         key = keys.samples(self.p, job_id)
-        undone = [f for f in self.r.hkeys(key) if int(f.split("/", 1)[0]) >= step]
+        undone = sample_fields_from(self.r.hkeys(key), step)
         if undone:
             self.r.hdel(key, *undone)

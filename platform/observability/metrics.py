@@ -17,7 +17,7 @@ Names start with `kc_` and carry their unit (`_seconds`, `_bytes`, `_total`,
 Per-job series carry the label `job` (the kuangchao job id); Prometheus
 keeps it with `honor_labels: true` (deploy/prometheus/prometheus.yml).
 
-Pure: the Redis client is handed in, and nothing here imports Ray.
+Pure: the store hands recorders their write, and nothing here imports Redis or Ray.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kuangchao.platform.jobs import keys
 from kuangchao.platform.security.tokens import INTERFACES
 
 log = logging.getLogger(__name__)
@@ -210,14 +209,16 @@ def increments(metric: MetricDef, value: float, labels: Mapping[str, str]) -> di
 
 
 class MetricsRecorder:
-    """Records counters and histograms into one Redis hash, best effort.
+    """Records counters and histograms into one hash, best effort.
 
     A metric must never cost a job: a failed write (Redis away, or an ACL
-    that does not allow the key) is logged once and dropped.
+    that does not allow the key) is logged once and dropped. The store builds
+    recorders (`store.recorder()`, `store.recorder(job_id)`) and hands in its
+    write: this module never sees a client.
     """
 
-    def __init__(self, client: Any, key: str) -> None:
-        self.client, self.key = client, key
+    def __init__(self, write: Callable[[dict[str, float]], None], name: str) -> None:
+        self.write, self.name = write, name
         self._warned = False
 
     def inc(self, metric: MetricDef, value: float = 1.0, **labels: Any) -> None:
@@ -234,26 +235,12 @@ class MetricsRecorder:
         except ValueError as exc:  # a recording bug: loud in the log, harmless to the job
             log.error("metric not recorded: %s", exc)
             return
-        self._write(fields)
-
-    def _write(self, fields: dict[str, float]) -> None:
         try:
-            with self.client.pipeline(transaction=False) as pipe:
-                for f, v in fields.items():
-                    pipe.hincrbyfloat(self.key, f, v)
-                pipe.execute()
+            self.write(fields)
         except Exception as exc:  # noqa: BLE001 -- telemetry is best effort by design
             if not self._warned:
                 self._warned = True
-                log.warning("could not record metrics to %s: %s", self.key, exc)
-
-
-def cluster_recorder(client: Any, prefix: str) -> MetricsRecorder:
-    return MetricsRecorder(client, keys.cluster_metrics(prefix))
-
-
-def job_recorder(client: Any, prefix: str, job_id: str) -> MetricsRecorder:
-    return MetricsRecorder(client, keys.job_metrics(prefix, job_id))  # the job's Redis user may write it
+                log.warning("could not record metrics to %s: %s", self.name, exc)
 
 
 # -- reading it back --------------------------------------------------------------

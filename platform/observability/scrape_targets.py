@@ -20,15 +20,12 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.state import JobRecord
 
 if TYPE_CHECKING:  # the store's type only: this module stays free of Redis
     from kuangchao.platform.jobs.store import JobStore
 
 REFRESH_S = 5.0
-
-
 
 
 def groups(jobs: list[JobRecord], registered: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
@@ -57,11 +54,7 @@ def read_groups(store: JobStore) -> list[dict[str, Any]]:
     jobs = [j for j in store.list_active() if j.state.holds_resources]
     if not jobs:
         return []
-    with store.r.pipeline(transaction=False) as pipe:
-        for job in jobs:
-            pipe.hgetall(keys.targets(store.p, job.id))
-        raws = pipe.execute()
-    return groups(jobs, {job.id: raw for job, raw in zip(jobs, raws, strict=True)})
+    return groups(jobs, store.targets([job.id for job in jobs]))
 
 
 def write_file_sd(path: Path, data: list[dict[str, Any]]) -> bool:

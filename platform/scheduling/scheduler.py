@@ -54,7 +54,7 @@ class Scheduler:
     def __init__(self, store: JobStore, nodes: Callable[[], tuple[NodeInfo, ...]],
                  launch: Callable[[str], None], policy: AdmissionPolicy | None = None) -> None:
         self.store, self.nodes, self.launch, self.policy = store, nodes, launch, policy
-        self.metrics = metrics.cluster_recorder(store.r, store.p)
+        self.metrics = store.recorder()
 
     def snapshot(self) -> Snapshot:
         jobs = self.store.list_active()

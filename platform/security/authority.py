@@ -300,5 +300,5 @@ class TokenAuthority:
             module, job = "unverified", None
         self._audit(module, interface, resource, "deny", reason, job)
         if job:
-            metrics.job_recorder(self.store.r, self.store.p, job).inc(
+            self.store.recorder(job).inc(
                 metrics.TOKEN_DENIALS, job=job, interface=interface)

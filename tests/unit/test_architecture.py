@@ -22,6 +22,8 @@ PURE = [
     "platform/scheduling/queues.py",
     "platform/planning/planner.py", "platform/planning/autoplan.py",
     "platform/jobs/state.py", "platform/jobs/debugreq.py",
+    "platform/jobs/memory.py", "platform/jobs/memory_more.py", "platform/jobs/encoding.py",
+    "platform/jobs/record_edits.py",
     "platform/security/tokens.py", "platform/security/apikeys.py",
     "platform/security/redis_acl.py", "platform/security/audit.py",
     "platform/observability/metrics.py", "platform/observability/scrape_targets.py",

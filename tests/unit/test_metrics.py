@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kuangchao.api.server.cluster_metrics import recorded_families
+from kuangchao.platform.jobs.memory import MemoryStore
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.observability import metrics as m
 from kuangchao.platform.observability.scrape_targets import groups, write_file_sd
@@ -57,47 +58,15 @@ def test_labels_must_match_the_declaration():
         m.increments(m.JOBS, 1, {"state": "QUEUED", "queue": "q"})
 
 
-class _Pipe:
-    def __init__(self, h: dict) -> None:
-        self.h, self.ops = h, []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def hincrbyfloat(self, key, field, value):
-        self.ops.append((key, field, value))
-
-    def execute(self):
-        for key, field, value in self.ops:
-            self.h.setdefault(key, {})
-            self.h[key][field] = self.h[key].get(field, 0.0) + value
-
-
-class _Client:
-    """Pure-logic stand-in: records what the recorder would send."""
-
-    def __init__(self, fail: bool = False) -> None:
-        self.h: dict = {}
-        self.fail = fail
-
-    def pipeline(self, transaction=False):
-        if self.fail:
-            raise ConnectionError("redis is away")
-        return _Pipe(self.h)
-
-
 def test_recorded_counters_and_histograms_render_as_prometheus_text():
-    client = _Client()
-    rec = m.MetricsRecorder(client, "p:metrics:cluster")
+    store = MemoryStore()
+    rec = store.recorder()
     rec.observe(m.FAILURE_DETECTION, 2.0, cause="died")
     rec.observe(m.FAILURE_DETECTION, 4.0, cause="died")
     rec.observe(m.FAILURE_DETECTION, float("nan"), cause="died")  # dropped, not a NaN sum
-    job = m.MetricsRecorder(client, "p:job:j1:metrics")
+    job = store.recorder("j1")
     job.inc(m.RESTARTS, cause="died", job="j1")
-    samples = m.parse_hash(client.h["p:metrics:cluster"]) + m.parse_hash(client.h["p:job:j1:metrics"])
+    samples = m.parse_hash(store.metric_fields()) + m.parse_hash(store.metric_fields("j1"))
     zeros = m.zero_samples(m.FAILURE_DETECTION) + m.zero_samples(m.RESTARTS, {"job": "j1"})
     text = _render(recorded_families(m.merge(samples, zeros)))
     values = _values(text)
@@ -110,11 +79,16 @@ def test_recorded_counters_and_histograms_render_as_prometheus_text():
 
 
 def test_a_failed_record_never_raises(caplog):
-    rec = m.MetricsRecorder(_Client(fail=True), "k")
+    def away(fields):
+        raise ConnectionError("redis is away")
+
+    rec = m.MetricsRecorder(away, "k")
     rec.inc(m.RESTARTS, cause="died", job="j")  # Redis away: logged once, dropped
-    client = _Client()
-    m.MetricsRecorder(client, "k").inc(m.RESTARTS, cause="died")  # a recording bug: logged
-    assert client.h == {} and "metric not recorded" in caplog.text
+    rec.inc(m.RESTARTS, cause="died", job="j")
+    assert caplog.text.count("could not record metrics to k") == 1
+    store = MemoryStore()
+    store.recorder().inc(m.RESTARTS, cause="died")  # a recording bug: logged
+    assert store.metric_fields() == {} and "metric not recorded" in caplog.text
 
 
 def test_zero_series_need_every_label_known():

@@ -126,7 +126,7 @@ class TrainContext:
                   **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()
                      if isinstance(v, (int, float))},  # JSON has no NaN
                   **self._step_time_of(progress)} if "loss" in metrics else None)
-        if self.heartbeat is not None and self.heartbeat.progress_key:
+        if self.heartbeat is not None and self.heartbeat.carries_progress:
             self.heartbeat.publish(progress, point)  # goes out with the next beat
             return
         try:
@@ -191,7 +191,7 @@ class TrainContext:
                                  "restore_s": load_s,
                                  "first_step_s": now - (load_end if load_end else self.started_at)}
             if load_s is not None:
-                metrics.job_recorder(self.store.r, self.store.p, self.job_id).observe(  # type: ignore[union-attr]
+                self.store.recorder(self.job_id).observe(  # type: ignore[union-attr]
                     metrics.CHECKPOINT_LOAD, load_s, job=self.job_id)
         try:
             self.store.post_report(self.job_id, report)  # type: ignore[union-attr]

@@ -15,7 +15,6 @@ blocked in a collective or a sleep has released the GIL.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -30,9 +29,10 @@ import redis
 
 from kuangchao.platform.execution.heartbeat import Beat
 from kuangchao.platform.jobs import keys
+from kuangchao.platform.jobs.flags import carried_flags, queue_stack_answer
+from kuangchao.platform.jobs.streams import queue_points, queue_progress
 
 _log = logging.getLogger(__name__)
-STACK_TTL_S = 3600
 
 
 def dump_stacks() -> str:
@@ -52,7 +52,11 @@ class Heartbeat:
 
     Args:
         client: A Redis client of its own, with short socket timeouts, so a
-            stalled Redis never holds the thread past the next beat.
+            stalled Redis never holds the thread past the next beat (the store's
+            client retries for seconds). Its one exception to "no raw client
+            outside the store": what it writes besides the beat goes through the
+            store's own pipeline writes (queue_progress, queue_points,
+            queue_stack_answer), so the two never drift.
         prefix, job_id, rank: Where the beats go.
         node: The node name shown in failure messages.
         interval_s, timeout_s: Beat period and key TTL.
@@ -67,7 +71,7 @@ class Heartbeat:
         self.on_log = on_log or (lambda level, msg: _log.log(logging.getLevelName(level), msg))
         self.step, self.phase = 0, "init"
         self._progress_ts = time.time()
-        self.progress_key: str | None = None
+        self.carries_progress = False
         self.flag_keys: dict[str, str] = {}
         self.flags: dict[str, bool] = {}
         self._progress: dict[str, Any] = {}
@@ -108,13 +112,14 @@ class Heartbeat:
         except (redis.RedisError, OSError):
             pass  # the thread's next beat retries
 
-    def carry(self, progress_key: str, flag_keys: dict[str, str]) -> None:
+    def carry(self) -> None:
         """Also carry the job's progress out, and control flags in, with each beat.
 
         Training then never waits on Redis for either: `publish` only stores
         the newest progress, and `flags` is read from memory.
         """
-        self.progress_key, self.flag_keys = progress_key, dict(flag_keys)
+        self.carries_progress = True
+        self.flag_keys = carried_flags(self.prefix, self.job_id)
 
     def publish(self, progress: dict[str, Any], point: dict[str, Any] | None = None) -> None:
         """Queue progress fields for the next beat (newer values win), and a
@@ -180,10 +185,10 @@ class Heartbeat:
                 pipe.get(keys.stack_request(self.prefix, self.job_id, self.rank))
                 for _, key in flags:
                     pipe.exists(key)
-                if progress and self.progress_key:
-                    _queue_progress(pipe, self.progress_key, progress)
-                if points and self.progress_key:
-                    _queue_points(pipe, self.progress_key, points)
+                if progress and self.carries_progress:
+                    queue_progress(pipe, self.prefix, self.job_id, progress)
+                if points and self.carries_progress:
+                    queue_points(pipe, self.prefix, self.job_id, points)
                 replies = pipe.execute()
         except BaseException:
             with self._lock:  # keep the progress for the next beat
@@ -199,8 +204,7 @@ class Heartbeat:
         text = (f"rank {self.rank} pid {os.getpid()} on {self.node}, step {self.step}, "
                 f"phase {self.phase}\n" + dump_stacks())
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.set(keys.stacks(self.prefix, self.job_id, self.rank), text, ex=STACK_TTL_S)
-            pipe.delete(keys.stack_request(self.prefix, self.job_id, self.rank))
+            queue_stack_answer(pipe, self.prefix, self.job_id, self.rank, text)
             pipe.execute()
 
     def _debug(self) -> None:
@@ -234,25 +238,6 @@ class Heartbeat:
                 # before the controller's grace runs out.
                 delay = min(delay * 2, max(self.interval_s, self.timeout_s / 2))
             self._stop.wait(delay)
-
-
-def _queue_progress(pipe: Any, key: str, progress: dict[str, Any]) -> None:
-    """The store's progress write (see JobStore.set_progress), on a pipeline."""
-    progress = dict(progress)
-    initial = progress.pop("initial_loss", None)
-    if initial is not None:
-        pipe.hsetnx(key, "initial_loss", json.dumps(initial))
-    if progress:
-        pipe.hset(key, mapping={f: json.dumps(v) for f, v in progress.items()})
-
-
-def _queue_points(pipe: Any, progress_key: str, points: list[dict[str, Any]]) -> None:
-    """The store's metrics append (JobStore.add_metrics), next to the progress key."""
-    from kuangchao.platform.jobs.streams import METRICS_CAP
-
-    key = progress_key.rsplit(":", 1)[0] + ":curve"
-    pipe.rpush(key, *[json.dumps(p) for p in points])
-    pipe.ltrim(key, -METRICS_CAP, -1)
 
 
 def heartbeat_client(url: str, timeout_s: float) -> redis.Redis:

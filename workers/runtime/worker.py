@@ -104,10 +104,7 @@ class TrainWorker:
                 on_log=lambda level, msg: self.sink.emit(msg, level=level, module="heartbeat"),
             )
             if self.store is not None:
-                self.heartbeat.carry(keys.progress(self.store.p, job_id), {
-                    "preempt": keys.preempt(self.store.p, job_id),
-                    "cancel": keys.cancel(self.store.p, job_id),
-                    "debug": keys.debug_request(settings.redis_prefix, job_id)})
+                self.heartbeat.carry()
                 if self.telemetry is not None:
                     self.heartbeat.on_debug = DebugResponder(
                         self.heartbeat.client, settings.redis_prefix, job_id, self.telemetry,
@@ -267,7 +264,7 @@ class TrainWorker:
         so a Redis outage only costs the listing, never the training."""
         store = self.store
         assert store is not None
-        rec = metrics.job_recorder(store.r, store.p, self.job_id)
+        rec = store.recorder(self.job_id)
         rec.observe(metrics.CHECKPOINT_SAVE, info.write_s or info.blocked_s, job=self.job_id)
         rec.observe(metrics.CHECKPOINT_BLOCKED, info.blocked_s, job=self.job_id)
         rec.inc(metrics.CHECKPOINT_BYTES, float(info.bytes), job=self.job_id)

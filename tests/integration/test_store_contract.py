@@ -1,0 +1,10 @@
+"""The store contract (tests/store_contract.py) on the Redis `JobStore`, against a
+real Redis under a key prefix of its own (the `store` fixture deletes its keys)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.store_contract import *  # noqa: F403 -- the contract's tests run here
+
+pytestmark = pytest.mark.integration
