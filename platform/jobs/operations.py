@@ -17,12 +17,12 @@ from kuangchao.platform.jobs import state as lifecycle
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.planning import autoplan
-from kuangchao.platform.scheduling.policies import order_key
+from kuangchao.platform.scheduling.plugins.snapshot import order_key
 from kuangchao.platform.scheduling.queues import QueueTable
 from kuangchao.platform.settings import kc_home
-from kuangchao.platform.spec.defaults import value
-from kuangchao.platform.spec.elastic import elastic_range, samples_seen
+from kuangchao.platform.spec.elastic import samples_seen
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
+from kuangchao.platform.spec.stored import spec_of, stored_form
 
 
 def new_job_id(name: str) -> str:
@@ -77,7 +77,7 @@ def dry_run(store: JobStore, spec: JobSpec) -> dict[str, Any]:
     `parallel: auto` layout is planned. Raises `SpecError` as `submit` does."""
     check_queue(store, spec)
     spec, plan = resolve_auto(store, spec)
-    return {"valid": True, "spec": spec.model_dump(mode="json"), "plan": plan}
+    return {"valid": True, "spec": stored_form(spec), "plan": plan}
 
 
 def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
@@ -97,8 +97,12 @@ def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
     spec = resolve_checkpoint_path(spec)
     rng = spec.elastic_range
     world = rng.world_size(rng.max_replicas)  # until admitted: the most it may take
+    # The record holds the resolved spec alone, not also the document the user sent: it
+    # is what the job runs with (defaults filled, the auto layout chosen, the checkpoint
+    # path anchored), it is what `dry_run` and the API have always shown, and the user's
+    # own file stays with the user. Readers take it back typed with `spec_of`.
     job = JobRecord(
-        id=new_job_id(spec.task.name), name=spec.task.name, spec=spec.model_dump(mode="json"),
+        id=new_job_id(spec.task.name), name=spec.task.name, spec=stored_form(spec),
         queue=spec.task.queue, priority=spec.task.priority_value, world_size=world,
         gpus=world * spec.parallel.gpus_per_rank, driver=driver, owner=owner,
         tenant=tenant, plan=plan)
@@ -136,7 +140,7 @@ def scale(store: JobStore, job_id: str, replicas: int) -> JobRecord:
     job = store.get(job_id)
     if job.state.is_terminal:
         raise InvalidTransition(f"job {job_id} already finished as {job.state.value}")
-    rng = elastic_range(job.spec)
+    rng = spec_of(job.spec).elastic_range
     if not rng.elastic:
         raise InvalidTransition(
             f"job {job_id} is not elastic; submit it with elastic.min_replicas and "
@@ -166,7 +170,8 @@ def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None =
     # A job that never started has neither progress nor checkpoints to read.
     fresh = job.started_at is None and job.restarts == 0
     prog = {} if fresh else store.progress(job.id)
-    total = value(job.spec, "training", "steps")
+    spec = spec_of(job.spec)
+    total = spec.training.steps
     d["progress"] = {
         "step": prog.get("step", 0),
         "total_steps": prog.get("total_steps", total),
@@ -174,7 +179,7 @@ def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None =
         "initial_loss": prog.get("initial_loss"),
         "tokens_per_s": prog.get("tokens_per_s"),
     }
-    rng = elastic_range(job.spec)
+    rng = spec.elastic_range
     d["min_replicas"], d["max_replicas"] = rng.min_replicas, rng.max_replicas
     d["global_batch"] = rng.global_batch
     d["samples_seen"] = samples_seen(d["progress"]["step"] or 0, rng.global_batch)

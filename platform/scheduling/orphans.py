@@ -19,7 +19,7 @@ from kuangchao.platform.execution.recovery import Failure, record_failure, reque
 from kuangchao.platform.jobs.state import JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.settings import Settings
-from kuangchao.platform.spec.defaults import value
+from kuangchao.platform.spec.stored import spec_of
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class OrphanCheck:
             if now - since < ORPHAN_AFTER_S:
                 continue
             log.warning("job %s: controller %s is gone; recovering the job", job.id, name)
-            max_restarts = int(value(job.spec, "fault_tolerance", "max_restarts"))
+            max_restarts = spec_of(job.spec).fault_tolerance.max_restarts
             failure = Failure("controller", f"the job's controller {name or '(none)'} is gone; "
                                             "recovering from the newest checkpoint")
             if job.state is JobState.RECOVERING or record_failure(

@@ -20,12 +20,12 @@ Rules, from hard to soft:
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
 from kuangchao.platform.cluster.topology import NodeInfo
-from kuangchao.platform.spec.defaults import value
+from kuangchao.platform.spec.jobspec import JobSpec
+from kuangchao.platform.spec.stored import spec_of
 
 
 @dataclass(frozen=True)
@@ -62,13 +62,16 @@ class Traffic:
 
 
 def traffic_from_spec(spec_doc: dict) -> Traffic:
-    """Estimate per-step traffic from a job spec document (fp32 gradients)."""
-    m = functools.partial(value, spec_doc, "model")
-    d, layers, vocab = m("d_model"), m("n_layers"), m("vocab_size")
-    params = 12 * layers * d * d + vocab * d
-    micro = value(spec_doc, "parallel", "micro_batch_size") * value(
-        spec_doc, "parallel", "gradient_accumulation_steps")
-    return Traffic(grad_bytes=4.0 * params, activation_bytes=2.0 * micro * m("seq_len") * d * 4)
+    """Estimate per-step traffic from a stored spec document (fp32 gradients)."""
+    return traffic_of(spec_of(spec_doc))
+
+
+def traffic_of(spec: JobSpec) -> Traffic:
+    """Estimate per-step traffic of a typed spec (fp32 gradients)."""
+    m, par = spec.model, spec.parallel
+    params = 12 * m.n_layers * m.d_model * m.d_model + m.vocab_size * m.d_model
+    micro = par.micro_batch_size * par.gradient_accumulation_steps
+    return Traffic(grad_bytes=4.0 * params, activation_bytes=2.0 * micro * m.seq_len * m.d_model * 4)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """The scheduler: each cycle snapshots the cluster, asks the admission policy,
-and applies its decisions to Redis. Pure of Ray: the node source and the
-launcher of job controllers are injected, so tests step it directly.
+and applies its decisions to the store. The policy decides purely over the
+snapshot (plugins/); this is the thin shell that reads the store and writes
+the decisions back. Pure of Ray and Redis: the store, the node source and the
+launcher of job controllers are injected, so tests step it on a MemoryStore.
 """
 
 from __future__ import annotations
@@ -9,25 +11,22 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kuangchao.platform.cluster import quarantine
 from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.errors import InvalidTransition, JobNotFound
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank, admit, cancel
-from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
-from kuangchao.platform.scheduling.policies import (
-    AdmissionPolicy,
-    Admit,
-    Decision,
-    Preempt,
-    Resize,
-    Snapshot,
-    Wait,
-    make_policy,
-)
+from kuangchao.platform.scheduling.plugins.decisions import Admit, Decision, Preempt, Resize, Wait
+from kuangchao.platform.scheduling.plugins.interface import AdmissionPolicy
+from kuangchao.platform.scheduling.plugins.registry import make_policy
+from kuangchao.platform.scheduling.plugins.snapshot import Snapshot
 from kuangchao.platform.scheduling.queues import QueueTable
-from kuangchao.platform.spec.elastic import elastic_range
+from kuangchao.platform.spec.stored import spec_of
+
+if TYPE_CHECKING:
+    from kuangchao.platform.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +130,7 @@ class Scheduler:
             if j.state is not JobState.QUEUED:
                 return None
             queued_at[0] = j.state_since or j.created_at
-            rng = elastic_range(j.spec)
+            rng = spec_of(j.spec).elastic_range
             replicas = d.replicas or len(placement) // rng.ranks_per_replica
             summary = ", ".join(f"{p.rank}:{p.node}/{p.gpu}" for p in placement)
             size = (f"{replicas} of {rng.min_replicas}..{rng.max_replicas} replicas; "

@@ -1,10 +1,10 @@
-"""Reading a stored spec document without restating the spec's defaults.
+"""Reading one field of a stored spec document without restating the spec's defaults.
 
-Specs are stored resolved (`JobSpec.model_dump` at submission), so a field is
-missing only from a record written before the field existed. Its value then is
-the spec's own default, read from the pydantic model: defaults live in the spec
-package alone, and code that reads raw spec documents (the scheduler's policies,
-the orphan check, `kc checkpoint`) never repeats them.
+Specs are stored resolved (platform/spec/stored.py), so a field is missing only
+from a record written before the field existed; its value then is the spec's
+own default, read from the pydantic model. Code that wants the whole spec takes
+it typed with `stored.spec_of`; this is for the few readers of a single raw
+field (the elastic range of a raw document, the API's job views, `kc checkpoint`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ ask this module.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,13 +75,17 @@ class ElasticRange:
 
 
 def elastic_range(spec_doc: dict[str, Any]) -> ElasticRange:
-    """The range of a spec document (validated or stored on a job record)."""
-    par = functools.partial(value, spec_doc, "parallel")
+    """The range of a raw spec document; a typed spec has `JobSpec.elastic_range`."""
+    return range_from(functools.partial(value, spec_doc, "parallel"),
+                      functools.partial(value, spec_doc, "elastic"))
+
+
+def range_from(par: Callable[[str], Any], el: Callable[[str], Any]) -> ElasticRange:
+    """The range from two field readers, one for `parallel`, one for `elastic`."""
     dp = int(par("data_parallel_size"))
     micro = int(par("micro_batch_size"))
     accum = int(par("gradient_accumulation_steps"))
-    lo = value(spec_doc, "elastic", "min_replicas")
-    hi = value(spec_doc, "elastic", "max_replicas")
+    lo, hi = el("min_replicas"), el("max_replicas")
     lo = int(lo) if lo is not None else (dp if hi is None else 1)
     hi = int(hi) if hi is not None else max(dp, lo)
     return ElasticRange(

@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kuangchao.platform.errors import SpecError
-from kuangchao.platform.spec.elastic import ElasticRange, elastic_range, range_errors
+from kuangchao.platform.spec.elastic import ElasticRange, range_errors, range_from
 from kuangchao.platform.spec.parallel import (
     DEFAULT_COLLECTIVES,
     ParallelSection,
@@ -178,7 +178,8 @@ class JobSpec(_Section):
 
     @property
     def elastic_range(self) -> ElasticRange:
-        return elastic_range(self.model_dump(mode="json"))
+        return range_from(lambda name: getattr(self.parallel, name),
+                          lambda name: getattr(self.elastic, name))
 
     @property
     def live_resize(self) -> bool:

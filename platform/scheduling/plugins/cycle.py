@@ -1,0 +1,109 @@
+"""The ledger of one cycle: what the decisions taken so far have used and held.
+
+Plugins read it; only the composition writes it, through `apply`, once per
+decision a plugin returned. GPUs only ever become taken (admitted) or held
+(reserved) within a cycle, never free again, so a shape that failed to place
+keeps failing: such failures are remembered and larger jobs of that shape
+fail fast (a cache: it changes no outcome).
+"""
+
+from __future__ import annotations
+
+from kuangchao.platform.scheduling.placement import Infeasible, JobShape, PlacementPlan, Traffic, place
+from kuangchao.platform.scheduling.plugins.decisions import (
+    Admit,
+    GpuMap,
+    Hold,
+    Preempt,
+    Resize,
+    Step,
+)
+from kuangchao.platform.scheduling.plugins.snapshot import JobView, Snapshot, plan_gpus, union
+
+
+class Cycle:
+    """What one policy run has decided so far, over its snapshot."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self.snap = snap
+        self.used = snap.used_gpus()
+        self.usage = snap.queue_usage()
+        self.reserved: GpuMap = {}
+        self.total = snap.total_gpus
+        self.free_unreserved = sum(len(ids) for ids in snap.free_gpus.values())
+        self.free = self.free_unreserved
+        self.head: str | None = None
+        self.preempted: set[str] = set()
+        self.preempting = False
+        self._failed: dict[tuple[int, int, int], tuple[int, str]] = {}
+        self.awaiting: dict[str, GpuMap] = {}
+        self.awaiting_ids: dict[str, set[str]] = {}
+        self.awaiting_shrink: dict[str, bool] = {}
+        for a in snap.active:
+            # GPUs on their way to a queued job: a preempted job's, or what a shrink frees.
+            for_job = a.preempting_for or (a.resize or {}).get("for_job")
+            if for_job:
+                v = snap.view(a)
+                gpus = v.gpus() if a.preempting_for else v.gpus_beyond(int(a.resize["to"]))
+                self.awaiting[for_job] = union(self.awaiting.get(for_job, {}), gpus)
+                self.awaiting_ids.setdefault(for_job, set()).add(a.id)
+                self.awaiting_shrink[for_job] = not a.preempting_for
+
+    def job(self, job_id: str) -> JobView:
+        return self.snap.views[job_id]
+
+    def blocked(self) -> GpuMap:
+        """GPUs nobody may take any more this cycle: used or held."""
+        return union(self.used, self.reserved)
+
+    def try_place(self, shape: JobShape, gpus: int,
+                  traffic: Traffic | None = None) -> PlacementPlan | Infeasible:
+        if self.free < gpus:
+            return Infeasible(f"needs {gpus} GPUs, {self.free} of {self.total} are free")
+        key = (shape.tp, shape.pp, shape.gpus_per_rank)
+        failed = self._failed.get(key)
+        if failed is not None and shape.dp >= failed[0]:
+            return Infeasible(failed[1])
+        plan = place(self.snap.nodes, self.blocked(), shape, traffic)
+        if isinstance(plan, Infeasible):
+            self._failed[key] = (min(shape.dp, failed[0]) if failed else shape.dp, plan.reason)
+        return plan
+
+    def apply(self, step: Step) -> None:
+        """Record the effect of one decision on what is free."""
+        if isinstance(step, Hold):
+            if step.head is not None:
+                self.head = step.head
+            self._hold(step.gpus)
+        elif isinstance(step, Admit):
+            job = self.job(step.job_id)
+            self._take(plan_gpus(step.plan), job, step.replicas * job.rng.gpus_per_replica)
+        elif isinstance(step, Preempt):
+            self._yield(step.job_id, self.job(step.job_id).gpus())
+        elif isinstance(step, Resize) and step.cause == "preemption":
+            self._yield(step.job_id, self.job(step.job_id).gpus_beyond(step.to))
+        elif isinstance(step, Resize) and step.plan is not None:
+            job = self.job(step.job_id)
+            self._take(plan_gpus(step.plan), job, (step.to - job.replicas) * job.rng.gpus_per_replica)
+
+    def _take(self, gpus: GpuMap, job: JobView, quota_gpus: int) -> None:
+        """Admit or grow: these free GPUs become used, and count against the job's queue."""
+        for node, ids in gpus.items():
+            self.used.setdefault(node, set()).update(ids)
+            self.free -= len(ids)
+            self.free_unreserved -= len(ids)
+        queue = job.record.queue
+        self.usage[queue] = self.usage.get(queue, 0) + quota_gpus
+
+    def _yield(self, job_id: str, gpus: GpuMap) -> None:
+        """A running job gives GPUs up (evicted or shrunk): held for the job it yields to."""
+        self.preempting = True  # one preemption per cycle: the next cycle sees its effect
+        self.preempted.add(job_id)
+        self._hold(gpus)
+
+    def _hold(self, gpus: GpuMap) -> None:
+        """Reserve: nobody else may take these GPUs this cycle."""
+        for node, ids in gpus.items():
+            new = ids - self.reserved.get(node, set()) - self.used.get(node, set())
+            self.free -= len(new)
+            self.reserved.setdefault(node, set()).update(ids)

@@ -1,0 +1,136 @@
+"""The immutable view of the cluster one scheduling cycle decides on.
+
+Each job comes with its spec resolved once per cycle (`JobView`): the typed
+spec from the record, its elastic range, parallel shape and traffic, so no
+plugin reads a raw spec document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from kuangchao.platform.cluster.topology import NodeInfo
+from kuangchao.platform.jobs.state import JobRecord
+from kuangchao.platform.scheduling.placement import JobShape, PlacementPlan, Traffic, traffic_of
+from kuangchao.platform.scheduling.plugins.decisions import GpuMap
+from kuangchao.platform.scheduling.queues import QueueTable
+from kuangchao.platform.spec.elastic import ElasticRange
+from kuangchao.platform.spec.jobspec import JobSpec
+from kuangchao.platform.spec.stored import spec_of
+
+
+def shape_from(spec: JobSpec) -> JobShape:
+    """The parallel layout of a typed spec."""
+    p = spec.parallel
+    return JobShape(dp=p.data_parallel_size, tp=p.tensor_parallel_size,
+                    pp=p.pipeline_parallel_size, gpus_per_rank=p.gpus_per_rank)
+
+
+def order_key(job: JobRecord) -> tuple:
+    """Queue order: higher priority first, then first come, first served."""
+    return (-job.priority, job.created_at, job.id)
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A job record with its stored spec resolved."""
+
+    record: JobRecord
+    spec: JobSpec
+    rng: ElasticRange
+    shape: JobShape
+    traffic: Traffic
+
+    @classmethod
+    def of(cls, record: JobRecord) -> JobView:
+        spec = spec_of(record.spec)
+        return cls(record, spec, spec.elastic_range, shape_from(spec), traffic_of(spec))
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def replicas(self) -> int:
+        """The data-parallel size it runs at now."""
+        return self.record.replicas or len(self.record.placement) // self.rng.ranks_per_replica
+
+    def gpus(self) -> GpuMap:
+        """The GPUs it holds."""
+        return by_node((p.node, p.gpus) for p in self.record.placement)
+
+    def gpus_beyond(self, keep: int) -> GpuMap:
+        """The GPUs it gives back when it keeps only its first `keep` replicas."""
+        first_gone = keep * self.rng.ranks_per_replica
+        return by_node((p.node, p.gpus) for p in self.record.placement if p.rank >= first_gone)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """An immutable view of the cluster for one scheduling cycle."""
+
+    nodes: tuple[NodeInfo, ...]
+    queued: tuple[JobRecord, ...]
+    active: tuple[JobRecord, ...]
+    queues: QueueTable = field(default_factory=QueueTable)
+
+    @cached_property
+    def views(self) -> Mapping[str, JobView]:
+        """Every job's resolved view, by id."""
+        return {j.id: JobView.of(j) for j in (*self.queued, *self.active)}
+
+    def view(self, job: JobRecord) -> JobView:
+        return self.views[job.id]
+
+    def used_gpus(self) -> dict[str, set[int]]:
+        """The GPUs active jobs hold, per node (a fresh copy each call)."""
+        return by_node((p.node, p.gpus) for job in self.active for p in job.placement)
+
+    @cached_property
+    def free_gpus(self) -> Mapping[str, frozenset[int]]:
+        """Free capacity per live node."""
+        used = self.used_gpus()
+        return {n.name: frozenset(range(n.gpus)) - used.get(n.name, set())
+                for n in self.nodes if n.alive}
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(n.gpus for n in self.nodes if n.alive)
+
+    def queue_usage(self) -> dict[str, int]:
+        usage = {q: 0 for q in self.queues.names}
+        for job in self.active:
+            usage[job.queue] = usage.get(job.queue, 0) + job.gpus
+        return usage
+
+
+def by_node(pairs) -> GpuMap:
+    """`(node, gpu ids)` pairs gathered into one map."""
+    out: GpuMap = {}
+    for node, ids in pairs:
+        out.setdefault(node, set()).update(ids)
+    return out
+
+
+def plan_gpus(plan: PlacementPlan) -> GpuMap:
+    return by_node((s.node, s.gpus) for s in plan.slots)
+
+
+def union(*maps: GpuMap) -> GpuMap:
+    return by_node(pair for m in maps for pair in m.items())
+
+
+def without(used: GpuMap, drop: GpuMap) -> GpuMap:
+    return {n: ids - drop.get(n, set()) for n, ids in used.items()}
+
+
+def shape_of(spec_doc: Mapping) -> JobShape:
+    """The parallel layout of a stored spec document."""
+    return shape_from(spec_of(spec_doc))
+
+
+def job_shape(job: JobRecord) -> JobShape:
+    """The parallel layout of a job as its record was submitted."""
+    return shape_of(job.spec)
