@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kuangchao.platform.protocol.checkpoint import verify
 from kuangchao.platform.spec.jobspec import load_spec_document, validate_spec
-from kuangchao.workers.checkpoint.manager import CheckpointManager, verify
+from kuangchao.workers.checkpoint.manager import CheckpointManager
 from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.runtime.joblog import JobLogSink
 from kuangchao.workers.trainer.loop import _settles_checkpoints, train

@@ -28,8 +28,8 @@ from typing import Any
 
 import redis
 
-from kuangchao.platform.execution.heartbeat import Beat
 from kuangchao.platform.jobs import keys
+from kuangchao.platform.protocol.heartbeat import Beat
 
 _log = logging.getLogger(__name__)
 STACK_TTL_S = 3600

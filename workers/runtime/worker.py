@@ -24,10 +24,11 @@ from kuangchao.platform.cluster.topology import GPU_RESOURCE_PREFIX
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
+from kuangchao.platform.protocol.generation import Generation
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
 from kuangchao.workers.checkpoint.manager import CheckpointManager
-from kuangchao.workers.elastic.generation import Generation, join_generation
+from kuangchao.workers.elastic.generation import join_generation
 from kuangchao.workers.errors import EntrypointError, PlacementMismatch, TrainingError
 from kuangchao.workers.parallel.layout import Layout
 from kuangchao.workers.runtime import telemetry

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kuangchao.platform.protocol.checkpoint import CheckpointInfo
 from kuangchao.platform.spec.jobspec import JobSpec
-from kuangchao.workers.checkpoint.manager import CheckpointInfo, PendingCheckpoint
+from kuangchao.workers.checkpoint.async_save import PendingCheckpoint
 from kuangchao.workers.collectives import permit
 from kuangchao.workers.data.sampling import BatchSource, Prefetcher, batch_indices, load_corpus
 from kuangchao.workers.elastic import resize
