@@ -18,8 +18,8 @@ from torch import nn
 
 from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.platform.spec.parallel import ParallelSection
-from kuangchao.workers.parallel.comm_hooks import Hierarchy, compress_hook, powersgd
-from kuangchao.workers.runtime.telemetry import CommClock, timed_allreduce_hook
+from kuangchao.workers.parallel.comm_clock import CommClock
+from kuangchao.workers.parallel.comm_hooks import Hierarchy, compress_hook, powersgd, timed_allreduce_hook
 
 
 def make_optimizer(model: nn.Module, spec: JobSpec, zero: bool = False,

@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.workers.errors import TrainingError
+from kuangchao.workers.parallel.comm_clock import CommClock
 from kuangchao.workers.parallel.comm_hooks import Hierarchy
 from kuangchao.workers.parallel.data_parallel import (
     allreduce_grads,
@@ -59,7 +60,6 @@ from kuangchao.workers.parallel.pipeline import (
 )
 from kuangchao.workers.parallel.precision import Precision
 from kuangchao.workers.parallel.tensor_parallel import apply_tensor_parallel
-from kuangchao.workers.runtime.telemetry import CommClock
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

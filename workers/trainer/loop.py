@@ -22,7 +22,6 @@ import torch.distributed as dist
 from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.workers.collectives import permit
 from kuangchao.workers.data.sampling import BatchSource, Prefetcher, batch_indices, load_corpus
-from kuangchao.workers.elastic import resize
 from kuangchao.workers.elastic.generation import is_collective_failure, mark_ready
 from kuangchao.workers.errors import NumericFault, ResizeNow, TrainingError
 from kuangchao.workers.models.factory import ModelConfig, build_model
@@ -30,6 +29,7 @@ from kuangchao.workers.parallel.engine import Engine
 from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.runtime.telemetry import model_flops_per_token
 from kuangchao.workers.trainer import debug_step
+from kuangchao.workers.trainer import live_resize as resize
 from kuangchao.workers.trainer.checkpoints import save_step, settles_checkpoints
 from kuangchao.workers.trainer.numerics import GradNormGuard, data_index
 from kuangchao.workers.trainer.resume import Position, restore_latest, roll_back, seed_everything
