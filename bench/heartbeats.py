@@ -60,14 +60,10 @@ from urllib.parse import urlparse
 
 import redis
 
-from kuangchao.platform.execution.heartbeat import (
-    Beat,
-    Classifier,
-    Verdict,
-    read_beats,
-)
+from kuangchao.platform.execution.heartbeat import Classifier, Verdict, read_beats
 from kuangchao.platform.jobs import redis_client
 from kuangchao.platform.jobs.store import JobStore
+from kuangchao.platform.protocol.heartbeat import Beat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
 

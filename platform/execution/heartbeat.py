@@ -1,14 +1,8 @@
-"""Rank heartbeats: the record format and the controller's classification.
+"""Rank heartbeats as the controller reads and judges them.
 
-Every rank's heartbeat thread writes one Redis key per beat,
-`{prefix}job:{id}:hb:{rank}`, with a TTL of `heartbeat_timeout_s`. The value
-is a short delimited string (parsing 16k JSON objects per scan would cost more
-than the scan itself):
-
-    step | phase | pid | node | ts | progress_ts | seq
-
-`progress_ts` is when the rank last changed step or phase, on the rank's own
-clock, so a hang is judged from one clock and never from two machines' skew.
+The record itself, one Redis key per rank with a TTL of `heartbeat_timeout_s`,
+is the protocol's (`kuangchao.platform.protocol.heartbeat.Beat`): the ranks
+write it, `read_beats` here fetches every rank's in one round trip.
 
 `Classifier` is pure: the controller feeds it what it read and the time, and
 it answers which ranks are dead (heartbeat gone) or hung (heartbeat alive,
@@ -22,58 +16,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from kuangchao.platform.jobs import keys
+from kuangchao.platform.protocol.heartbeat import Beat
 
-PHASES = ("init", "train", "data", "forward", "backward", "optimizer", "checkpoint", "collective",
-          "done")
-_SEP = "|"
 # Before the first step (imports, restore, compile) and after its train
 # function returned, a rank is judged only by whether it beats: how long
 # start-up takes, or how long its peers still work, is the model's business.
 UNTIMED_PHASES = frozenset({"init", "done"})
-
-
-class Beat(NamedTuple):
-    """One heartbeat of one rank. A NamedTuple: a scan builds 16k of these."""
-
-    rank: int
-    step: int
-    phase: str
-    pid: int
-    node: str
-    ts: float
-    progress_ts: float
-    seq: int = 0
-
-    def encode(self) -> str:
-        # Phase and node are free text (`ctx.phase(name)`, node names): a separator
-        # in them would make the beat undecodable, i.e. a live rank look dead.
-        return _SEP.join((str(self.step), self.phase.replace(_SEP, "_"), str(self.pid),
-                          self.node.replace(_SEP, "_"), f"{self.ts:.3f}", f"{self.progress_ts:.3f}",
-                          str(self.seq)))
-
-    @classmethod
-    def decode(cls, rank: int, raw: str | bytes) -> Beat | None:
-        """Parse a stored beat; None for a malformed value (treated as missing)."""
-        if isinstance(raw, bytes):
-            raw = raw.decode(errors="replace")
-        parts = raw.split(_SEP)
-        if len(parts) != 7:
-            return None
-        try:
-            return cls(rank, int(parts[0]), parts[1], int(parts[2]), parts[3], float(parts[4]),
-                       float(parts[5]), int(parts[6]))
-        except ValueError:
-            return None
-
-    @property
-    def stalled_s(self) -> float:
-        """How long the rank has been on this step and phase, by its own clock."""
-        return max(0.0, self.ts - self.progress_ts)
-
-
 
 
 @dataclass(frozen=True)

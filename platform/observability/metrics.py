@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kuangchao.platform.security.tokens import INTERFACES
+from kuangchao.platform.protocol.interfaces import INTERFACES
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
 # What a failure is recorded as (platform/execution/recovery.py `Failure.kind`).
 FAILURE_CAUSES = ("died", "node_lost", "expired", "hung", "numeric", "controller", "placement",
                   "resize")
-# What a capability token may refuse (platform/security/tokens.py).
+# What a capability token may refuse (platform/protocol/interfaces.py).
 TOKEN_INTERFACES = tuple(sorted(INTERFACES))
 ACTIVE_STATES = ("QUEUED", "PLACING", "RUNNING", "RECOVERING", "RESIZING")
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")

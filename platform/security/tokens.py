@@ -25,12 +25,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from kuangchao.platform.errors import TokenError
+from kuangchao.platform.protocol.interfaces import INTERFACES
 
 ALGORITHM = "EdDSA"
 ISSUER = "kuangchao"
-COLLECTIVES = frozenset({"broadcast", "all_reduce", "all_gather", "reduce_scatter", "send", "recv",
-                         "barrier"})
-INTERFACES = COLLECTIVES | {"checkpoint_read", "checkpoint_write", "heartbeat", "metrics_read"}
 # The most each role may ever be granted; a token may carry less (least privilege).
 ROLE_INTERFACES: dict[str, frozenset[str]] = {
     "trainer": INTERFACES - {"metrics_read"},

@@ -143,7 +143,7 @@ class PermissionSection(_Section):
     @field_validator("collectives")
     @classmethod
     def _known(cls, v: list[str]) -> list[str]:
-        from kuangchao.platform.security.tokens import COLLECTIVES
+        from kuangchao.platform.protocol.interfaces import COLLECTIVES
 
         unknown = sorted(set(v) - COLLECTIVES)
         if unknown:

@@ -43,7 +43,7 @@ def reference(doc: dict, steps: int = STEPS) -> dict:
     spec = validate_spec(doc)
     torch.manual_seed(spec.training.seed)
     model = build_model(model_config(spec))
-    from kuangchao.workers.parallel.engine import make_optimizer
+    from kuangchao.workers.parallel.data_parallel import make_optimizer
 
     opt = make_optimizer(model, spec)
     losses, norms = [], []

@@ -6,8 +6,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+from kuangchao.platform.protocol.checkpoint import verify
 from kuangchao.platform.runtime.procs import free_port
-from kuangchao.workers.checkpoint.manager import CheckpointManager, load_model_state, verify
+from kuangchao.workers.checkpoint.manager import CheckpointManager, load_model_state
 from kuangchao.workers.models.factory import ModelConfig, build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

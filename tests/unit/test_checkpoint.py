@@ -8,9 +8,9 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 import kuangchao.workers.checkpoint.files as ckpt_io
-import kuangchao.workers.checkpoint.manager as ckpt
-from kuangchao.workers.checkpoint.format import CHECKSUM, checksum_file
-from kuangchao.workers.checkpoint.manager import CheckpointManager, load_model_state, verify
+import kuangchao.workers.checkpoint.writer as ckpt_writer
+from kuangchao.platform.protocol.checkpoint import CHECKSUM, checksum_file, verify
+from kuangchao.workers.checkpoint.manager import CheckpointManager, load_model_state
 from kuangchao.workers.errors import CheckpointError
 from kuangchao.workers.models.factory import ModelConfig, build_model
 
@@ -185,7 +185,7 @@ def test_files_the_writer_did_not_checksum_are_read_back(mgr, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_the_manifest_names_the_checksum_it_was_written_with(mgr, monkeypatch):
-    monkeypatch.setattr(ckpt, "CHECKSUM", "sha256")
+    monkeypatch.setattr(ckpt_writer, "CHECKSUM", "sha256")
     monkeypatch.setattr(ckpt_io, "CHECKSUM", "sha256")
     model, opt = make()
     info = mgr.save(1, model, opt, rank_state={})

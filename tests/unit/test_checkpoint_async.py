@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import kuangchao.workers.checkpoint.manager as ckpt
+from kuangchao.platform.protocol.checkpoint import sha256_file, verify
 from kuangchao.platform.version import __version__
 from kuangchao.workers.checkpoint.async_save import stage_to_cpu
-from kuangchao.workers.checkpoint.format import sha256_file
-from kuangchao.workers.checkpoint.manager import CheckpointManager, load_model_state, verify
+from kuangchao.workers.checkpoint.manager import CheckpointManager, load_model_state
 from kuangchao.workers.errors import CheckpointError
 from kuangchao.workers.models.factory import ModelConfig, build_model
 

@@ -3,8 +3,9 @@ with explicit clocks."""
 
 import pytest
 
-from kuangchao.platform.execution.heartbeat import Beat, Classifier, read_beats
+from kuangchao.platform.execution.heartbeat import Classifier, read_beats
 from kuangchao.platform.jobs import keys
+from kuangchao.platform.protocol.heartbeat import Beat
 
 TIMEOUT, HANG = 10.0, 60.0
 WALL0 = 1_700_000_000.0  # wall clock (beat ts) at monotonic 0

@@ -17,7 +17,9 @@ from kuangchao.platform.jobs.memory import MemoryStore
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.observability import metrics as m
 from kuangchao.platform.observability.scrape_targets import groups, write_file_sd
-from kuangchao.workers.runtime.telemetry import CommClock, WorkerTelemetry, timed_allreduce_hook
+from kuangchao.workers.parallel.comm_clock import CommClock
+from kuangchao.workers.parallel.comm_hooks import timed_allreduce_hook
+from kuangchao.workers.runtime.telemetry import WorkerTelemetry
 
 
 def test_every_name_is_prefixed_unique_and_carries_its_unit():

@@ -5,11 +5,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from kuangchao.platform.protocol.checkpoint import verify
 from kuangchao.platform.spec.jobspec import load_spec_document, validate_spec
-from kuangchao.workers.checkpoint.manager import CheckpointManager, verify
+from kuangchao.workers.checkpoint.manager import CheckpointManager
 from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.runtime.joblog import JobLogSink
-from kuangchao.workers.trainer.loop import _settles_checkpoints, train
+from kuangchao.workers.trainer.checkpoints import settles_checkpoints
+from kuangchao.workers.trainer.loop import train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +65,7 @@ def test_a_failing_train_function_still_settles_the_write_in_flight(tmp_path):
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    @_settles_checkpoints
+    @settles_checkpoints
     def failing(ctx):
         ctx.checkpoint.save_async(1, model, opt, rank_state={})
         raise RuntimeError("a rank died")

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kuangchao.workers.checkpoint.format import CheckpointInfo
+from kuangchao.platform.protocol.checkpoint import CheckpointInfo
 from kuangchao.workers.errors import CheckpointError
 
 

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from kuangchao.workers.checkpoint.format import read_manifest, verify
+from kuangchao.platform.protocol.checkpoint import read_manifest, verify
 from kuangchao.workers.errors import CheckpointError
 
 FORMATS = ("torch", "safetensors")

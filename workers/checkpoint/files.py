@@ -23,12 +23,21 @@ from typing import Any, BinaryIO, cast
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from kuangchao.workers.checkpoint.format import CHECKSUM, Checksum, checksum_file
+from kuangchao.platform.protocol.checkpoint import CHECKSUM, Checksum, checksum_file
 
 # Each shard's writer asks the kernel to start writing back every this many
 # bytes, so that the disk works while the rest is serialized and the final
 # fsync has little left to wait for (~10% of an 88 MB save on 2 cores).
 WRITEBACK_BYTES = 8 << 20
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's entry list: renames, new files)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
 
 def file_entry(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, CHECKSUM: checksum_file(path, CHECKSUM)}

@@ -28,71 +28,38 @@ saved asynchronously holds one host copy of the model and optimizer state.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from kuangchao.platform.version import __version__
+from kuangchao.platform.protocol import checkpoint as protocol
+from kuangchao.platform.protocol.checkpoint import (
+    CheckpointInfo,
+    check_extra,
+    read_manifest,
+    step_dir_name,
+    # Not used here: platform/execution/controller.py imports `verify` from this
+    # module until it imports the protocol module.
+    verify,  # noqa: F401
+)
 from kuangchao.workers.checkpoint.async_save import (
     PendingCheckpoint,
     StagingBuffers,
     stage_to_cpu,
 )
 from kuangchao.workers.checkpoint.export import load_model_state
-from kuangchao.workers.checkpoint.files import (
-    ChecksummingWriter,
-    ChecksumStream,
-    file_entry,
-    retire,
-    retire_leftovers,
-    start_reaper,
-)
-from kuangchao.workers.checkpoint.format import (
-    CHECKSUM,
-    FORMAT_VERSION,
-    MANIFEST,
-    CheckpointInfo,
-    check_extra,
-    fsync_path,
-    read_manifest,
-    step_dir_name,
-    verify,
-)
+from kuangchao.workers.checkpoint.files import retire, retire_leftovers, start_reaper
 from kuangchao.workers.checkpoint.state_reader import StateDictReader, read_states, write_states
+from kuangchao.workers.checkpoint.writer import SaveJob, write
 from kuangchao.workers.errors import CheckpointError
 
-# Threads, and so shard files, per rank for the DCP write, each checksumming
-# its own file as it writes. On 2 cores, 2 save ~20% over 1 for an 88 MB state.
-WRITER_THREADS = 2
-
-__all__ = ["MANIFEST", "FORMAT_VERSION", "CheckpointInfo", "CheckpointManager", "PendingCheckpoint",
-           "load_model_state", "read_manifest", "step_dir_name", "verify"]
-
-
-@dataclass
-class _SaveJob:
-    """Everything one write needs, fixed at the time of the save call."""
-
-    step: int
-    state: dict[str, Any]  # {"model": ..., "optim": ...}: staged copies, or live for `save`
-    rank_state: dict[str, Any]
-    extra: dict[str, Any]
-    group: dist.ProcessGroup | None
-    tmp: Path
-    final: Path
-    # {name: {bytes, <checksum>: digest}} of the files this rank wrote, for the manifest.
-    own_files: dict[str, dict[str, Any]] = field(default_factory=dict)
+__all__ = ["CheckpointManager", "load_model_state"]
 
 
 class CheckpointManager:
@@ -105,7 +72,7 @@ class CheckpointManager:
     def __init__(self, root: str | Path, job_id: str, rank: int, world_size: int,
                  spec_hash: str, keep_last: int = 3,
                  on_commit: Callable[[CheckpointInfo], None] | None = None) -> None:
-        self.dir = Path(root).expanduser() / job_id
+        self.dir = protocol.job_dir(root, job_id)
         self.rank, self.world_size = rank, world_size
         self.spec_hash, self.keep_last = spec_hash, keep_last
         # Called on rank 0 once a checkpoint is committed; for save_async on the writer thread.
@@ -134,19 +101,11 @@ class CheckpointManager:
 
     def list(self) -> list[Path]:
         """Committed checkpoint folders, oldest first (not yet verified)."""
-        if not self.dir.exists():
-            return []
-        return sorted(p for p in self.dir.glob("step_*") if (p / MANIFEST).exists())
+        return protocol.committed(self.dir)
 
     def latest_verified(self) -> tuple[Path, dict[str, Any]] | None:
         """The newest checkpoint whose manifest verifies, skipping broken ones."""
-        for path in reversed(self.list()):
-            try:
-                with self._reading_from(path):
-                    return path, verify(path)
-            except CheckpointError:
-                continue
-        return None
+        return protocol.latest_verified(self.dir, hold=self._reading_from)
 
     def wait_pruned(self, timeout: float | None = None) -> bool:
         """Wait until the checkpoints the last commit retired are deleted; False on timeout.
@@ -279,10 +238,11 @@ class CheckpointManager:
         return last is not None and last.step == step and Path(last.path).exists()
 
     def _job(self, step: int, state: dict[str, Any], rank_state: dict[str, Any],
-             extra: dict[str, Any] | None) -> _SaveJob:
-        return _SaveJob(step=step, state=state, rank_state=rank_state, extra=dict(extra or {}),
-                        group=self._checkpoint_group(), tmp=self.dir / f".{step_dir_name(step)}.tmp",
-                        final=self.dir / step_dir_name(step))
+             extra: dict[str, Any] | None) -> SaveJob:
+        return SaveJob(step=step, state=state, rank_state=rank_state, extra=dict(extra or {}),
+                       group=self._checkpoint_group(), tmp=self.dir / f".{step_dir_name(step)}.tmp",
+                       final=self.dir / step_dir_name(step), rank=self.rank,
+                       world_size=self.world_size, spec_hash=self.spec_hash)
 
     def settle(self, grace_s: float) -> None:
         """Before the process group changes: end the write in flight, or drop it after `grace_s`."""
@@ -309,128 +269,10 @@ class CheckpointManager:
             self._group_ready = True
         return self._group
 
-    def _write(self, job: _SaveJob) -> tuple[int, float]:
-        """Write, agree, commit. Returns (bytes on disk, seconds). Runs on every rank."""
-        t0 = time.perf_counter()
-        self._phase(job, "preparing the folder", self._prepare_tmp)
-        self._phase(job, "writing shards", self._write_shards)
-        sizes: list[int] = []
-        self._phase(job, "committing", lambda j: sizes.append(self._commit(j)))
-        return sum(sizes), time.perf_counter() - t0
+    def _write(self, job: SaveJob) -> tuple[int, float]:
+        return write(job, after_rename=self._prune)
 
-    def _phase(self, job: _SaveJob, what: str, fn: Callable[[_SaveJob], Any]) -> None:
-        """Run `fn(job)` on this rank, then agree with the others that all succeeded.
-
-        The agreement doubles as the barrier between phases, and makes every
-        rank raise when any failed, instead of leaving the others waiting at
-        the next barrier until the group's timeout.
-        """
-        error: BaseException | None = None
-        try:
-            fn(job)
-        except Exception as exc:
-            error = exc
-        ok = error is None
-        if job.group is not None:
-            flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=job.group)
-            ok = bool(flag.item())
-        if error is not None:
-            raise CheckpointError(f"checkpoint step {job.step}: rank {self.rank} failed while "
-                                  f"{what}: {type(error).__name__}: {error}") from error
-        if not ok:
-            raise CheckpointError(f"checkpoint step {job.step}: another rank failed while {what}; "
-                                  "its log has the reason")
-
-    def _prepare_tmp(self, job: _SaveJob) -> None:
-        if self.rank != 0:
-            return
-        shutil.rmtree(job.tmp, ignore_errors=True)
-        job.tmp.mkdir(parents=True)
-
-    def _write_shards(self, job: _SaveJob) -> None:
-        """Write this rank's DCP shards and rank file, fsync them, and checksum them.
-
-        Every writer fsyncs its own files (DCP does so for its shards and its
-        .metadata), since on a shared filesystem no other node can. Each rank
-        checksums what it writes, as the bytes go out on its writer threads,
-        so the hashing is spread over ranks and threads and nothing is read back.
-        """
-        writer = ChecksummingWriter(job.tmp, thread_count=WRITER_THREADS)
-        dcp.save(job.state, storage_writer=writer, process_group=job.group, no_dist=job.group is None)
-        rank_file = job.tmp / f"rank_{self.rank}.pt"
-        with rank_file.open("wb") as fh:
-            out = ChecksumStream(fh)
-            torch.save(job.rank_state, cast(IO[bytes], out))
-            out.flush()
-            os.fsync(fh.fileno())
-        written = {**writer.fs.written, rank_file.name: out.entry()}
-        # DCP names this rank's shards "__{rank}_{n}.distcp"; rank 0's coordinator writes .metadata.
-        own = [rank_file, *job.tmp.glob(f"__{self.rank}_*")]
-        if self.rank == 0:
-            own.append(job.tmp / ".metadata")
-        entries: dict[str, dict[str, Any]] = {}
-        unseen: list[Path] = []
-        for f in own:
-            if not f.is_file():
-                continue
-            entry = written.get(f.name)
-            if entry is not None and entry["bytes"] == f.stat().st_size:
-                entries[f.name] = entry
-            else:  # not written through the checksumming stream (another DCP version): read it back
-                unseen.append(f)
-        if unseen:
-            # hashlib and zlib release the GIL on large buffers, so the files hash in parallel.
-            with ThreadPoolExecutor(max_workers=max(1, min(len(unseen), WRITER_THREADS))) as pool:
-                entries.update(zip((f.name for f in unseen), pool.map(file_entry, unseen), strict=True))
-        job.own_files = entries
-
-    def _commit(self, job: _SaveJob) -> int:
-        """Gather the checksums; rank 0 writes the manifest last, renames into place, prunes.
-
-        Returns the bytes committed (0 on the other ranks).
-        """
-        if job.group is not None:
-            gathered: list[Any] = [None] * dist.get_world_size(job.group)
-            dist.all_gather_object(gathered, job.own_files, group=job.group)
-        else:
-            gathered = [job.own_files]
-        if self.rank != 0:
-            return 0
-        files = {name: entry for part in gathered for name, entry in part.items()}
-        for f in job.tmp.iterdir():  # anything no rank claimed (another DCP naming) is hashed here
-            if f.name not in files:
-                files[f.name] = file_entry(f)
-        files = dict(sorted(files.items()))
-        with (job.tmp / MANIFEST).open("w") as fh:
-            json.dump(self._manifest(job, files), fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if job.final.exists():  # a rerun of the same step (after a restart) replaces the old copy
-            retire(job.final)
-        os.replace(job.tmp, job.final)
-        fsync_path(self.dir)
-        self._prune(job.final)
-        return sum(m["bytes"] for m in files.values())
-
-    def _manifest(self, job: _SaveJob, files: dict[str, Any]) -> dict[str, Any]:
-        extra = dict(job.extra)
-        rng = job.rank_state.get("rng")
-        return {
-            "format": FORMAT_VERSION, "step": job.step, "created_at": time.time(),
-            "platform_version": __version__, "torch_version": torch.__version__,
-            "spec_hash": self.spec_hash, "world_size": self.world_size,
-            "parallel": extra.pop("parallel", None),
-            "data_position": extra.pop("data_position", None),
-            # The states themselves stay in the rank files; this says what to expect there.
-            "rng": {"kinds": list(rng) if isinstance(rng, dict) else [],
-                    "rank_files": [f"rank_{r}.pt" for r in range(self.world_size)]},
-            "checksum": CHECKSUM,
-            **extra,
-            "files": files,
-        }
-
-    def _committed(self, job: _SaveJob, size: int, write_s: float,
+    def _committed(self, job: SaveJob, size: int, write_s: float,
                    blocked_s: float) -> CheckpointInfo:
         info = CheckpointInfo(step=job.step, path=str(job.final), bytes=size,
                               blocked_s=blocked_s, write_s=write_s)

@@ -2,8 +2,9 @@
 
 A resize (or the loss of a peer, for an elastic job) moves every rank to the
 next *generation* of the job's process group. The controller publishes the
-generation in Redis: its number, world size, accumulation, the rendezvous it
-hosts, and the new rank of each current rank that stays. Each rank then:
+generation in Redis (`kuangchao.platform.protocol.generation`): its number,
+world size, accumulation, the rendezvous it hosts, and the new rank of each
+current rank that stays. Each rank then:
 
 1. leaves the old group (`rejoin`), keeping its process, its imports, its
    loaded data and its model and optimizer in memory;
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kuangchao.platform.protocol.generation import Generation
 from kuangchao.workers.collectives import permit
 from kuangchao.workers.errors import TrainingError
 
@@ -37,43 +39,6 @@ GENERATION_POLL_S = 0.02
 # transport; NCCL and the c10d store raise DistError subclasses.
 _COLLECTIVE_MARKERS = ("gloo", "Connection closed by peer", "Connection reset", "Broken pipe",
                        "NCCL", "Socket Timeout", "ProcessGroup")
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One membership of a job's process group, as the controller publishes it."""
-
-    gen: int
-    world_size: int
-    replicas: int
-    accum: int
-    host: str
-    port: int
-    ranks: dict[int, int]  # current rank -> rank in this generation; absent ranks leave
-    joining: tuple[int, ...]  # ranks of this generation that start without state
-    cause: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"gen": self.gen, "world_size": self.world_size, "replicas": self.replicas,
-                "accum": self.accum, "host": self.host, "port": self.port,
-                "ranks": {str(k): v for k, v in self.ranks.items()},
-                "joining": list(self.joining), "cause": self.cause}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Generation:
-        return cls(gen=int(d["gen"]), world_size=int(d["world_size"]),
-                   replicas=int(d["replicas"]), accum=int(d["accum"]), host=d["host"],
-                   port=int(d["port"]), ranks={int(k): int(v) for k, v in d["ranks"].items()},
-                   joining=tuple(d.get("joining") or ()), cause=d.get("cause", ""))
-
-    @property
-    def prefix(self) -> str:
-        """The generation's key prefix in the rendezvous store (PrefixStore adds the "/")."""
-        return f"gen{self.gen}"
-
-    def ready_key(self, rank: int) -> str:
-        """The key `mark_ready` sets, as the controller sees it in the unprefixed store."""
-        return f"{self.prefix}/ready/{rank}"
 
 
 def is_collective_failure(exc: BaseException) -> bool:

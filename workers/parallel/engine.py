@@ -20,6 +20,8 @@ From the layout (workers/parallel/layout.py), over a `DeviceMesh` ("dp", "pp", "
   FSDP2's mixed-precision policy) and scales fp16 losses; `recompute`
   checkpoints activations; `training.compile` compiles each block.
 
+The data-parallel pieces (the optimizer, DDP's comm hook, FSDP2 sharding, the
+manual all-reduce) are data_parallel.py's; this module picks them per layout.
 The trainer asks the engine for `forward_backward`, `clip` and `step`.
 `holder` is the module to checkpoint: every parameter this rank holds, under
 the whole model's names.
@@ -39,7 +41,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.workers.errors import TrainingError
-from kuangchao.workers.parallel.comm_hooks import Hierarchy, compress_hook, powersgd
+from kuangchao.workers.parallel.comm_clock import CommClock
+from kuangchao.workers.parallel.comm_hooks import Hierarchy
+from kuangchao.workers.parallel.data_parallel import (
+    allreduce_grads,
+    comm_hook,
+    fully_shard_chunk,
+    hierarchy_wins,
+    make_optimizer,
+)
 from kuangchao.workers.parallel.layout import Coords, Layout, node_groups
 from kuangchao.workers.parallel.pipeline import (
     ChunkSet,
@@ -50,34 +60,8 @@ from kuangchao.workers.parallel.pipeline import (
 )
 from kuangchao.workers.parallel.precision import Precision
 from kuangchao.workers.parallel.tensor_parallel import apply_tensor_parallel
-from kuangchao.workers.runtime.telemetry import CommClock, timed_allreduce_hook
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def make_optimizer(model: nn.Module, spec: JobSpec, zero: bool = False,
-                   group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
-    """AdamW or SGD; with `zero`, its state sharded over `group` (ZeRO-1)."""
-    o = spec.optimizer
-    # Biases and norm weights (1-D) are not decayed, as is usual for transformers.
-    params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": o.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    if o.type == "sgd":
-        cls: type[torch.optim.Optimizer] = torch.optim.SGD
-        kwargs: dict[str, Any] = {"lr": o.lr, "momentum": o.momentum}
-    else:
-        cls, kwargs = torch.optim.AdamW, {"lr": o.lr, "betas": o.betas}
-    if not zero:
-        return cls(groups, **kwargs)
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, process_group=group,
-                                  weight_decay=o.weight_decay, **kwargs)
-    opt.add_param_group({"params": no_decay, "weight_decay": 0.0})
-    return opt
 
 
 class Engine:
@@ -176,7 +160,8 @@ class Engine:
         """Wrap every chunk for data parallelism; called again after a live resize."""
         dp = self.layout.dp
         if self.fsdp:
-            return [self._fully_shard(c) for c in self.chunks]
+            return [fully_shard_chunk(c, self.p, self.mesh, self.precision.dtype, self.device)
+                    for c in self.chunks]
         if dp == 1 or not self.distributed or self.manual_dp:
             return list(self.chunks)
         if self.layout.tp > 1 or self.layout.pp > 1:
@@ -203,22 +188,17 @@ class Engine:
         return out
 
     def _comm_hook(self) -> tuple[Any, Callable] | None:
-        p = self.p
-        if p.grad_compression in ("fp16", "bf16"):
-            dtype = torch.float16 if p.grad_compression == "fp16" else torch.bfloat16
-            return None, compress_hook(dtype, self.clock)
-        if p.grad_compression == "powersgd":
-            return powersgd(self.dp_group, p.powersgd_rank)
-        if self.use_hierarchy():
-            if self.hierarchy is None:
-                dp_ranks = self.layout.dp_group(self.rank)
-                groups = node_groups(dp_ranks, self.node_of)
-                assert groups is not None
-                self.hierarchy = Hierarchy(groups, self.rank)
-            return None, self.hierarchy.hook(self.clock)
-        if self.clock is not None:
-            return None, timed_allreduce_hook(self.clock)
-        return None
+        return comm_hook(self.p, self.dp_group, self.clock, self._hierarchy)
+
+    def _hierarchy(self) -> Hierarchy | None:
+        """The node-by-node all-reduce, made once, when this job uses it."""
+        if not self.use_hierarchy():
+            return None
+        if self.hierarchy is None:
+            groups = node_groups(self.layout.dp_group(self.rank), self.node_of)
+            assert groups is not None
+            self.hierarchy = Hierarchy(groups, self.rank)
+        return self.hierarchy
 
     def use_hierarchy(self) -> bool:
         """Whether the data-parallel all-reduce goes node by node."""
@@ -231,22 +211,6 @@ class Engine:
         if mode == "on":
             return True
         return hierarchy_wins(self.spec, len(groups[0]), len(groups), self.device)
-
-    def _fully_shard(self, chunk: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-        kwargs: dict[str, Any] = {"reshard_after_forward": self.p.zero_stage == 3}
-        if self.mesh is not None:
-            kwargs["mesh"] = self.mesh["dp"]
-        if self.precision.dtype is not None:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.dtype,
-                                                       reduce_dtype=torch.float32)
-        if self.p.offload:
-            # Page-locking host memory needs an accelerator; on a CPU the state is already there.
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-        for block in chunk.blocks.values():
-            fully_shard(block, **kwargs)
-        return fully_shard(chunk, **kwargs)
 
     def _schedule(self) -> Any:
         from torch.distributed.pipelining import PipelineStage
@@ -325,7 +289,7 @@ class Engine:
         else:
             loss = self._accumulate(batches, poison)
         if self.manual_dp:
-            self._allreduce_grads()
+            allreduce_grads(self.holder, self.dp_group, self.layout.dp)
         if self.tied is not None:
             self.tied.sync(self.holder)
         return loss
@@ -369,15 +333,6 @@ class Engine:
         dist.all_reduce(local, group=self.pp_group)  # only the last stage holds a loss
         return float(local)
 
-    def _allreduce_grads(self) -> None:
-        grads = [p.grad for p in self.holder.parameters() if p.grad is not None]
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        flat = torch._utils._flatten_dense_tensors(local)
-        dist.all_reduce(flat, group=self.dp_group)
-        flat.div_(self.layout.dp)
-        for g, synced in zip(local, torch._utils._unflatten_dense_tensors(flat, local), strict=True):
-            g.copy_(synced)
-
     def grad_norm(self) -> float:
         """The global gradient norm, over every stage and shard (the tied head counted once)."""
         skip = self.tied.duplicate(self.holder) if self.tied is not None else None
@@ -412,18 +367,3 @@ class Engine:
         """Skip an fp16 step whose gradients overflowed; the loss scale comes down."""
         self.precision.skip(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-
-
-def hierarchy_wins(spec: JobSpec, ranks_per_node: int, nodes: int, device: torch.device) -> bool:
-    """The planner's verdict: is the two-level all-reduce cheaper for this job's gradients?"""
-    from kuangchao.platform.cluster.hardware import get_accelerator
-    from kuangchao.platform.planning.cost import allreduce_costs
-    from kuangchao.platform.planning.shapes import ModelShape
-
-    shape = ModelShape.from_spec_model(spec.model.model_dump())
-    grad_bytes = 4 * shape.params / (spec.parallel.tensor_parallel_size
-                                     * spec.parallel.pipeline_parallel_size)
-    # Without `parallel.gpu` the device decides; any GPU is priced as an H100.
-    acc = get_accelerator(spec.parallel.gpu or ("cpu" if device.type == "cpu" else "h100-80gb"))
-    flat, hier = allreduce_costs(grad_bytes, ranks_per_node * nodes, ranks_per_node, acc)
-    return hier < flat

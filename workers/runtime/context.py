@@ -49,9 +49,9 @@ class TrainContext:
             elastic job's global batch stays fixed, so this changes with `dp_size`.
         generation: The process-group generation this rank is in.
         joining: This rank joined a running job and gets the state from its peers
-            (`kuangchao.workers.elastic.resize.sync_state`) instead of a checkpoint.
+            (`kuangchao.workers.trainer.live_resize.sync_state`) instead of a checkpoint.
         live_resize: Resizes and lost peers are handled in this process
-            (`kuangchao.workers.elastic.resize`); otherwise they end the train function.
+            (`kuangchao.workers.trainer.live_resize`); otherwise they end the train function.
         telemetry: This rank's Prometheus gauges (`kuangchao.workers.runtime.telemetry`),
             or None when worker metrics are off.
     """

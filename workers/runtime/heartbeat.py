@@ -27,10 +27,10 @@ from typing import Any
 
 import redis
 
-from kuangchao.platform.execution.heartbeat import Beat
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.flags import carried_flags, queue_stack_answer
 from kuangchao.platform.jobs.streams import queue_points, queue_progress
+from kuangchao.platform.protocol.heartbeat import Beat
 
 _log = logging.getLogger(__name__)
 

@@ -19,19 +19,17 @@ import json
 import logging
 import os
 import resource
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.observability import metrics as m
+from kuangchao.workers.parallel.comm_clock import CommClock
 
 _log = logging.getLogger(__name__)
 DISABLE_ENV = "KC_WORKER_METRICS"  # "0": no endpoint, no timing (bench/metrics.py's baseline)
@@ -75,91 +73,6 @@ def _measured_cpu_flops(n: int = 256, reps: int = 8) -> float:
             torch.mm(a, b)
         _cpu_peak = 2 * n ** 3 * reps / max(time.perf_counter() - t0, 1e-9)
     return _cpu_peak
-
-
-class CommClock:
-    """Collects the intervals with a collective in flight, per step, and which
-    collectives are in flight now (for `kc debug comm`)."""
-
-    def __init__(self) -> None:
-        self._spans: list[tuple[float, float]] = []
-        self._lock = threading.Lock()
-        self._seq = 0
-        self._pending: dict[int, tuple[str, str, float]] = {}
-        self.last: dict[str, Any] | None = None
-        self.count = 0
-
-    def add(self, start: float, end: float) -> None:
-        with self._lock:
-            self._spans.append((start, end))
-
-    def begin(self, op: str, group: str = "world") -> int:
-        with self._lock:
-            self._seq += 1
-            self._pending[self._seq] = (op, group, time.perf_counter())
-            return self._seq
-
-    def end(self, seq: int) -> None:
-        now = time.perf_counter()
-        with self._lock:
-            entry = self._pending.pop(seq, None)
-            if entry is None:
-                return
-            op, group, start = entry
-            self._spans.append((start, now))
-            self.count += 1
-            self.last = {"op": op, "group": group, "seq": seq, "took_s": now - start,
-                         "ended_ago_s": 0.0, "_end": now}
-
-    @contextmanager
-    def timing(self, op: str = "collective", group: str = "world") -> Iterator[None]:
-        seq = self.begin(op, group)
-        try:
-            yield
-        finally:
-            self.end(seq)
-
-    def in_flight(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """The oldest collective in flight (with how long it has waited), and the last one done."""
-        now = time.perf_counter()
-        with self._lock:
-            pending = min(self._pending.items(), default=None)
-            last = dict(self.last) if self.last else None
-        out = None
-        if pending is not None:
-            seq, (op, group, start) = pending
-            out = {"op": op, "group": group, "seq": seq, "waited_s": now - start}
-        if last is not None:
-            last["ended_ago_s"] = now - last.pop("_end")
-        return out, last
-
-    def busy_within(self, start: float, end: float) -> float:
-        """Seconds of [start, end] covered by at least one span; spans before `end` are dropped."""
-        with self._lock:
-            spans, self._spans = self._spans, [s for s in self._spans if s[1] > end]
-        total, reach = 0.0, start
-        for a, b in sorted(spans):
-            a, b = max(a, reach), min(b, end)
-            if b > a:
-                total += b - a
-                reach = b
-        return total
-
-
-def timed_allreduce_hook(clock: CommClock):
-    """A DDP comm hook: the default average all-reduce, with its flight time recorded."""
-    # No annotations: DDP checks them at run time, and this module's are strings.
-    def hook(group, bucket):  # noqa: ANN001, ANN202
-        pg = group if group is not None else dist.group.WORLD
-        tensor = bucket.buffer().div_(dist.get_world_size(pg))
-        seq = clock.begin(f"all_reduce (DDP bucket {bucket.index()})", "world")
-        fut = dist.all_reduce(tensor, group=pg, async_op=True).get_future()
-
-        def done(f: torch.futures.Future) -> torch.Tensor:
-            clock.end(seq)
-            return f.value()[0]
-        return fut.then(done)
-    return hook
 
 
 class WorkerTelemetry:

@@ -24,10 +24,11 @@ from kuangchao.platform.cluster.topology import GPU_RESOURCE_PREFIX
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
+from kuangchao.platform.protocol.generation import Generation
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
 from kuangchao.workers.checkpoint.manager import CheckpointManager
-from kuangchao.workers.elastic.generation import Generation, join_generation
+from kuangchao.workers.elastic.generation import join_generation
 from kuangchao.workers.errors import EntrypointError, PlacementMismatch, TrainingError
 from kuangchao.workers.parallel.layout import Layout
 from kuangchao.workers.runtime import telemetry
@@ -41,11 +42,16 @@ from kuangchao.workers.runtime.telemetry import WorkerTelemetry
 _GPU_RESOURCE = re.compile(rf"^{GPU_RESOURCE_PREFIX}(\d+)(_group_.*)?$")
 
 
+# The built-in trainer, named as a user's entrypoint is: the runtime runs a train
+# function and never imports the trainer, which sits above it (the trainer takes
+# a TrainContext from here); tests/unit/test_architecture.py keeps that order.
+BUILTIN_TRAINER = "kuangchao.workers.trainer.loop:train"
+
+
 def resolve_entrypoint(ref: str | None) -> Callable[[TrainContext], Any]:
     """The train function: the built-in trainer, or the user's `module:function`."""
     if ref is None:
-        from kuangchao.workers.trainer.loop import train
-        return train
+        ref = BUILTIN_TRAINER
     module_name, _, attr = ref.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -310,7 +316,7 @@ class SpareWorker(TrainWorker):
     """
 
     def __init__(self) -> None:  # noqa: D107 -- the rank comes later, with `adopt`
-        import kuangchao.workers.trainer.loop  # noqa: F401 -- importing is the warm-up
+        importlib.import_module(BUILTIN_TRAINER.partition(":")[0])  # importing is the warm-up
         self.gpu_ids: list[int] = []
 
     def adopt(self, job_id: str, rank: int, world_size: int, settings: Settings,

@@ -4,36 +4,35 @@ AdamW (or SGD), linear warmup then cosine decay, gradient clipping, gradient
 accumulation, batches prefetched while the model computes, and checkpoints
 every `checkpoint.interval_steps` plus a final one. For a given seed the run is
 deterministic: it resumes at the exact step with data position and RNG states
-restored.
+restored. How each checkpoint is taken is checkpoints.py's.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import hashlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from kuangchao.platform.spec.jobspec import JobSpec
-from kuangchao.workers.checkpoint.manager import CheckpointInfo, PendingCheckpoint
 from kuangchao.workers.collectives import permit
 from kuangchao.workers.data.sampling import BatchSource, Prefetcher, batch_indices, load_corpus
-from kuangchao.workers.elastic import resize
 from kuangchao.workers.elastic.generation import is_collective_failure, mark_ready
-from kuangchao.workers.errors import CheckpointError, NumericFault, ResizeNow, TrainingError
+from kuangchao.workers.errors import NumericFault, ResizeNow, TrainingError
 from kuangchao.workers.models.factory import ModelConfig, build_model
 from kuangchao.workers.parallel.engine import Engine
 from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.runtime.telemetry import model_flops_per_token
 from kuangchao.workers.trainer import debug_step
-from kuangchao.workers.trainer.numerics import GradNormGuard, data_index, data_position
-from kuangchao.workers.trainer.resume import Position, rank_state, restore_latest, roll_back, seed_everything
+from kuangchao.workers.trainer import live_resize as resize
+from kuangchao.workers.trainer.checkpoints import save_step, settles_checkpoints
+from kuangchao.workers.trainer.numerics import GradNormGuard, data_index
+from kuangchao.workers.trainer.resume import Position, restore_latest, roll_back, seed_everything
 
 
 def model_config(spec: JobSpec) -> ModelConfig:
@@ -93,37 +92,7 @@ class _Throughput:
         return rate
 
 
-# A background checkpoint write still running when the train function fails gets
-# at most this long, and at most half of `fault_tolerance.stop_grace_s`: the
-# controller replaces a dead rank in place only if the survivors stop within it.
-PENDING_GRACE_S = 30.0
-
-
-def _settles_checkpoints(fn: Callable[[TrainContext], dict[str, Any]]):
-    """Make sure no background checkpoint write outlives the train function.
-
-    On a normal return, the write in flight is waited for and its failure
-    fails the run. When the function raises, its error wins: the write gets a
-    bounded grace (a hung peer can leave it stuck in a collective), and a
-    failure of it is only logged.
-    """
-    @functools.wraps(fn)
-    def wrapper(ctx: TrainContext) -> dict[str, Any]:
-        try:
-            result = fn(ctx)
-        except BaseException:
-            grace = min(PENDING_GRACE_S, ctx.spec.fault_tolerance.stop_grace_s / 2)
-            try:
-                ctx.checkpoint.wait(timeout=grace)
-            except CheckpointError as exc:
-                ctx.log(f"abandoning a checkpoint write: {exc}", level="WARNING")
-            raise
-        ctx.checkpoint.wait()
-        return result
-    return wrapper
-
-
-@_settles_checkpoints
+@settles_checkpoints
 def train(ctx: TrainContext) -> dict[str, Any]:
     """Run the built-in training loop. Returns the final loss and checkpoint.
 
@@ -266,19 +235,19 @@ def _train_from(ctx: TrainContext, pos: Position, engine: Engine, source: BatchS
             else:
                 ctx.report(done)
             if done % spec.checkpoint.interval_steps == 0 and done != t.steps:
-                _save(ctx, done, model, optimizer, pos, guard)
+                save_step(ctx, done, model, optimizer, pos, guard)
             if done == t.steps:
                 continue
             preempt, rejoin = ctx.control()
             if rejoin:
                 raise ResizeNow(rejoin)
             if preempt:
-                info = _save(ctx, done, model, optimizer, pos, guard, sync=True)
+                info = save_step(ctx, done, model, optimizer, pos, guard, sync=True)
                 ctx.log(f"preempted at step {done}; checkpoint saved, yielding the GPUs")
                 return {"preempted": True, "steps": done, "checkpoint": info.to_json()}
     final_loss = _global_mean(loss_value, ctx)
     digest = check_replicas_in_sync(engine, ctx)
-    info = _save(ctx, t.steps, model, optimizer, pos, guard, sync=True)
+    info = save_step(ctx, t.steps, model, optimizer, pos, guard, sync=True)
     return {"final_loss": final_loss, "steps": t.steps, "checkpoint": info.to_json(),
             "params_sha256": digest, "skipped_batches": pos.skipped}
 
@@ -362,56 +331,3 @@ def _train_step(engine: Engine, it: Iterator, step: int, ctx: TrainContext, pos:
             raise NumericFault(step, index, problem)
         engine.step()
     return loss
-
-
-def _save(ctx: TrainContext, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-          pos: Position, guard: GradNormGuard, *, sync: bool | None = None,
-          ) -> CheckpointInfo | PendingCheckpoint:
-    """Checkpoint `step`, in the background when `checkpoint.async_save` is on.
-
-    The final checkpoint and one taken while a preemption is pending are
-    written synchronously (after any write in flight): the caller hands the
-    committed checkpoint on at once. `sync` overrides the choice.
-
-    Args:
-        pos, guard: The data position (skipped batches) and gradient-norm
-            history, saved so that a restore continues the exact sequence.
-
-    Returns:
-        The committed checkpoint, or the pending one when written in the background.
-    """
-    spec = ctx.spec
-    if sync is None:
-        # preemption_requested() is a collective: fine, every rank reaches _save at the same step.
-        sync = (not spec.checkpoint.async_save or step >= spec.training.steps
-                or ctx.preemption_requested())
-    state = rank_state(step, pos.skipped, guard)
-    extra = {"parallel": spec.parallel.model_dump(),
-             "data_position": data_position(step, pos.skipped)}
-    with ctx.phase("checkpoint"):
-        if sync:
-            info = ctx.checkpoint.save(step, model, optimizer, rank_state=state, extra=extra)
-        else:
-            pending = ctx.checkpoint.save_async(step, model, optimizer, rank_state=state,
-                                                extra=extra)
-    if sync:
-        if ctx.is_chief:
-            ctx.log(f"checkpoint step {step} -> {info.path} ({info.bytes} bytes, training blocked "
-                    f"{info.blocked_s:.2f}s)", step=step, blocked_s=info.blocked_s)
-        return info
-    if ctx.is_chief:
-        ctx.log(f"checkpoint step {step}: training blocked {pending.blocked_s:.3f}s to stage it; "
-                "writing in the background", step=step, blocked_s=pending.blocked_s)
-        pending.add_done_callback(lambda p: _log_commit(ctx, p))
-    return pending
-
-
-def _log_commit(ctx: TrainContext, pending: PendingCheckpoint) -> None:
-    """Rank 0's log line once a background write ends (runs on the writer thread)."""
-    try:
-        info = pending.result()
-    except CheckpointError as exc:
-        ctx.log(f"{exc}; the next checkpoint call raises it", level="ERROR", step=pending.step)
-        return
-    ctx.log(f"checkpoint step {info.step} -> {info.path} ({info.bytes} bytes, written in "
-            f"{info.write_s:.2f}s in the background)", step=info.step, write_s=info.write_s)

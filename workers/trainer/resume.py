@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kuangchao.platform.protocol.checkpoint import verify
 from kuangchao.platform.version import __version__
-from kuangchao.workers.checkpoint.format import verify
 from kuangchao.workers.errors import CheckpointError, NumericFault, TrainingError
 from kuangchao.workers.models.factory import build_model
 from kuangchao.workers.runtime.context import TrainContext

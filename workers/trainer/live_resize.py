@@ -4,6 +4,10 @@ See `kuangchao.workers.elastic.generation` for the protocol. Here the trainer's 
 state (model, optimizer, data position, gradient-norm history, RNG) is what
 moves, and the sample record of an audited job (`data.record_samples`) is
 kept true to what was trained.
+
+It lives with the trainer, not in workers/elastic/, because it moves the
+trainer's state (resume.py's `Position`, numerics.py's guard) over a
+`TrainContext`: workers/elastic/ stays below the runtime and the trainer.
 """
 
 from __future__ import annotations

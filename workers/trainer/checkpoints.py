@@ -1,0 +1,105 @@
+"""When and how the built-in trainer checkpoints: periodic saves in the background or
+not, the synchronous final and preemption checkpoints, the log line of each
+commit, and the rule that no background write outlives the train function.
+
+Split from loop.py, which decides at which steps these run; what a checkpoint
+holds (rank state, data position) is resume.py's, and writing it the checkpoint
+manager's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kuangchao.platform.protocol.checkpoint import CheckpointInfo
+from kuangchao.workers.checkpoint.async_save import PendingCheckpoint
+from kuangchao.workers.errors import CheckpointError
+from kuangchao.workers.runtime.context import TrainContext
+from kuangchao.workers.trainer.numerics import GradNormGuard, data_position
+from kuangchao.workers.trainer.resume import Position, rank_state
+
+# A background checkpoint write still running when the train function fails gets
+# at most this long, and at most half of `fault_tolerance.stop_grace_s`: the
+# controller replaces a dead rank in place only if the survivors stop within it.
+PENDING_GRACE_S = 30.0
+
+
+def settles_checkpoints(fn: Callable[[TrainContext], dict[str, Any]]):
+    """Make sure no background checkpoint write outlives the train function.
+
+    On a normal return, the write in flight is waited for and its failure
+    fails the run. When the function raises, its error wins: the write gets a
+    bounded grace (a hung peer can leave it stuck in a collective), and a
+    failure of it is only logged.
+    """
+    @functools.wraps(fn)
+    def wrapper(ctx: TrainContext) -> dict[str, Any]:
+        try:
+            result = fn(ctx)
+        except BaseException:
+            grace = min(PENDING_GRACE_S, ctx.spec.fault_tolerance.stop_grace_s / 2)
+            try:
+                ctx.checkpoint.wait(timeout=grace)
+            except CheckpointError as exc:
+                ctx.log(f"abandoning a checkpoint write: {exc}", level="WARNING")
+            raise
+        ctx.checkpoint.wait()
+        return result
+    return wrapper
+
+
+def save_step(ctx: TrainContext, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          pos: Position, guard: GradNormGuard, *, sync: bool | None = None,
+          ) -> CheckpointInfo | PendingCheckpoint:
+    """Checkpoint `step`, in the background when `checkpoint.async_save` is on.
+
+    The final checkpoint and one taken while a preemption is pending are
+    written synchronously (after any write in flight): the caller hands the
+    committed checkpoint on at once. `sync` overrides the choice.
+
+    Args:
+        pos, guard: The data position (skipped batches) and gradient-norm
+            history, saved so that a restore continues the exact sequence.
+
+    Returns:
+        The committed checkpoint, or the pending one when written in the background.
+    """
+    spec = ctx.spec
+    if sync is None:
+        # preemption_requested() is a collective: fine, every rank reaches save_step at the same step.
+        sync = (not spec.checkpoint.async_save or step >= spec.training.steps
+                or ctx.preemption_requested())
+    state = rank_state(step, pos.skipped, guard)
+    extra = {"parallel": spec.parallel.model_dump(),
+             "data_position": data_position(step, pos.skipped)}
+    with ctx.phase("checkpoint"):
+        if sync:
+            info = ctx.checkpoint.save(step, model, optimizer, rank_state=state, extra=extra)
+        else:
+            pending = ctx.checkpoint.save_async(step, model, optimizer, rank_state=state,
+                                                extra=extra)
+    if sync:
+        if ctx.is_chief:
+            ctx.log(f"checkpoint step {step} -> {info.path} ({info.bytes} bytes, training blocked "
+                    f"{info.blocked_s:.2f}s)", step=step, blocked_s=info.blocked_s)
+        return info
+    if ctx.is_chief:
+        ctx.log(f"checkpoint step {step}: training blocked {pending.blocked_s:.3f}s to stage it; "
+                "writing in the background", step=step, blocked_s=pending.blocked_s)
+        pending.add_done_callback(lambda p: _log_commit(ctx, p))
+    return pending
+
+
+def _log_commit(ctx: TrainContext, pending: PendingCheckpoint) -> None:
+    """Rank 0's log line once a background write ends (runs on the writer thread)."""
+    try:
+        info = pending.result()
+    except CheckpointError as exc:
+        ctx.log(f"{exc}; the next checkpoint call raises it", level="ERROR", step=pending.step)
+        return
+    ctx.log(f"checkpoint step {info.step} -> {info.path} ({info.bytes} bytes, written in "
+            f"{info.write_s:.2f}s in the background)", step=info.step, write_s=info.write_s)
