@@ -125,7 +125,7 @@ def kc_mttr(cluster: BenchCluster, targets: list[int], steps: int, every: int,
         job = run.join(WAIT_S, "the kuangchao job")
     except BaseException:
         with contextlib.suppress(Exception):
-            from kuangchao.platform.jobs import operations as jobs
+            from kuangchao.platform.control import operations as jobs
             jobs.cancel(store, job_id)
         raise
     if run.error is not None:
@@ -154,7 +154,7 @@ def kc_mttr(cluster: BenchCluster, targets: list[int], steps: int, every: int,
 
 def kc_hang(cluster: BenchCluster, at_step: int, every: int, bound_s: float) -> float | None:
     """SIGSTOP rank 1; seconds until kuangchao marks a rank failed, None if not within bound_s."""
-    from kuangchao.platform.jobs import operations as jobs
+    from kuangchao.platform.control import operations as jobs
     folder = cluster.tmp / "kc-hang"
     doc = recovery_spec(100_000, folder, every, 1, "bench-hang")
     tail = TraceTail(folder)

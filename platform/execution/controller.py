@@ -30,8 +30,8 @@ from kuangchao.platform.execution.recovery import Failure, judge, record_failure
 from kuangchao.platform.execution.reports import apply_reports
 from kuangchao.platform.execution.resize import ResizeExecutor
 from kuangchao.platform.execution.watch import RankWatch
+from kuangchao.platform.jobs.claims import LAUNCHING, claim, controller_name
 from kuangchao.platform.jobs.state import Change, JobRecord, JobState, cancel, fail, finish, requeue, start
-from kuangchao.platform.scheduling.orphans import LAUNCHING, controller_name
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
 from kuangchao.workers.checkpoint.format import verify
@@ -136,7 +136,7 @@ class JobController:
         `run` again. Its workers and placement group died with it (they are
         owned by it), so the job can only be recovered, not re-attached.
         """
-        ident = f"{self.name}/{os.getpid()}"
+        ident = claim(self.name, os.getpid())
         previous = self.store.claim_controller(self.job_id, ident)
         if previous is None or previous == ident or previous.endswith("/" + LAUNCHING):
             return False

@@ -25,9 +25,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kuangchao.platform.cluster.registry import Registry, head_node_id
 from kuangchao.platform.execution.controller import JobController
 from kuangchao.platform.jobs import keys
+from kuangchao.platform.jobs.claims import LAUNCHING, claim
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability.logjson import use_json_logs
-from kuangchao.platform.scheduling.orphans import LAUNCHING, RECONCILE_S, OrphanCheck
+from kuangchao.platform.scheduling.orphans import RECONCILE_S, OrphanCheck
 from kuangchao.platform.scheduling.scheduler import Scheduler
 from kuangchao.platform.security.audit import AuditLog
 from kuangchao.platform.security.authority import AUTHORITY_NAME, TokenAuthority, load_signing_key
@@ -154,7 +155,7 @@ def launch_controller(job_id: str, settings: Settings) -> None:
     # If the controller's process dies, Ray starts it again and re-runs `run`,
     # which finds the job mid-flight and recovers it (see JobController._took_over).
     store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
-    store.claim_controller(job_id, f"{name}/{LAUNCHING}")
+    store.claim_controller(job_id, claim(name, LAUNCHING))
     actor = ray.remote(JobControllerActor).options(
         **{**_control_options(name), "max_concurrency": 2, "max_restarts": CONTROL_RESTARTS,
            "max_task_retries": CONTROL_RESTARTS}

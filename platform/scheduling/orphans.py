@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from kuangchao.platform.execution.recovery import Failure, record_failure, requeue_for_recovery
+from kuangchao.platform.jobs.claims import controller_name
 from kuangchao.platform.jobs.state import JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.settings import Settings
@@ -23,12 +24,6 @@ from kuangchao.platform.spec.stored import spec_of
 
 log = logging.getLogger(__name__)
 
-LAUNCHING = "launching"  # the pid part of a controller claim made before it starts
-
-
-def controller_name(ident: str | None) -> str | None:
-    """The actor name in a controller claim `name/pid`."""
-    return ident.rsplit("/", 1)[0] if ident else None
 RECONCILE_S = 5.0
 ORPHAN_AFTER_S = 20.0
 

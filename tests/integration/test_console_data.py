@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from kuangchao.platform.jobs.operations import node_view
+from kuangchao.platform.control.operations import node_view
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
 from kuangchao.workers.runtime.heartbeat import Heartbeat
 

@@ -15,7 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from kuangchao.api.server.app import ROUTERS, app
 from kuangchao.api.server.schemas.jobs import JobPublic, JobStateName
-from kuangchao.platform.jobs import operations
+from kuangchao.platform.control import operations
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
 from kuangchao.platform.security.apikeys import PERMISSIONS, Principal
 from kuangchao.platform.spec.jobspec import validate_spec

@@ -254,7 +254,7 @@ class _FakeStore:
 
 
 def test_submission_resolves_on_the_registry_view_and_the_job_json_shows_plan_and_measured():
-    from kuangchao.platform.jobs import operations as jobs
+    from kuangchao.platform.control import operations as jobs
     from kuangchao.platform.jobs.state import JobRecord, JobState
 
     store = _FakeStore({"nodes": [n.to_json() for n in C4X8.nodes]}, {"step": 5, "step_s": 0.02})

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from kuangchao.platform.jobs import operations
+from kuangchao.platform.control import operations
 from kuangchao.platform.jobs.memory import MemoryStore
 from kuangchao.platform.jobs.state import JobRecord, JobState, finish, start
 from kuangchao.platform.scheduling.plugins.decisions import Admit, Preempt, Resize, Wait

@@ -10,7 +10,7 @@ from kuangchao.api.server.auth import Caller, allowed, require
 from kuangchao.api.server.deps import Store
 from kuangchao.api.server.schemas.cluster import NodeList, NodeReleased
 from kuangchao.api.server.schemas.common import errors
-from kuangchao.platform.jobs.operations import node_view
+from kuangchao.platform.control.operations import node_view
 from kuangchao.platform.security.apikeys import Principal
 
 router = APIRouter(prefix="/v1/nodes", tags=["nodes"], responses=errors(401, 503))

@@ -1,4 +1,4 @@
-"""Responses of `/v1/jobs`: a job (`platform/jobs/operations.job_view`), its
+"""Responses of `/v1/jobs`: a job (`platform/control/operations.job_view`), its
 events, log lines, loss curve and sample record."""
 
 from __future__ import annotations

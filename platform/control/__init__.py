@@ -1,0 +1,1 @@
+"""The job operations the API, the CLI and `kc train` share: submit, cancel, scale, views."""
