@@ -32,9 +32,9 @@ from kuangchao.platform.execution.resize import ResizeExecutor
 from kuangchao.platform.execution.watch import RankWatch
 from kuangchao.platform.jobs.claims import LAUNCHING, claim, controller_name
 from kuangchao.platform.jobs.state import Change, JobRecord, JobState, cancel, fail, finish, requeue, start
+from kuangchao.platform.protocol.checkpoint import job_dir, latest_verified, verify
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
-from kuangchao.workers.checkpoint.format import verify
 from kuangchao.workers.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -275,8 +275,6 @@ class JobController:
 
 
 def _latest_verified(spec: JobSpec, job_id: str) -> Path | None:
-    """The newest verified checkpoint in the job's folder (torch loads only here)."""
-    from kuangchao.workers.checkpoint.manager import CheckpointManager
-
-    latest = CheckpointManager(spec.checkpoint.path, job_id, 0, 1, "").latest_verified()
+    """The newest verified checkpoint in the job's folder."""
+    latest = latest_verified(job_dir(spec.checkpoint.path, job_id))
     return latest[0] if latest else None

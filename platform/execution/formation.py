@@ -15,8 +15,8 @@ from typing import Any
 from kuangchao.platform.errors import KuangchaoError
 from kuangchao.platform.execution.watch import RankHost, RankWatch
 from kuangchao.platform.jobs.state import JobRecord
+from kuangchao.platform.protocol.generation import Generation
 from kuangchao.platform.spec.jobspec import JobSpec
-from kuangchao.workers.elastic.generation import Generation
 
 WatchFactory = Callable[..., Any]
 

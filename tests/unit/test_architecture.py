@@ -438,3 +438,11 @@ def test_the_controller_module_stays_a_composition_of_its_collaborators():
     # growing logic of its own again.
     lines = len((ROOT / "platform/execution/controller.py").read_text().splitlines())
     assert lines <= 300, f"platform/execution/controller.py has {lines} lines"
+
+
+def test_the_controller_loads_no_ray_or_torch_so_its_unit_tests_need_neither():
+    # Ray comes with the default worker group, torch only in the ranks; the
+    # controller reads generations and manifests through platform/protocol.
+    loaded = load_time_closure(ROOT / "platform/execution/controller.py")
+    assert not {m for m in loaded if m.split(".")[0] in ("ray", "torch")}, sorted(
+        m for m in loaded if m.split(".")[0] in ("ray", "torch"))
