@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kuangchao.platform.jobs.state import PlacedRank
 from kuangchao.platform.spec.elastic import ElasticRange, Membership, plan_membership, replicas_left
 
 # Failures the in-place path can handle: the rank's node is still there.
@@ -27,15 +28,6 @@ class Action(enum.StrEnum):
 
 
 @dataclass(frozen=True)
-class Slot:
-    """Where one rank of the current group runs."""
-
-    rank: int
-    node: str
-    node_id: str
-
-
-@dataclass(frozen=True)
 class FailureView:
     """What the controller knows when a rank fails.
 
@@ -43,7 +35,7 @@ class FailureView:
     restarts, max_restarts: From the job record and its spec.
     live: The job resizes in place (elastic, `live_resize`).
     has_group: A placement group still holds the ranks (False once torn down).
-    slots: The current group's ranks.
+    slots: Where the current group's ranks run.
     lost_nodes: Node ids that are gone; blocked: node names in quarantine.
     elastic: The job's replica range.
     """
@@ -54,7 +46,7 @@ class FailureView:
     max_restarts: int
     live: bool
     has_group: bool
-    slots: tuple[Slot, ...]
+    slots: tuple[PlacedRank, ...]
     lost_nodes: frozenset[str] = frozenset()
     blocked: frozenset[str] = frozenset()
     elastic: ElasticRange | None = None
@@ -122,5 +114,5 @@ def _reshape(view: FailureView) -> FailureDecision:
                            membership=m, refill=refill[:usable])
 
 
-def _slot(view: FailureView, rank: int) -> Slot | None:
+def _slot(view: FailureView, rank: int) -> PlacedRank | None:
     return next((s for s in view.slots if s.rank == rank), None)

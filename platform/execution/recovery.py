@@ -21,7 +21,6 @@ from kuangchao.platform.execution.failure_policy import (
     Action,
     FailureDecision,
     FailureView,
-    Slot,
     decide,
     restarts_exhausted,
 )
@@ -118,7 +117,7 @@ def judge(store: JobStore, job_id: str, failure: Failure, group: Any, spec: Any,
     job = store.get(job_id)
     if job.state.is_terminal:
         raise GaveUp(failure.message)
-    slots = tuple(Slot(p.rank, p.node, p.node_id) for p in job.placement if p.rank < group.world)
+    slots = tuple(p for p in job.placement if p.rank < group.world)
     lost = frozenset(s.node_id for s in slots if live and group.node_lost(s.node_id))
     decision = decide(FailureView(
         kind=failure.kind, rank=failure.rank, restarts=job.restarts,

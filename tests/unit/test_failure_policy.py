@@ -1,9 +1,15 @@
 """The failure policy: one pure decision per failed rank."""
 
-from kuangchao.platform.execution.failure_policy import Action, FailureView, Slot, decide
+from kuangchao.platform.execution.failure_policy import Action, FailureView, decide
+from kuangchao.platform.jobs.state import PlacedRank
 from kuangchao.platform.spec.elastic import ElasticRange
 
-SLOTS = (Slot(0, "n0", "id0"), Slot(1, "n1", "id1"), Slot(2, "n2", "id2"), Slot(3, "n3", "id3"))
+
+def slot(rank: int, node: str, node_id: str) -> PlacedRank:
+    return PlacedRank(rank, node, node_id, leaf="leaf0")
+
+
+SLOTS = tuple(slot(r, f"n{r}", f"id{r}") for r in range(4))
 
 
 def view(**kw) -> FailureView:
@@ -62,7 +68,7 @@ def test_a_live_job_refills_a_replica_whose_node_is_still_there():
 
 
 def test_every_rank_on_a_lost_node_is_counted_dead_with_its_replica_peers():
-    slots = (Slot(0, "a", "ida"), Slot(1, "a", "ida"), Slot(2, "b", "idb"), Slot(3, "b", "idb"))
+    slots = (slot(0, "a", "ida"), slot(1, "a", "ida"), slot(2, "b", "idb"), slot(3, "b", "idb"))
     d = decide(view(rank=0, kind="node_lost", live=True, slots=slots,
                     lost_nodes=frozenset({"ida"}), elastic=elastic(max_replicas=2, rpr=2)))
     assert d.action is Action.RESHAPE and d.dead == {0, 1}
