@@ -1,1 +1,2 @@
-"""The built-in trainer: its loop, resume and rollback, numeric-fault guards, debug capture."""
+"""The built-in trainer: its loop, its checkpoints, its side of a live resize, resume and
+rollback, numeric-fault guards, debug capture."""
