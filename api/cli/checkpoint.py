@@ -15,13 +15,13 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from kuangchao.platform.spec.defaults import value
-from kuangchao.workers.checkpoint.format import (
+from kuangchao.platform.protocol.checkpoint import (
     MANIFEST,
     read_manifest,
     step_of,
     verify,
 )
+from kuangchao.platform.spec.defaults import value
 from kuangchao.workers.errors import CheckpointError
 
 checkpoint_app = typer.Typer(help="List, verify and export checkpoints.", no_args_is_help=True)

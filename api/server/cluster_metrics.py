@@ -23,11 +23,11 @@ from prometheus_client.core import (
 )
 
 from kuangchao.platform.cluster import quarantine
-from kuangchao.platform.execution.heartbeat import Beat
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics as m
+from kuangchao.platform.protocol.heartbeat import Beat
 from kuangchao.platform.scheduling.queues import QueueTable
 from kuangchao.platform.spec.defaults import value
 

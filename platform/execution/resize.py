@@ -12,7 +12,7 @@ itself. Either way the controller:
 3. waits until every rank of it is in the new group and holds the state,
    then lets the leaving ranks go and gives their GPUs back.
 
-The ranks do the rest themselves (`kuangchao.workers.elastic.resize`). Should any of
+The ranks do the rest themselves (`kuangchao.workers.trainer.live_resize`). Should any of
 this fail, the job falls back to the requeue path: a restart from its newest
 checkpoint at whatever size the scheduler can place.
 """

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import redis
 
-from kuangchao.platform.execution.heartbeat import Beat, Classifier, Verdict, read_beats
+from kuangchao.platform.execution.heartbeat import Classifier, Verdict, read_beats
 from kuangchao.platform.jobs.store import JobStore
+from kuangchao.platform.protocol.heartbeat import Beat
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ import ray
 
 from kuangchao.platform.cluster.registry import nodes_from_ray
 from kuangchao.platform.cluster.topology import ClusterTopology
+from kuangchao.platform.control import operations as jobs
 from kuangchao.platform.errors import ClusterError, DriverStopped, PlacementError
 from kuangchao.platform.execution.controller import JobController
 from kuangchao.platform.jobs import keys
-from kuangchao.platform.control import operations as jobs
 from kuangchao.platform.jobs.state import JobState, PlacedRank, admit, cancel, fail
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.scheduling.placement import Infeasible, place, traffic_from_spec

@@ -44,9 +44,6 @@ from kuangchao.platform.protocol.checkpoint import (
     check_extra,
     read_manifest,
     step_dir_name,
-    # Not used here: platform/execution/controller.py imports `verify` from this
-    # module until it imports the protocol module.
-    verify,  # noqa: F401
 )
 from kuangchao.workers.checkpoint.async_save import (
     PendingCheckpoint,

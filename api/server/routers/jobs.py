@@ -20,8 +20,8 @@ from kuangchao.api.server.schemas.jobs import (
     MetricPointList,
     SamplesPublic,
 )
-from kuangchao.platform.errors import InvalidTransition, SpecError
 from kuangchao.platform.control import operations as jobs
+from kuangchao.platform.errors import InvalidTransition, SpecError
 from kuangchao.platform.security.apikeys import Principal
 from kuangchao.platform.spec.defaults import value
 from kuangchao.platform.spec.jobspec import validate_spec

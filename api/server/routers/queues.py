@@ -10,8 +10,8 @@ from kuangchao.api.server.auth import Caller, allowed, require
 from kuangchao.api.server.deps import Store, spec_422
 from kuangchao.api.server.schemas.cluster import QueueList
 from kuangchao.api.server.schemas.common import errors
-from kuangchao.platform.errors import SpecError
 from kuangchao.platform.control.operations import queue_view
+from kuangchao.platform.errors import SpecError
 from kuangchao.platform.scheduling.policies import POLICIES
 from kuangchao.platform.scheduling.queues import parse_queues
 from kuangchao.platform.security.apikeys import Principal

@@ -37,7 +37,7 @@ class ProgressPublic(Public):
 
 class CheckpointPublic(Passthrough):
     """A committed checkpoint, as the rank that wrote it listed it
-    (`workers/checkpoint/format.CheckpointInfo` plus `committed_at`). The ranks
+    (`platform/protocol/checkpoint.CheckpointInfo` plus `committed_at`). The ranks
     own this record, so keys added there pass through."""
 
     step: int
