@@ -13,10 +13,12 @@ import pytest
 from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 
-from kuangchao.api.server.app import ROUTERS, app
+from kuangchao.api.server import deps
+from kuangchao.api.server.app import ROUTERS, app, create_app
 from kuangchao.api.server.schemas.jobs import JobPublic, JobStateName
 from kuangchao.platform.control import operations
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
+from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.security.apikeys import PERMISSIONS, Principal
 from kuangchao.platform.spec.jobspec import validate_spec
 
@@ -52,6 +54,15 @@ def test_openapi_documents_a_schema_for_every_operations_success():
                 schema = resolve(doc, body.get("schema") or {})
                 assert schema.get("type") or schema.get("anyOf") or schema.get("oneOf"), (
                     f"{method} {path} {code} {media}: the schema is empty ({body})")
+
+
+def test_building_the_app_and_its_schema_opens_no_store(monkeypatch):
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the app reached for Redis")
+
+    monkeypatch.setattr(JobStore, "from_url", refuse)
+    monkeypatch.setattr(deps, "_store", refuse)
+    assert create_app().openapi()["paths"]
 
 
 def test_openapi_documents_our_validation_error_not_fastapis():
