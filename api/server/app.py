@@ -8,7 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from kuangchao.api.server import metrics
-from kuangchao.api.server.auth import Caller
+from kuangchao.api.server.dependencies.auth import Caller
 from kuangchao.api.server.routers import admin, audit, debug, health, jobs, nodes, queues, ui
 from kuangchao.platform.errors import StoreUnavailable
 from kuangchao.platform.version import __version__

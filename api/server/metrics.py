@@ -29,9 +29,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-from kuangchao.api.server.auth import audit, bearer, caller
 from kuangchao.api.server.cluster_metrics import ClusterCollector
-from kuangchao.api.server.deps import get_store
+from kuangchao.api.server.dependencies.auth import audit, bearer, caller
+from kuangchao.api.server.dependencies.store import get_store
 from kuangchao.api.server.schemas.cluster import ScrapeGroup
 from kuangchao.api.server.schemas.common import errors
 from kuangchao.platform.jobs.store import JobStore
@@ -141,7 +141,7 @@ async def _scraper(request: Request) -> JobStore:
 
 def _start_sd_writer(path: Path) -> None:
     """Keep the workers' file_sd list current (platform/observability/scrape_targets.py)."""
-    from kuangchao.api.server.deps import _store
+    from kuangchao.api.server.dependencies.store import _store
 
     def loop() -> None:
         failing = False

@@ -13,7 +13,7 @@ import pytest
 from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 
-from kuangchao.api.server import deps
+from kuangchao.api.server.dependencies import store as deps
 from kuangchao.api.server.app import ROUTERS, app, create_app
 from kuangchao.api.server.schemas.jobs import JobPublic, JobStateName
 from kuangchao.platform.control import operations

@@ -7,8 +7,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from kuangchao.api.server.auth import allowed, keystore, require
-from kuangchao.api.server.deps import Store
+from kuangchao.api.server.dependencies.auth import allowed, keystore, require
+from kuangchao.api.server.dependencies.store import Store
 from kuangchao.api.server.schemas.access import KeyCreated, KeyList, PrincipalPublic
 from kuangchao.api.server.schemas.common import errors
 from kuangchao.platform.security.apikeys import ROLES, Principal

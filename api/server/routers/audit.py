@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 
-from kuangchao.api.server.auth import audit_log, require
+from kuangchao.api.server.dependencies.auth import audit_log, require
 from kuangchao.api.server.schemas.access import AuditList
 from kuangchao.api.server.schemas.common import errors
 from kuangchao.platform.security.apikeys import Principal

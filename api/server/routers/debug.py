@@ -12,8 +12,8 @@ from fastapi import APIRouter, Body, Depends, HTTPException
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from kuangchao.api.server.auth import allowed, require, visible_job
-from kuangchao.api.server.deps import Store
+from kuangchao.api.server.dependencies.auth import allowed, require, visible_job
+from kuangchao.api.server.dependencies.store import Store
 from kuangchao.api.server.schemas.common import errors
 from kuangchao.api.server.schemas.debug import DebugReport, ProfileStarted, ProfileStatus
 from kuangchao.platform.jobs import debugreq, keys

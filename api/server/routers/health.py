@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from kuangchao.api.server.auth import Caller
-from kuangchao.api.server.deps import Store
+from kuangchao.api.server.dependencies.auth import Caller
+from kuangchao.api.server.dependencies.store import Store
 from kuangchao.api.server.schemas.access import WhoAmI
 from kuangchao.api.server.schemas.cluster import Health
 from kuangchao.api.server.schemas.common import errors

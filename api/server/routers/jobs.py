@@ -8,8 +8,8 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from kuangchao.api.server.auth import allowed, audit, require, visible_job
-from kuangchao.api.server.deps import Store, active_jobs, spec_422
+from kuangchao.api.server.dependencies.auth import allowed, audit, require, visible_job
+from kuangchao.api.server.dependencies.store import Store, active_jobs, spec_422
 from kuangchao.api.server.schemas.common import errors
 from kuangchao.api.server.schemas.jobs import (
     DryRunPublic,

@@ -6,8 +6,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException
 
-from kuangchao.api.server.auth import Caller, allowed, require
-from kuangchao.api.server.deps import Store
+from kuangchao.api.server.dependencies.auth import Caller, allowed, require
+from kuangchao.api.server.dependencies.store import Store
 from kuangchao.api.server.schemas.cluster import NodeList, NodeReleased
 from kuangchao.api.server.schemas.common import errors
 from kuangchao.platform.control.operations import node_view

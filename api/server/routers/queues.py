@@ -6,8 +6,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends
 
-from kuangchao.api.server.auth import Caller, allowed, require
-from kuangchao.api.server.deps import Store, spec_422
+from kuangchao.api.server.dependencies.auth import Caller, allowed, require
+from kuangchao.api.server.dependencies.store import Store, spec_422
 from kuangchao.api.server.schemas.cluster import QueueList
 from kuangchao.api.server.schemas.common import errors
 from kuangchao.platform.control.operations import queue_view

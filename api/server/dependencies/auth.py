@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from fastapi import Depends, HTTPException, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from kuangchao.api.server.deps import Store
+from kuangchao.api.server.dependencies.store import Store
 from kuangchao.platform.errors import JobNotFound
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.state import JobRecord
