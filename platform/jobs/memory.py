@@ -37,6 +37,7 @@ from kuangchao.platform.jobs.encoding import (
     sample_fields_from,
 )
 from kuangchao.platform.jobs.memory_more import Expiring, MemoryExtras
+from kuangchao.platform.jobs.memory_security import MemorySecurity
 from kuangchao.platform.jobs.record_edits import RecordEdits
 from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.observability import metrics
@@ -55,7 +56,7 @@ class _Jobs:
         bisect.insort(self.order, (created_at, job_id))
 
 
-class MemoryStore(RecordEdits, MemoryExtras):
+class MemoryStore(RecordEdits, MemoryExtras, MemorySecurity):
     """Everything `JobStore` offers, held in this process. Safe to share between threads."""
 
     def __init__(self, prefix: str = "kc:") -> None:
@@ -83,6 +84,10 @@ class MemoryStore(RecordEdits, MemoryExtras):
         self._quarantine: dict[str, str] = {}
         self._info: dict[str, str] = {}
         MemoryExtras.__init__(self)
+        MemorySecurity.__init__(self)
+
+    def ping(self) -> bool:
+        return True
 
     # -- records ---------------------------------------------------------------
     def create(self, job: JobRecord, event_message: str = "submitted") -> JobRecord:

@@ -29,6 +29,7 @@ import redis
 
 from kuangchao.platform.execution.heartbeat import Beat
 from kuangchao.platform.jobs import keys
+from kuangchao.platform.jobs.beats import drop_beat, queue_beat
 from kuangchao.platform.jobs.flags import carried_flags, queue_stack_answer
 from kuangchao.platform.jobs.streams import queue_points, queue_progress
 
@@ -101,7 +102,7 @@ class Heartbeat:
             old, self.rank = self.rank, rank
         if old != rank:
             try:
-                self.client.delete(keys.beat(self.prefix, self.job_id, old))
+                drop_beat(self.client, self.prefix, self.job_id, old)
             except redis.RedisError:
                 pass  # it expires on its own
         self.beat_once_quietly()
@@ -154,7 +155,7 @@ class Heartbeat:
         if not delete:
             return
         try:  # a clean exit is not a death: take the key away at once
-            self.client.delete(keys.beat(self.prefix, self.job_id, self.rank))
+            drop_beat(self.client, self.prefix, self.job_id, self.rank)
         except redis.RedisError:
             pass
 
@@ -180,8 +181,7 @@ class Heartbeat:
         flags = list(self.flag_keys.items())
         try:
             with self.client.pipeline(transaction=False) as pipe:
-                pipe.set(keys.beat(self.prefix, self.job_id, self.rank), beat.encode(),
-                         px=int(self.timeout_s * 1000))
+                queue_beat(pipe, self.prefix, self.job_id, self.rank, beat.encode(), self.timeout_s)
                 pipe.get(keys.stack_request(self.prefix, self.job_id, self.rank))
                 for _, key in flags:
                     pipe.exists(key)
