@@ -63,20 +63,17 @@ class MemorySecurity:
             return dict(self._issued.get(job_id, {}))
 
     def forget_tokens(self, job_id: str) -> None:
-        with self._lock:
-            self._issued.pop(job_id, None)
+        self._issued.pop(job_id, None)  # one dict operation: atomic under the GIL
 
     def hold_credentials(self, job_id: str) -> None:
         with self._lock:
             self._holding.add(job_id)
 
     def release_credentials(self, job_id: str) -> None:
-        with self._lock:
-            self._holding.discard(job_id)
+        self._holding.discard(job_id)  # one set operation: atomic under the GIL
 
     def credential_jobs(self) -> set[str]:
-        with self._lock:
-            return set(self._holding)
+        return set(self._holding)
 
     # -- job users ----------------------------------------------------------------------
     def job_user_password(self, job_id: str) -> str | None:
