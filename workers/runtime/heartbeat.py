@@ -241,7 +241,10 @@ class Heartbeat:
 
 
 def heartbeat_client(url: str, timeout_s: float) -> redis.Redis:
-    """A Redis client for heartbeats: no retries inside redis-py, short timeouts."""
+    """A Redis client for heartbeats: no retries inside redis-py, short timeouts. The one
+    client outside the store on a rank (the store's rides out a Redis restart for
+    seconds, which would hold beats past their TTL); it writes through the store's
+    functions (platform/jobs/beats.py, streams.py, flags.py, debug_requests.py)."""
     limit = max(0.5, min(5.0, timeout_s / 3))
     return redis.Redis.from_url(url, socket_connect_timeout=limit, socket_timeout=limit,
                                 decode_responses=True)
