@@ -106,7 +106,7 @@ class MemoryStore(RecordEdits, MemoryExtras, MemorySecurity):
     def list(self, limit: int = 1000) -> list[JobRecord]:
         """The newest `limit` jobs, oldest first."""
         with self._lock:
-            ids = [i for _, i in self._jobs.order[-limit:]] if limit > 0 else []
+            ids = [i for _, i in self._jobs.order[-limit:]]  # ZRANGE -limit -1
         return self._loaded(ids)
 
     def list_active(self) -> list[JobRecord]:
