@@ -257,7 +257,7 @@ def main() -> None:
     with redis_url() as url:
         try:
             store = JobStore.from_url(url, prefix)
-            key, _ = KeyStore(store.r, store.p).create("bench", "bench-tenant", "submitter")
+            key, _ = KeyStore(store).create("bench", "bench-tenant", "submitter")
             env = {**os.environ, "KC_REDIS_URL": url, "KC_REDIS_PREFIX": prefix,
                    "KC_HOME": str(tmp / "home"), "PYTHONPATH": str(REPO_ROOT)}
             env.pop("KC_AUDIT_FILE", None)

@@ -60,6 +60,7 @@ def test_list_gives_the_newest_oldest_first_and_the_active_set_keeps_old_waiting
         store.create(job(i))
     assert [j.id for j in store.list(limit=3)] == ["j002", "j003", "j004"]
     assert [j.id for j in store.list()] == ["j000", "j001", "j002", "j003", "j004"]
+    assert len(store.list(limit=0)) == 5 and len(store.list(limit=50)) == 5  # as ZRANGE reads it
     store.update("j002", lambda j: cancel(j, "done"))
     assert [j.id for j in store.list_active()] == ["j000", "j001", "j003", "j004"]
     assert store.get("j002").state is JobState.CANCELLED

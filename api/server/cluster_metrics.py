@@ -8,7 +8,6 @@ histograms the scheduler, controllers, ranks and token authority recorded
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import defaultdict
@@ -23,11 +22,9 @@ from prometheus_client.core import (
 )
 
 from kuangchao.platform.cluster import quarantine
-from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics as m
-from kuangchao.platform.protocol.heartbeat import Beat
 from kuangchao.platform.scheduling.queues import QueueTable
 from kuangchao.platform.spec.defaults import value
 
@@ -101,27 +98,9 @@ class ClusterCollector:
         yield from recorded_families(m.merge(samples, zeros))
 
     def _read(self, jobs: list[JobRecord]) -> dict[str, Any]:
-        """Everything the gauges need, in one pipelined round trip."""
-        store = self.store
-        with store.r.pipeline(transaction=False) as pipe:
-            pipe.hgetall(keys.cluster_metrics(store.p))
-            pipe.get(keys.info(store.p, "nodes"))
-            pipe.get(keys.info(store.p, "queues"))
-            for job in jobs:
-                pipe.hgetall(keys.job_metrics(store.p, job.id))
-                pipe.hgetall(keys.progress(store.p, job.id))
-                pipe.lindex(keys.checkpoints(store.p, job.id), -1)
-                pipe.mget([keys.beat(store.p, job.id, r) for r in range(max(1, job.world_size))])
-            out = pipe.execute()
-        reads: dict[str, Any] = {"cluster": out[0], "nodes": _json(out[1]) or {"nodes": []},
-                                 "queues": _json(out[2]), "jobs": {}, "progress": {},
-                                 "checkpoint": {}, "beats": {}}
-        for i, job in enumerate(jobs):
-            base = 3 + 4 * i
-            reads["jobs"][job.id] = out[base]
-            reads["progress"][job.id] = {k: _json(v) for k, v in out[base + 1].items()}
-            reads["checkpoint"][job.id] = _json(out[base + 2])
-            reads["beats"][job.id] = out[base + 3]
+        """Everything the gauges need, in one read of the store."""
+        reads = self.store.read_for_gauges([(job.id, job.world_size) for job in jobs])
+        reads["nodes"] = reads["nodes"] or {"nodes": []}
         return reads
 
     def _job_gauges(self, jobs: list[JobRecord], reads: dict[str, Any],
@@ -151,8 +130,7 @@ class ClusterCollector:
                 fams["kc_job_checkpoint_age_seconds"].add_metric([job.id], max(0.0, now - last))
             if not job.state.holds_resources or job.state is JobState.PLACING:
                 continue
-            for rank, raw in enumerate(reads["beats"][job.id][:job.world_size]):
-                beat = Beat.decode(rank, raw) if raw else None
+            for rank, beat in enumerate(reads["beats"][job.id][:job.world_size]):
                 fams["kc_rank_heartbeat_up"].add_metric([job.id, str(rank)], 1 if beat else 0)
                 if beat is not None:
                     fams["kc_rank_heartbeat_age_seconds"].add_metric(
@@ -209,12 +187,3 @@ class ClusterCollector:
         for kind, n in (("total", total), ("used", used), ("free", max(0, total - used))):
             fam.add_metric([kind], n)
         yield fam
-
-
-def _json(raw: Any) -> Any:
-    if raw is None:
-        return None
-    try:
-        return json.loads(raw)
-    except (TypeError, ValueError):
-        return None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import redis
 
-from kuangchao.platform.execution.heartbeat import Classifier, Verdict, read_beats
+from kuangchao.platform.execution.heartbeat import Classifier, Verdict
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.protocol.heartbeat import Beat
 
@@ -95,7 +95,7 @@ class RankWatch:
         """Read every beat once; return the ranks judged failed (none while Redis is away)."""
         now = self.clock()
         try:
-            beats = read_beats(self.store.r, self.store.p, self.job_id, self.ranks,
+            beats = self.store.beats(self.job_id, self.ranks,
                                cache=self._parsed)
             if self.clock() - now > max(1.0, 2 * self.interval_s):
                 # The read waited out an outage (the client retries): beats

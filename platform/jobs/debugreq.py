@@ -23,8 +23,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kuangchao.platform.jobs import keys
-
 KINDS = ("comm", "memory", "gradient", "profile")
 SYNCED_KINDS = ("gradient", "profile")  # captured by every rank at one agreed step
 ANSWER_TTL_S = 3600
@@ -53,32 +51,19 @@ class DebugRequest:
             return None
 
 
-
-
-def post(client: Any, prefix: str, job_id: str, kind: str, step: int | None = None,
-         steps: int = 1) -> DebugRequest:
-    """Ask the job's ranks; the request replaces any earlier one."""
+def new_request(kind: str, step: int | None = None, steps: int = 1) -> DebugRequest:
+    """A fresh request of `kind`; the store posts it (`post_debug`), replacing any earlier one."""
     if kind not in KINDS:
         raise ValueError(f"unknown debug kind {kind!r}; choose one of {', '.join(KINDS)}")
-    req = DebugRequest(secrets.token_hex(6), kind, step, steps, time.time())
-    client.set(keys.debug_request(prefix, job_id), req.to_json(), ex=ANSWER_TTL_S)
-    return req
+    return DebugRequest(secrets.token_hex(6), kind, step, steps, time.time())
 
 
-def answer(client: Any, prefix: str, job_id: str, request_id: str, rank: int,
-           body: dict[str, Any]) -> None:
-    key = keys.debug_answers(prefix, job_id, request_id)
-    with client.pipeline(transaction=False) as pipe:
-        pipe.hset(key, str(rank), json.dumps(body, default=str))
-        pipe.expire(key, ANSWER_TTL_S)
-        pipe.execute()
-
-
-def read_answers(client: Any, prefix: str, job_id: str, request_id: str) -> dict[int, dict]:
+def parse_answers(raw: dict[str, str]) -> dict[int, dict]:
+    """rank -> answer, from the stored rank -> JSON text; what does not parse is left out."""
     out = {}
-    for rank, raw in client.hgetall(keys.debug_answers(prefix, job_id, request_id)).items():
+    for rank, text in raw.items():
         try:
-            out[int(rank)] = json.loads(raw)
+            out[int(rank)] = json.loads(text)
         except (TypeError, ValueError):
             continue
     return out

@@ -19,6 +19,7 @@ METRICS_CAP = 50_000
 EVENT_CAP = 5_000
 REPORT_ANSWER_TTL_S = 600
 STACK_TTL_S = 3600  # a rank's answer to a stack request
+AUDIT_CAP = 200_000  # records the audit stream keeps (about: Redis trims it in whole nodes)
 
 
 def event_text(event: dict[str, Any]) -> str:

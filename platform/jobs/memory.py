@@ -17,10 +17,9 @@ import json
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
-from kuangchao.platform.errors import JobNotFound, StoreUnavailable
+from kuangchao.platform.errors import JobNotFound
 from kuangchao.platform.jobs.encoding import (
     EVENT_CAP,
     LOG_CAP,
@@ -37,6 +36,7 @@ from kuangchao.platform.jobs.encoding import (
     sample_fields_from,
 )
 from kuangchao.platform.jobs.memory_more import Expiring, MemoryExtras
+from kuangchao.platform.jobs.memory_security import MemorySecurity
 from kuangchao.platform.jobs.record_edits import RecordEdits
 from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.observability import metrics
@@ -55,7 +55,7 @@ class _Jobs:
         bisect.insort(self.order, (created_at, job_id))
 
 
-class MemoryStore(RecordEdits, MemoryExtras):
+class MemoryStore(RecordEdits, MemoryExtras, MemorySecurity):
     """Everything `JobStore` offers, held in this process. Safe to share between threads."""
 
     def __init__(self, prefix: str = "kc:") -> None:
@@ -70,11 +70,7 @@ class MemoryStore(RecordEdits, MemoryExtras):
         self._samples: defaultdict[str, dict[str, str]] = defaultdict(dict)
         self._controllers: dict[str, str] = {}
         self._answers = Expiring()  # (job, report id) -> JSON answer
-        self._cancelled: set[str] = set()
-        self._preempting: dict[str, str] = {}
-        self._resizing: set[str] = set()
-        self._generations: dict[str, str] = {}
-        self._rejoin: dict[str, int] = {}
+        self._flags: dict[tuple[str, str], Any] = {}
         self._stack_asks = Expiring()  # (job, rank) -> "1"
         self._stack_texts = Expiring()  # (job, rank) -> the rank's stacks
         self._wakes: list[str] = []
@@ -83,6 +79,10 @@ class MemoryStore(RecordEdits, MemoryExtras):
         self._quarantine: dict[str, str] = {}
         self._info: dict[str, str] = {}
         MemoryExtras.__init__(self)
+        MemorySecurity.__init__(self)
+
+    def ping(self) -> bool:
+        return True
 
     # -- records ---------------------------------------------------------------
     def create(self, job: JobRecord, event_message: str = "submitted") -> JobRecord:
@@ -106,7 +106,7 @@ class MemoryStore(RecordEdits, MemoryExtras):
     def list(self, limit: int = 1000) -> list[JobRecord]:
         """The newest `limit` jobs, oldest first."""
         with self._lock:
-            ids = [i for _, i in self._jobs.order[-limit:]] if limit > 0 else []
+            ids = [i for _, i in self._jobs.order[-limit:]]  # ZRANGE -limit -1
         return self._loaded(ids)
 
     def list_active(self) -> list[JobRecord]:
@@ -120,26 +120,9 @@ class MemoryStore(RecordEdits, MemoryExtras):
             raws = [self._jobs.text.get(i) for i in ids]
         return [JobRecord.from_json(json.loads(r)) for r in raws if r]
 
-    def update(self, job_id: str, fn: Callable[[JobRecord], tuple[JobRecord, dict | None] | None],
-               attempts: int = 50) -> JobRecord | None:
-        """Read-modify-write with compare-and-set, as `JobStore.update`: `fn` runs
-        outside the lock, so it may run again when another writer got in first."""
-        for _ in range(attempts):
-            cur = self.get(job_id)
-            out = fn(cur)
-            if out is None:
-                return None
-            new, event = out
-            new = dataclasses.replace(new, version=cur.version + 1)
-            committed = self._commit(cur, new, event)
-            if committed is None:
-                raise JobNotFound(f"job {job_id!r} vanished from the store")
-            if committed:
-                return new
-        raise StoreUnavailable(f"job {job_id}: too much write contention; retry the request")
-
-    def _commit(self, cur: JobRecord, new: JobRecord, event: dict[str, Any] | None) -> bool | None:
-        """The commit script's step: None when the record is gone, False on a stale version."""
+    def _commit_change(self, cur: JobRecord, new: JobRecord, event: dict[str, Any] | None) -> bool | None:
+        """The commit script's step, under the lock (`update` runs `fn` outside it, so
+        `fn` may run again when another writer got in first)."""
         finishing = new.state.is_terminal and not cur.state.is_terminal
         if finishing:
             counted = metrics.increments(metrics.JOBS_FINISHED, 1.0,
@@ -265,59 +248,62 @@ class MemoryStore(RecordEdits, MemoryExtras):
         found = {r: self._stack_texts.get((job_id, r)) for r in ranks}
         return {r: text for r, text in found.items() if text}
 
-    def request_cancel(self, job_id: str) -> None:
+    # One table of raised flags: (flag, job) -> value (cancel, preempt, resize, rejoin,
+    # and the published generation).
+    def _raise(self, flag: str, job_id: str, value: Any = "1") -> None:
         with self._lock:
-            self._cancelled.add(job_id)
+            self._flags[flag, job_id] = value
+
+    def _flag(self, flag: str, job_id: str) -> Any:
+        with self._lock:
+            return self._flags.get((flag, job_id))
+
+    def _lower(self, flag: str, job_id: str) -> None:
+        with self._lock:
+            self._flags.pop((flag, job_id), None)
+
+    def request_cancel(self, job_id: str) -> None:
+        self._raise("cancel", job_id)
         self.wake_scheduler(job_id)
 
     def cancel_requested(self, job_id: str) -> bool:
-        with self._lock:
-            return job_id in self._cancelled
+        return self._flag("cancel", job_id) is not None
 
     def request_preempt(self, job_id: str, for_job: str) -> None:
-        with self._lock:
-            self._preempting[job_id] = for_job
+        self._raise("preempt", job_id, for_job)
 
     def preempt_requested(self, job_id: str) -> bool:
-        with self._lock:
-            return job_id in self._preempting
+        return self._flag("preempt", job_id) is not None
 
     def clear_preempt(self, job_id: str) -> None:
-        with self._lock:
-            self._preempting.pop(job_id, None)
+        self._lower("preempt", job_id)
 
     def request_resize(self, job_id: str) -> None:
-        with self._lock:
-            self._resizing.add(job_id)
+        self._raise("resize", job_id)
 
     def resize_requested(self, job_id: str) -> bool:
-        with self._lock:
-            return job_id in self._resizing
+        return self._flag("resize", job_id) is not None
 
     def clear_resize(self, job_id: str) -> None:
-        with self._lock:
-            self._resizing.discard(job_id)
+        self._lower("resize", job_id)
 
     def publish_generation(self, job_id: str, generation: dict[str, Any], signal: bool) -> None:
-        text = json.dumps(generation)
-        with self._lock:
-            self._generations[job_id] = text
+        with self._lock:  # both at once, as the Redis store's transaction
+            self._raise("generation", job_id, json.dumps(generation))
             if signal:
-                self._rejoin[job_id] = int(generation["gen"])
-            else:
-                self._rejoin.pop(job_id, None)
+                self._raise("rejoin", job_id, int(generation["gen"]))
+            else:  # a group formed from scratch: no earlier request may reach its ranks
+                self._lower("rejoin", job_id)
 
     def generation(self, job_id: str) -> dict[str, Any] | None:
-        with self._lock:
-            return loads_or_none(self._generations.get(job_id))
+        return loads_or_none(self._flag("generation", job_id))
 
     def rejoin_requested(self, job_id: str) -> int:
-        with self._lock:
-            return self._rejoin.get(job_id, 0)
+        """The generation ranks are asked to rejoin, 0 when none."""
+        return self._flag("rejoin", job_id) or 0
 
     def clear_rejoin(self, job_id: str) -> None:
-        with self._lock:
-            self._rejoin.pop(job_id, None)
+        self._lower("rejoin", job_id)
 
     def _wake(self, reason: str) -> None:
         with self._woken:

@@ -10,6 +10,7 @@ from collections import defaultdict
 from collections.abc import Hashable
 from typing import Any
 
+from kuangchao.platform.jobs.scrape_reads import read_for_gauges
 from kuangchao.platform.observability.metrics import MetricsRecorder
 
 
@@ -50,6 +51,9 @@ class MemoryExtras:
         self._targets: defaultdict[str, dict[str, str]] = defaultdict(dict)
 
     # -- metrics -------------------------------------------------------------------
+    def read_for_gauges(self, jobs: list[tuple[str, int]]) -> dict[str, Any]:
+        return read_for_gauges(self, jobs)  # type: ignore[arg-type]
+
     def recorder(self, job_id: str | None = None) -> MetricsRecorder:
         return MetricsRecorder(lambda fields: self.add_metric_fields(job_id, fields),
                                f"memory metrics of {job_id or 'the cluster'}")

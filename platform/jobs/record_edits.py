@@ -1,5 +1,5 @@
-"""Edits of a job record that both stores build on their compare-and-set `update`:
-annotating the newest restart or resize entry, and closing a resize. Pure."""
+"""What both stores build on their one compare-and-set step (`_commit_change`):
+`update`, annotating the newest restart or resize entry, and closing a resize. Pure."""
 
 from __future__ import annotations
 
@@ -7,13 +7,49 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from kuangchao.platform.errors import JobNotFound, StoreUnavailable
 from kuangchao.platform.jobs.state import JobRecord
 
 
 class RecordEdits:
-    """Mixed into a store that has `update(job_id, fn)`."""
+    """Mixed into a store that has `get` and `_commit_change`."""
 
-    update: Callable[..., JobRecord | None]
+    get: Callable[[str], JobRecord]
+
+    def _commit_change(self, cur: JobRecord, new: JobRecord, event: dict[str, Any] | None) -> bool | None:
+        """Store `new` (with its event) if `cur` is still the stored version: True when
+        done, False when another writer got in first, None when the record is gone."""
+        raise NotImplementedError
+
+    def update(
+        self,
+        job_id: str,
+        fn: Callable[[JobRecord], tuple[JobRecord, dict | None] | None],
+        attempts: int = 50,
+    ) -> JobRecord | None:
+        """Read-modify-write with compare-and-set.
+
+        Args:
+            job_id: The job.
+            fn: Given the current record, returns `(new_record, event_or_None)`,
+                or None to leave the record alone. It may run more than once.
+
+        Returns:
+            The stored new record, or None when `fn` chose not to change it.
+        """
+        for _ in range(attempts):
+            cur = self.get(job_id)
+            out = fn(cur)
+            if out is None:
+                return None
+            new, event = out
+            new = dataclasses.replace(new, version=cur.version + 1)
+            done = self._commit_change(cur, new, event)
+            if done is None:
+                raise JobNotFound(f"job {job_id!r} vanished from the store")
+            if done:
+                return new
+        raise StoreUnavailable(f"job {job_id}: too much write contention; retry the request")
 
     def annotate_restart(self, job_id: str, fields: dict[str, Any]) -> JobRecord | None:
         """Add timings to the newest restart entry, keeping fields already set.

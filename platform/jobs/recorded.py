@@ -10,7 +10,9 @@ from typing import Any
 import redis
 
 from kuangchao.platform.jobs import keys
+from kuangchao.platform.jobs.encoding import decoded
 from kuangchao.platform.observability.metrics import MetricsRecorder
+from kuangchao.platform.protocol.heartbeat import Beat
 
 
 class Recorded:
@@ -56,3 +58,46 @@ class Recorded:
                 pipe.hgetall(keys.targets(self.p, job_id))
             raws = pipe.execute()
         return dict(zip(job_ids, raws, strict=True))
+
+    def read_for_gauges(self, jobs: list[tuple[str, int]]) -> dict[str, Any]:
+        """`scrape_reads.read_for_gauges`, in one pipelined round trip."""
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.cluster_metrics(self.p))
+            pipe.get(keys.info(self.p, "nodes"))
+            pipe.get(keys.info(self.p, "queues"))
+            for job_id, world in jobs:
+                pipe.hgetall(keys.job_metrics(self.p, job_id))
+                pipe.hgetall(keys.progress(self.p, job_id))
+                pipe.lindex(keys.checkpoints(self.p, job_id), -1)
+                pipe.mget([keys.beat(self.p, job_id, r) for r in range(max(1, world))])
+            out = pipe.execute()
+        reads: dict[str, Any] = {"cluster": _floats(out[0]), "nodes": _json(out[1]),
+                                 "queues": _json(out[2]), "jobs": {}, "progress": {},
+                                 "checkpoint": {}, "beats": {}}
+        for i, (job_id, _) in enumerate(jobs):
+            base = 3 + 4 * i
+            reads["jobs"][job_id] = _floats(out[base])
+            reads["progress"][job_id] = decoded(out[base + 1])
+            reads["checkpoint"][job_id] = _json(out[base + 2])
+            reads["beats"][job_id] = [Beat.decode(r, raw) if raw else None
+                                      for r, raw in enumerate(out[base + 3])]
+        return reads
+
+
+def _floats(raw: dict[str, str]) -> dict[str, float]:
+    out = {}
+    for f, v in raw.items():
+        try:
+            out[f] = float(v)
+        except ValueError:
+            continue  # not a number: parse_hash would skip it too
+    return out
+
+
+def _json(raw: str | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None  # a corrupt table reads as missing; the gauges fall back

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from typing import Any
 
 import redis
 
-from kuangchao.platform.errors import JobNotFound, StoreUnavailable
+from kuangchao.platform.errors import JobNotFound
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.encoding import EVENT_CAP, created_event, event_text
 from kuangchao.platform.jobs.record_edits import RecordEdits
@@ -91,35 +90,9 @@ class Records(RecordEdits):
         raws = self.r.mget([keys.job(self.p, i) for i in ids])
         return [JobRecord.from_json(json.loads(r)) for r in raws if r]
 
-    def update(
-        self,
-        job_id: str,
-        fn: Callable[[JobRecord], tuple[JobRecord, dict | None] | None],
-        attempts: int = 50,
-    ) -> JobRecord | None:
-        """Read-modify-write with compare-and-set.
-
-        Args:
-            job_id: The job.
-            fn: Given the current record, returns `(new_record, event_or_None)`,
-                or None to leave the record alone. It may run more than once.
-
-        Returns:
-            The stored new record, or None when `fn` chose not to change it.
-        """
-        for _ in range(attempts):
-            cur = self.get(job_id)
-            out = fn(cur)
-            if out is None:
-                return None
-            new, event = out
-            new = dataclasses.replace(new, version=cur.version + 1)
-            ok = self._commit(*self._commit_call(cur, new, event))
-            if ok == 1:
-                return new
-            if ok == -1:
-                raise JobNotFound(f"job {job_id!r} vanished from the store")
-        raise StoreUnavailable(f"job {job_id}: too much write contention; retry the request")
+    def _commit_change(self, cur: JobRecord, new: JobRecord, event: dict[str, Any] | None) -> bool | None:
+        ok = self._commit(*self._commit_call(cur, new, event))
+        return None if ok == -1 else ok == 1
 
     def _commit_call(self, cur: JobRecord, new: JobRecord,
                      event: dict[str, Any] | None) -> tuple[list[str], list[str]]:

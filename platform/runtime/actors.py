@@ -24,7 +24,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kuangchao.platform.cluster.registry import Registry, head_node_id
 from kuangchao.platform.execution.controller import JobController
-from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.claims import LAUNCHING, claim
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability.logjson import use_json_logs
@@ -79,8 +78,7 @@ class TokenAuthorityActor:
         store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
         key, self.key_source = ((generate_key(), "ephemeral") if ephemeral else
                                 load_signing_key(settings.signing_key_file, settings.dev))
-        self.authority = TokenAuthority(store, key, AuditLog(store.r, keys.audit(store.p),
-                                                             audit_file()),
+        self.authority = TokenAuthority(store, key, AuditLog(store, audit_file()),
                                         settings.redis_url, job_acl=settings.job_acl)
         self._stop = threading.Event()
         threading.Thread(target=self._sweep, daemon=True, name="kc-authority-sweep").start()

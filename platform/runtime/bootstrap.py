@@ -80,7 +80,7 @@ def prepare(store: JobStore, opts: BootstrapOptions, log: Callable[[str], None])
     if opts.admin_key_file:
         key = read_admin_key(opts.admin_key_file)
         try:
-            who = KeyStore(store.r, store.p).register(key)
+            who = KeyStore(store).register(key)
         except ValueError as exc:
             raise ClusterError(f"cannot register the admin key in {opts.admin_key_file}: "
                                f"{exc}") from None

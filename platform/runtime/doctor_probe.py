@@ -60,7 +60,7 @@ def redis_facts(url: str | None) -> dict[str, Any]:
     if not url:
         return {"url": None, "error": "no Redis configured (KC_REDIS_URL, or `kc up`)"}
     out: dict[str, Any] = {"url": redact(url)}
-    try:
+    try:  # a raw client, not the store: `kc doctor` probes a URL, with short timeouts, to say what it finds
         client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=5,
                                       decode_responses=True)
         client.ping()

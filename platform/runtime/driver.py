@@ -25,7 +25,6 @@ from kuangchao.platform.cluster.topology import ClusterTopology
 from kuangchao.platform.control import operations as jobs
 from kuangchao.platform.errors import ClusterError, DriverStopped, PlacementError
 from kuangchao.platform.execution.controller import JobController
-from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.state import JobState, PlacedRank, admit, cancel, fail
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.scheduling.placement import Infeasible, place, traffic_from_spec
@@ -137,7 +136,7 @@ def run_as_driver(doc: dict[str, Any], settings: Settings | None = None) -> dict
     # `parallel: auto` is planned on the nodes Ray has now (the registry may not run).
     cluster = ClusterTopology("ray", nodes_from_ray(ray.nodes())) if spec.parallel.auto else None
     job = jobs.submit(store, spec, driver="external", owner=owner, tenant=tenant, cluster=cluster)
-    AuditLog(store.r, keys.audit(store.p), audit_file()).record(AuditRecord(
+    AuditLog(store, audit_file()).record(AuditRecord(
         principal=f"driver:{owner}", action="job.submit", resource=f"job/{job.id}",
         decision="allow", reason=f"kc train, tenant {tenant}", job=job.id))
     print(f"job {job.id} submitted", file=sys.stderr, flush=True)

@@ -137,7 +137,7 @@ def _bootstrap_secrets(state: dict[str, Any], store: JobStore) -> None:
         state.update(signing_key_file=str(path), dev_mode=True)
     state["metrics_token_file"] = str(home / "metrics-token")
     _write_private(home / "metrics-token", secrets.token_urlsafe(32) + "\n")
-    key = KeyStore(store.r, store.p).bootstrap_admin()
+    key = KeyStore(store).bootstrap_admin()
     _write_private(credentials_file(), "# kuangchao credentials, written by `kc up`. Keep private.\n"
                    f"[default]\napi_key = {key}\n")
     _log(f"admin key  in {credentials_file()} (kc uses it; `kc admin key create` makes more)")

@@ -19,7 +19,6 @@ from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-STREAM_MAXLEN = 200_000
 
 
 @dataclass(frozen=True)
@@ -40,13 +39,13 @@ class AuditLog:
     """Writes records to a Redis stream and a JSONL file, and reads them back.
 
     Args:
-        client: A redis-py client, or None for the file alone.
-        stream: The stream key (with the deployment's prefix).
+        store: The job store (its `append_audit` and `audit_lines`), or None for
+            the file alone.
         path: The JSONL file, or None for the stream alone.
     """
 
-    def __init__(self, client: Any, stream: str, path: Path | None) -> None:
-        self.client, self.stream, self.path = client, stream, path
+    def __init__(self, store: Any, path: Path | None) -> None:
+        self.store, self.path = store, path
         self._lock = threading.Lock()
         self._file: Any = None
         if path is not None:
@@ -60,9 +59,9 @@ class AuditLog:
                     self._write(line + "\n")
             except OSError as exc:
                 log.error("audit file %s not written: %s; record: %s", self.path, exc, line)
-        if self.client is not None:
+        if self.store is not None:
             try:
-                self.client.xadd(self.stream, {"r": line}, maxlen=STREAM_MAXLEN, approximate=True)
+                self.store.append_audit(line)
             except Exception as exc:  # Redis away: the file still has it
                 log.error("audit stream not written: %s; record: %s", exc, line)
 
@@ -91,10 +90,9 @@ class AuditLog:
         """
         if action in ("allow", "deny"):
             decision, action = action, None
-        start = f"{int(since * 1000)}-0" if since is not None else "-"
         out: list[dict[str, Any]] = []
-        for _, fields in self.client.xrevrange(self.stream, max="+", min=start):
-            rec = json.loads(fields["r"])
+        for line in self.store.audit_lines(since):
+            rec = json.loads(line)
             if job is not None and rec.get("job") != job:
                 continue
             if decision is not None and rec.get("decision") != decision:

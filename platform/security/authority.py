@@ -120,18 +120,11 @@ class TokenAuthority:
         self._public = public_pem(key)
         self._verifier = Verifier(key.public_key(), self.is_revoked, clock)
 
-    # -- keys in Redis -------------------------------------------------------------
-    def revoked_key(self, token_id: str) -> str:
-        return keys.revoked(self.store.p, token_id)
-
-    def _issued_key(self, job_id: str) -> str:
-        return keys.issued(self.store.p, job_id)
-
     def public_key(self) -> bytes:
         return self._public
 
     def is_revoked(self, token_id: str) -> bool:
-        return bool(self.store.r.exists(self.revoked_key(token_id)))
+        return self.store.token_revoked(token_id)
 
     # -- minting -------------------------------------------------------------------
     def _audit(self, module: str, action: str, resource: str, decision: str, reason: str,
@@ -143,7 +136,7 @@ class TokenAuthority:
               ttl_s: float, action: str = "token.mint") -> tuple[str, Claims]:
         token, claims = self._minter.mint(module, job_id, role, scope, interfaces, ttl_s,
                                           now=self.clock())
-        self.store.r.hset(self._issued_key(job_id), claims.token_id, str(claims.expires_at))
+        self.store.record_token(job_id, claims.token_id, claims.expires_at)
         self._audit(module, action, f"token/{claims.token_id}", "allow",
                     f"role={role} ifaces={','.join(sorted(interfaces))} "
                     f"expires={int(claims.expires_at)}", job_id)
@@ -163,7 +156,7 @@ class TokenAuthority:
         password) for later ranks: replacements and grown replicas.
         """
         spec = JobSpec.model_validate(self.store.get(job_id).spec)
-        self.store.r.sadd(keys.auth_jobs(self.store.p), job_id)
+        self.store.hold_credentials(job_id)
         url = self.job_redis_url(job_id)
         interfaces = TRAINER_BASE | frozenset(spec.permission.collectives)
         out = {}
@@ -178,7 +171,7 @@ class TokenAuthority:
         """A token for one of the job's other modules (its controller, a data
         loader, a monitor): the role's interfaces, the job's checkpoint prefix."""
         spec = JobSpec.model_validate(self.store.get(job_id).spec)
-        self.store.r.sadd(keys.auth_jobs(self.store.p), job_id)
+        self.store.hold_credentials(job_id)
         full = self.trainer_scope(job_id, spec, ())
         scope = Scope(checkpoint_prefix=full.checkpoint_prefix, redis_prefix=full.redis_prefix)
         token, _ = self._mint(f"{job_id}/{module}", job_id, role, scope, ROLE_INTERFACES[role],
@@ -188,11 +181,9 @@ class TokenAuthority:
     def job_redis_url(self, job_id: str) -> str | None:
         if not self.job_acl or not self.admin_url:
             return self.admin_url
-        secret_key = keys.job_user_secret(self.store.p, job_id)
-        password = self.store.r.get(secret_key)
+        password = self.store.job_user_password(job_id)
         if password is None:
-            _, password = redis_acl.grant_job_user(self.store.r, self.store.p, job_id)
-            self.store.r.set(secret_key, password)
+            password = self.store.grant_job_user(job_id)
             self._audit("token-authority", "redis.grant", f"redis-user/{redis_acl.job_user(job_id)}",
                         "allow", f"keys {keys.job(self.store.p, job_id)}[:*]", job_id)
         return redis_acl.url_for(self.admin_url, redis_acl.job_user(job_id), password)
@@ -222,7 +213,7 @@ class TokenAuthority:
                job: str | None = None, quiet: bool = False) -> None:
         """Refuse a token from now on; the mark lasts until the token would expire anyway."""
         ttl = max(1, int((expires_at or self.clock() + 86400) - self.clock()) + 1)
-        self.store.r.set(self.revoked_key(token_id), reason, ex=ttl)
+        self.store.revoke_token(token_id, reason, ttl)
         if not quiet:
             self._audit("token-authority", "token.revoke", f"token/{token_id}", "allow", reason, job)
 
@@ -233,22 +224,21 @@ class TokenAuthority:
         user stays until the job ends (the sweep removes it): its ranks must
         still read the revocation marks, fail with the reason, and say so.
         """
-        issued = self.store.r.hgetall(self._issued_key(job_id))
         now = self.clock()
-        live = {tid: float(exp) for tid, exp in issued.items() if float(exp) > now}
+        live = {tid: exp for tid, exp in self.store.issued_tokens(job_id).items() if exp > now}
         for tid, exp in live.items():
             self.revoke(tid, reason, exp, job=job_id, quiet=True)
-        self.store.r.delete(self._issued_key(job_id))
+        self.store.forget_tokens(job_id)
         if self._ended(job_id):
-            self.store.r.srem(keys.auth_jobs(self.store.p), job_id)
+            self.store.release_credentials(job_id)
         self._audit("token-authority", "token.revoke", f"job/{job_id}", "allow",
                     f"{reason}: {len(live)} live token(s)", job_id)
         if self.job_acl and self.admin_url and self._ended(job_id):
             try:
-                redis_acl.revoke_job_user(self.store.r, job_id)
+                self.store.revoke_job_user(job_id)
             except Exception as exc:  # never blocks the job's end; the audit says so
                 log.warning("could not delete the Redis user of job %s: %s", job_id, exc)
-            self.store.r.delete(keys.job_user_secret(self.store.p, job_id))
+            self.store.forget_job_user(job_id)
         return len(live)
 
     def sweep(self) -> list[str]:
@@ -258,7 +248,7 @@ class TokenAuthority:
         rest: a job cancelled while queued after a run, a controller that died.
         """
         done = []
-        for job_id in self.store.r.smembers(keys.auth_jobs(self.store.p)):
+        for job_id in self.store.credential_jobs():
             if self._ended(job_id):
                 self.revoke_job(job_id, "the job ended")
                 done.append(job_id)
@@ -272,13 +262,13 @@ class TokenAuthority:
         if not (self.job_acl and self.admin_url):
             return []
         restored = []
-        for job_id in self.store.r.smembers(keys.auth_jobs(self.store.p)):
-            password = self.store.r.get(keys.job_user_secret(self.store.p, job_id))
-            if password is None or redis_acl.has_job_user(self.store.r, job_id):
+        for job_id in self.store.credential_jobs():
+            password = self.store.job_user_password(job_id)
+            if password is None or self.store.has_job_user(job_id):
                 continue
             if self._ended(job_id):
                 continue
-            redis_acl.grant_job_user(self.store.r, self.store.p, job_id, password)
+            self.store.grant_job_user(job_id, password)
             self._audit("token-authority", "redis.grant", f"redis-user/{redis_acl.job_user(job_id)}",
                         "allow", "restored: Redis came back without it", job_id)
             restored.append(job_id)

@@ -12,7 +12,6 @@ import json
 import time
 from typing import Any
 
-from kuangchao.platform.jobs import keys
 from kuangchao.platform.security.apikeys import Principal, StoredKey, new_key, stored_key
 
 BOOTSTRAP_NAME = "kc-up-admin"
@@ -20,20 +19,19 @@ DEPLOY_NAME = "deploy-admin"
 
 
 class KeyStore:
-    """Typed access to `{prefix}auth:keys`.
+    """Typed access to the API key records (`auth:keys`).
 
     Args:
-        client: A redis-py client with `decode_responses=True`.
-        prefix: The deployment's key prefix.
+        store: The job store (its `api_key`, `put_api_key`, `api_key_records`).
     """
 
-    def __init__(self, client: Any, prefix: str) -> None:
-        self.r, self.key = client, keys.api_keys(prefix)
+    def __init__(self, store: Any) -> None:
+        self.store = store
 
     def get(self, key_id: str | None) -> StoredKey | None:
         if not key_id:
             return None
-        raw = self.r.hget(self.key, key_id)
+        raw = self.store.api_key(key_id)
         return _load(raw) if raw else None
 
     def create(self, name: str, tenant: str, role: str,
@@ -44,11 +42,11 @@ class KeyStore:
             ValueError: For an unknown role, an empty name or tenant, a ttl <= 0.
         """
         key, stored = new_key(name, tenant, role, ttl_s)
-        self.r.hset(self.key, stored.principal.key_id, _dump(stored))
+        self.store.put_api_key(stored.principal.key_id, _dump(stored))
         return key, stored.principal
 
     def list(self, include_revoked: bool = False) -> list[Principal]:
-        out = [_load(raw).principal for raw in self.r.hvals(self.key)]
+        out = [_load(raw).principal for raw in self.store.api_key_records()]
         if not include_revoked:
             out = [p for p in out if p.revoked_at is None]
         return sorted(out, key=lambda p: p.created_at)
@@ -61,7 +59,7 @@ class KeyStore:
         if stored.principal.revoked_at is None:
             principal = dataclasses.replace(stored.principal, revoked_at=time.time())
             stored = StoredKey(principal, stored.digest)
-            self.r.hset(self.key, key_id, _dump(stored))
+            self.store.put_api_key(key_id, _dump(stored))
         return stored.principal
 
     def bootstrap_admin(self) -> str:
@@ -91,7 +89,7 @@ class KeyStore:
             if current.principal.revoked_at is not None:
                 raise ValueError(f"key {kid} was revoked; put a newly generated key in its place")
         else:
-            self.r.hset(self.key, kid, _dump(stored))
+            self.store.put_api_key(kid, _dump(stored))
             current = stored
         for p in self.list():
             if p.name == name and p.key_id != kid:

@@ -79,7 +79,7 @@ def api(tmp_path_factory, request):
     home = tmp_path_factory.mktemp("kcfuzz")
     with redis_prefix("kcfuzz") as (url, prefix):
         store = JobStore.from_url(url, prefix)
-        keys = KeyStore(store.r, store.p)
+        keys = KeyStore(store)
         key, _ = keys.create("fuzz", "default", "admin")
         _, spare = keys.create("spare", "default", "viewer")  # for DELETE /v1/admin/keys/{key_id}
         store.quarantine_node("fuzz-node", {"since": time.time(), "until": time.time() + 86400,

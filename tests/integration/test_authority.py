@@ -27,7 +27,7 @@ SPEC = {"permission": {"collectives": ["all_reduce", "broadcast", "all_gather"],
 
 def authority(store, tmp_path, age_s: float = 0.0) -> TokenAuthority:
     """An authority whose clock runs `age_s` behind, so its tokens are born that old."""
-    trail = AuditLog(store.r, keys.audit(store.p), tmp_path / "audit.jsonl")
+    trail = AuditLog(store, tmp_path / "audit.jsonl")
     return TokenAuthority(store, generate_key(), trail, admin_url=None, job_acl=False,
                           clock=lambda: time.time() - age_s)
 

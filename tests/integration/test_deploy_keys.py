@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_register_is_idempotent_and_rotation_revokes_the_old_key(store):
-    keys = KeyStore(store.r, store.p)
+    keys = KeyStore(store)
     first, _ = new_key("x", "default", "admin")
     a = keys.register(first)
     assert keys.register(first) == a  # a restart of the sidecar changes nothing

@@ -96,7 +96,7 @@ def test_the_authority_restores_a_running_jobs_user_that_redis_lost(server, tmp_
     admin = redis.Redis.from_url(server.url, decode_responses=True)
     store = JobStore(admin, "kc-restore:")
     store.create(JobRecord(id="r-5555", name="r", spec={}))
-    auth = TokenAuthority(store, generate_key(), AuditLog(admin, "kc-restore:audit", None),
+    auth = TokenAuthority(store, generate_key(), AuditLog(store, None),
                           server.url, job_acl=True)
     url = auth.grant_workers("r-5555", {0: ()})[0].redis_url
     assert redis.Redis.from_url(url).ping()

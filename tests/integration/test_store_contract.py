@@ -6,5 +6,6 @@ from __future__ import annotations
 import pytest
 
 from tests.store_contract import *  # noqa: F403 -- the contract's tests run here
+from tests.store_contract_security import *  # noqa: F403
 
 pytestmark = pytest.mark.integration

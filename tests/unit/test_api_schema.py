@@ -13,8 +13,8 @@ import pytest
 from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 
-from kuangchao.api.server.dependencies import store as deps
 from kuangchao.api.server.app import ROUTERS, app, create_app
+from kuangchao.api.server.dependencies import store as deps
 from kuangchao.api.server.schemas.jobs import JobPublic, JobStateName
 from kuangchao.platform.control import operations
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank

@@ -23,7 +23,7 @@ PURE = [
     "platform/planning/planner.py", "platform/planning/autoplan.py",
     "platform/jobs/state.py", "platform/jobs/debugreq.py",
     "platform/jobs/memory.py", "platform/jobs/memory_more.py", "platform/jobs/encoding.py",
-    "platform/jobs/record_edits.py",
+    "platform/jobs/record_edits.py", "platform/jobs/memory_security.py",
     "platform/security/tokens.py", "platform/security/apikeys.py",
     "platform/security/redis_acl.py", "platform/security/audit.py",
     "platform/observability/metrics.py", "platform/observability/scrape_targets.py",
@@ -441,3 +441,41 @@ def test_the_controller_loads_no_ray_or_torch_so_its_unit_tests_need_neither():
     loaded = load_time_closure(ROOT / "platform/execution/controller.py")
     assert not {m for m in loaded if m.split(".")[0] in ("ray", "torch")}, sorted(
         m for m in loaded if m.split(".")[0] in ("ray", "torch"))
+
+
+# No raw Redis client outside the store: platform/jobs holds every Redis operation
+# (the `r` attribute of `JobStore` is its client). Each exception says why.
+RAW_CLIENT_EXCEPTIONS = {
+    # A rank's heartbeat thread keeps a client of its own with tight timeouts (the
+    # store's retries for seconds); its writes are the store's own pipeline writes.
+    "workers/runtime/heartbeat.py": "the heartbeat thread's own client",
+    "workers/runtime/debug.py": "answers on the heartbeat thread's client",
+    # `kc doctor` probes a URL it is given, before any store exists.
+    "platform/runtime/doctor_probe.py": "probes a URL",
+}
+
+
+def _raw_client_uses(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "r":
+            found.append(f"{ast.unparse(node)} (line {node.lineno})")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "from_url" and ast.unparse(node.func.value).endswith("Redis")):
+            found.append(f"{ast.unparse(node.func)} (line {node.lineno})")
+    return found
+
+
+def test_no_raw_redis_client_outside_the_store():
+    for path in code_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("platform/jobs/") or rel in RAW_CLIENT_EXCEPTIONS:
+            continue
+        found = _raw_client_uses(path)
+        assert not found, f"{rel} uses a Redis client directly: {found}; add a store method"
+
+
+def test_every_raw_client_exception_is_still_needed():
+    for rel in RAW_CLIENT_EXCEPTIONS:
+        text = (ROOT / rel).read_text()
+        assert _raw_client_uses(ROOT / rel) or "client" in text, f"{rel} no longer needs its exception"

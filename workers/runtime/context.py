@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kuangchao.platform.jobs import debugreq, keys
+from kuangchao.platform.jobs import debugreq
 from kuangchao.platform.jobs.debugreq import DebugRequest
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
@@ -247,10 +247,9 @@ class TrainContext:
         if self.store is None:
             return None
         try:
-            raw = self.store.r.get(keys.debug_request(self.store.p, self.job_id))
+            req = self.store.debug_request(self.job_id)
         except Exception:  # Redis away: the capture waits for it
             return None
-        req = DebugRequest.from_json(raw)
         if req is None or req.kind not in debugreq.SYNCED_KINDS or req.id in self._captured:
             return None
         return req

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kuangchao.platform.jobs import debugreq, keys
+from kuangchao.platform.jobs.debug_requests import queue_answer, read_request
 from kuangchao.platform.jobs.debugreq import DebugRequest
 from kuangchao.workers.runtime.telemetry import WorkerTelemetry, memory
 
@@ -68,7 +68,10 @@ def memory_state(telemetry: WorkerTelemetry) -> dict[str, Any]:
 
 
 class DebugResponder:
-    """Called after each heartbeat while a debug request is pending."""
+    """Called after each heartbeat while a debug request is pending. It runs on the
+    heartbeat thread and uses that thread's own client (tight timeouts: a stalled
+    Redis must not hold the beats), through the store's own read and write
+    (read_request, queue_answer)."""
 
     def __init__(self, client: Any, prefix: str, job_id: str, telemetry: WorkerTelemetry,
                  generation: Any) -> None:
@@ -77,13 +80,15 @@ class DebugResponder:
         self._answered: set[str] = set()
 
     def __call__(self) -> None:
-        req = DebugRequest.from_json(self.client.get(keys.debug_request(self.prefix, self.job_id)))
+        req = read_request(self.client, self.prefix, self.job_id)
         if req is None or req.kind not in ("comm", "memory") or req.id in self._answered:
             return
         self._answered.add(req.id)
         body = (comm_state(self.telemetry, self.generation()) if req.kind == "comm"
                 else memory_state(self.telemetry))
-        debugreq.answer(self.client, self.prefix, self.job_id, req.id, self.telemetry.rank, body)
+        with self.client.pipeline(transaction=False) as pipe:
+            queue_answer(pipe, self.prefix, self.job_id, req.id, self.telemetry.rank, body)
+            pipe.execute()
 
 
 def gradient_fingerprints(model: torch.nn.Module) -> dict[str, list[Any]]:

@@ -28,6 +28,7 @@ from typing import Any
 import redis
 
 from kuangchao.platform.jobs import keys
+from kuangchao.platform.jobs.beats import drop_beat, queue_beat
 from kuangchao.platform.jobs.flags import carried_flags, queue_stack_answer
 from kuangchao.platform.jobs.streams import queue_points, queue_progress
 from kuangchao.platform.protocol.heartbeat import Beat
@@ -101,7 +102,7 @@ class Heartbeat:
             old, self.rank = self.rank, rank
         if old != rank:
             try:
-                self.client.delete(keys.beat(self.prefix, self.job_id, old))
+                drop_beat(self.client, self.prefix, self.job_id, old)
             except redis.RedisError:
                 pass  # it expires on its own
         self.beat_once_quietly()
@@ -154,7 +155,7 @@ class Heartbeat:
         if not delete:
             return
         try:  # a clean exit is not a death: take the key away at once
-            self.client.delete(keys.beat(self.prefix, self.job_id, self.rank))
+            drop_beat(self.client, self.prefix, self.job_id, self.rank)
         except redis.RedisError:
             pass
 
@@ -180,8 +181,7 @@ class Heartbeat:
         flags = list(self.flag_keys.items())
         try:
             with self.client.pipeline(transaction=False) as pipe:
-                pipe.set(keys.beat(self.prefix, self.job_id, self.rank), beat.encode(),
-                         px=int(self.timeout_s * 1000))
+                queue_beat(pipe, self.prefix, self.job_id, self.rank, beat.encode(), self.timeout_s)
                 pipe.get(keys.stack_request(self.prefix, self.job_id, self.rank))
                 for _, key in flags:
                     pipe.exists(key)
@@ -241,7 +241,10 @@ class Heartbeat:
 
 
 def heartbeat_client(url: str, timeout_s: float) -> redis.Redis:
-    """A Redis client for heartbeats: no retries inside redis-py, short timeouts."""
+    """A Redis client for heartbeats: no retries inside redis-py, short timeouts. The one
+    client outside the store on a rank (the store's rides out a Redis restart for
+    seconds, which would hold beats past their TTL); it writes through the store's
+    functions (platform/jobs/beats.py, streams.py, flags.py, debug_requests.py)."""
     limit = max(0.5, min(5.0, timeout_s / 3))
     return redis.Redis.from_url(url, socket_connect_timeout=limit, socket_timeout=limit,
                                 decode_responses=True)

@@ -15,7 +15,6 @@ collectives (`TrainContext.collective()`).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -27,7 +26,6 @@ import torch
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kuangchao.platform.jobs import keys
 from kuangchao.platform.observability import metrics as m
 from kuangchao.workers.parallel.comm_clock import CommClock
 
@@ -173,25 +171,22 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def register(client: Any, prefix: str, telemetry: WorkerTelemetry) -> None:
+def register(store: Any, telemetry: WorkerTelemetry) -> None:
     """Publish this rank's endpoint; best effort (metrics never fail a job)."""
     if telemetry.address is None:
         return
     entry = {"addr": telemetry.address, "node": telemetry.node, "pid": os.getpid(),
              "ts": time.time()}
     try:
-        client.hset(keys.targets(prefix, telemetry.job_id), str(telemetry.rank), json.dumps(entry))
+        store.register_target(telemetry.job_id, telemetry.rank, entry)
     except Exception as exc:  # noqa: BLE001
         _log.warning("could not register the metrics endpoint: %s", exc)
 
 
-def unregister(client: Any, prefix: str, telemetry: WorkerTelemetry) -> None:
+def unregister(store: Any, telemetry: WorkerTelemetry) -> None:
     """Take this rank's entry away, unless another process has taken the rank since."""
-    key = keys.targets(prefix, telemetry.job_id)
     try:
-        raw = client.hget(key, str(telemetry.rank))
-        if raw and json.loads(raw).get("pid") == os.getpid():
-            client.hdel(key, str(telemetry.rank))
+        store.unregister_target(telemetry.job_id, telemetry.rank, os.getpid())
     except Exception:  # noqa: BLE001 -- the control plane drops stale entries anyway
         pass
 

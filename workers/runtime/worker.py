@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from kuangchao.platform.cluster.topology import GPU_RESOURCE_PREFIX
-from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
 from kuangchao.platform.protocol.generation import Generation
@@ -132,7 +131,7 @@ class TrainWorker:
                            module="telemetry")
             return tel
         if self.store is not None:
-            telemetry.register(self.store.r, self.settings.redis_prefix, tel)
+            telemetry.register(self.store, tel)
         return tel
 
     def _hold(self, grant: dict[str, Any], authority: Any) -> TokenHolder:
@@ -141,7 +140,7 @@ class TrainWorker:
         store = self.store
 
         def revoked(token_id: str) -> bool:
-            return store is not None and bool(store.r.exists(keys.revoked(store.p, token_id)))
+            return store is not None and store.token_revoked(token_id)
 
         def denied(interface: str, resource: str, reason: str) -> None:
             message = f"rank {self.rank} was refused {interface} on {resource}: {reason}"
@@ -209,10 +208,10 @@ class TrainWorker:
         self.sink.rank = self.rank
         if self.telemetry is not None and self.telemetry.rank != self.rank:
             if self.store is not None:
-                telemetry.unregister(self.store.r, self.settings.redis_prefix, self.telemetry)
+                telemetry.unregister(self.store, self.telemetry)
             self.telemetry.rank = self.rank
             if self.store is not None:
-                telemetry.register(self.store.r, self.settings.redis_prefix, self.telemetry)
+                telemetry.register(self.store, self.telemetry)
         backend, self._group_store = join_generation(gen, self.rank, timeout_s)
         return backend
 
@@ -297,7 +296,7 @@ class TrainWorker:
             self.heartbeat.stop()
         if getattr(self, "telemetry", None) is not None:
             if self.store is not None:
-                telemetry.unregister(self.store.r, self.settings.redis_prefix, self.telemetry)
+                telemetry.unregister(self.store, self.telemetry)
             self.telemetry.close()
         if self.holder is not None:
             self.holder.stop()

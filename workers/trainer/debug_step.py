@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kuangchao.platform.jobs import debugreq
 from kuangchao.workers.runtime.debug import gradient_fingerprints, profile_dir
 
 if TYPE_CHECKING:
@@ -21,8 +20,7 @@ def _answer(ctx: TrainContext, body: dict) -> None:
     if cap is None or ctx.store is None:
         return
     try:
-        debugreq.answer(ctx.store.r, ctx.store.p, ctx.job_id, cap.req.id, ctx.rank,
-                        {"rank": ctx.rank, **body})
+        ctx.store.answer_debug(ctx.job_id, cap.req.id, ctx.rank, {"rank": ctx.rank, **body})
     except Exception as exc:  # noqa: BLE001
         ctx.log(f"could not send the {cap.req.kind} capture: {exc}", level="WARNING")
 

@@ -18,7 +18,6 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from kuangchao.api.server.dependencies.store import Store
 from kuangchao.platform.errors import JobNotFound
-from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.security.apikeys import Principal, authenticate, key_id_of
@@ -31,7 +30,7 @@ ANONYMOUS = "anonymous"
 
 @lru_cache(maxsize=4)
 def _trail(store: JobStore) -> AuditLog:
-    return AuditLog(store.r, keys.audit(store.p), audit_file())
+    return AuditLog(store, audit_file())
 
 
 async def audit_log(store: Store) -> AuditLog:
@@ -39,7 +38,7 @@ async def audit_log(store: Store) -> AuditLog:
 
 
 def keystore(store: JobStore) -> KeyStore:
-    return KeyStore(store.r, store.p)
+    return KeyStore(store)
 
 
 def audit(store: JobStore, who: Principal | str, action: str, resource: str, decision: str,

@@ -16,7 +16,7 @@ from kuangchao.api.server.dependencies.auth import allowed, require, visible_job
 from kuangchao.api.server.dependencies.store import Store
 from kuangchao.api.server.schemas.common import errors
 from kuangchao.api.server.schemas.debug import DebugReport, ProfileStarted, ProfileStatus
-from kuangchao.platform.jobs import debugreq, keys
+from kuangchao.platform.jobs import debugreq
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.security.apikeys import Principal
@@ -52,7 +52,7 @@ def _running(store: JobStore, who: Principal, job_id: str, action: str) -> JobRe
 def _wait(store: JobStore, job: JobRecord, req_id: str, timeout_s: float) -> dict[int, dict]:
     deadline = time.monotonic() + timeout_s
     while True:
-        answers = debugreq.read_answers(store.r, store.p, job.id, req_id)
+        answers = store.debug_answers(job.id, req_id)
         if len(answers) >= job.world_size or time.monotonic() >= deadline:
             return answers
         time.sleep(0.2)
@@ -61,10 +61,7 @@ def _wait(store: JobStore, job: JobRecord, req_id: str, timeout_s: float) -> dic
 def _retire(store: JobStore, job_id: str, req_id: str) -> None:
     """Take the request away once answered, unless a newer one replaced it: ranks stop
     looking at it (the answers stay for an hour)."""
-    key = keys.debug_request(store.p, job_id)
-    req = debugreq.DebugRequest.from_json(store.r.get(key))
-    if req is not None and req.id == req_id:
-        store.r.delete(key)
+    store.retire_debug(job_id, req_id)
 
 
 @router.post("/{job_id}/debug/{kind}", summary="Every rank's communication groups, memory, "
@@ -76,7 +73,7 @@ def debug(job_id: str, kind: Literal["comm", "memory", "gradient"], store: Store
     `missing`. A rank stuck in a collective still answers `comm` and `memory`."""
     ask = ask or DebugAsk()
     job = _running(store, who, job_id, f"job.debug.{kind}")
-    req = debugreq.post(store.r, store.p, job_id, kind, step=ask.step)
+    req = store.post_debug(job_id, kind, step=ask.step)
     allowed(store, who, f"job.debug.{kind}", f"job/{job_id}", job=job_id, request=req.id)
     answers = _wait(store, job, req.id, ask.timeout_s)
     _retire(store, job_id, req.id)
@@ -99,7 +96,7 @@ def start_profile(job_id: str, store: Store, who: Debugger,
                   ask: Annotated[ProfileAsk | None, Body()] = None) -> dict[str, Any]:
     ask = ask or ProfileAsk()
     job = _running(store, who, job_id, "job.profile")
-    req = debugreq.post(store.r, store.p, job_id, "profile", steps=ask.steps)
+    req = store.post_debug(job_id, "profile", steps=ask.steps)
     allowed(store, who, "job.profile", f"job/{job_id}", job=job_id, request=req.id,
             steps=ask.steps)
     return {"job": job_id, "id": req.id, "steps": ask.steps, "ranks": job.world_size}
@@ -111,7 +108,7 @@ def profile_status(job_id: str, profile_id: str, store: Store, who: Reader) -> d
     job = visible_job(store, who, job_id, "job.read")
     if not _ID.match(profile_id):
         raise HTTPException(404, f"no profile {profile_id!r} for job {job_id}")
-    answers = debugreq.read_answers(store.r, store.p, job_id, profile_id)
+    answers = store.debug_answers(job_id, profile_id)
     expected = job.world_size
     if len(answers) >= expected:
         _retire(store, job_id, profile_id)

@@ -19,7 +19,7 @@ router = APIRouter(tags=["health"])
 
 @router.get("/healthz", response_model=Health, responses=errors(503))
 def healthz(store: Store) -> dict[str, Any]:
-    store.r.ping()
+    store.ping()
     return {"status": "ok", "version": __version__}
 
 
