@@ -60,8 +60,9 @@ from urllib.parse import urlparse
 
 import redis
 
-from kuangchao.platform.execution.heartbeat import Classifier, Verdict, read_beats
+from kuangchao.platform.execution.heartbeat import Classifier, Verdict
 from kuangchao.platform.jobs import redis_client
+from kuangchao.platform.jobs.beats import read_beats
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.protocol.heartbeat import Beat
 

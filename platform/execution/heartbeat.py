@@ -2,7 +2,7 @@
 
 The record itself, one Redis key per rank with a TTL of `heartbeat_timeout_s`,
 is the protocol's (`kuangchao.platform.protocol.heartbeat.Beat`): the ranks
-write it, `read_beats` here fetches every rank's in one round trip.
+write it, and the store (`platform/jobs/beats.py`) reads every rank's in one round trip.
 
 `Classifier` is pure: the controller feeds it what it read and the time, and
 it answers which ranks are dead (heartbeat gone) or hung (heartbeat alive,
@@ -14,10 +14,9 @@ rank dying at once.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kuangchao.platform.jobs import keys
 from kuangchao.platform.protocol.heartbeat import Beat
 
 # Before the first step (imports, restore, compile) and after its train
@@ -115,37 +114,3 @@ class Classifier:
     def last_beat(self, rank: int) -> Beat | None:
         seen = self._seen.get(rank)
         return seen.beat if seen else None
-
-
-def read_beats(client, prefix: str, job_id: str, ranks: Iterable[int], chunk: int = 4096,
-               cache: dict[int, tuple[str, Beat | None]] | None = None) -> dict[int, Beat | None]:
-    """All ranks' current beats: one MGET per chunk of ranks, all in one pipelined round trip.
-
-    Args:
-        cache: Kept by the caller between scans: a value that has not changed
-            since the last scan is not parsed again. Beats come once per
-            interval and the controller polls twice as often, so about half
-            the values are unchanged in any scan.
-    """
-    ranks = list(ranks)
-    out: dict[int, Beat | None] = {}
-    with client.pipeline(transaction=False) as pipe:
-        for i in range(0, len(ranks), chunk):
-            pipe.mget([keys.beat(prefix, job_id, r) for r in ranks[i:i + chunk]])
-        replies = pipe.execute()
-    values = [v for reply in replies for v in reply]
-    if cache is None:
-        for rank, raw in zip(ranks, values, strict=True):
-            out[rank] = Beat.decode(rank, raw) if raw is not None else None
-        return out
-    for rank, raw in zip(ranks, values, strict=True):
-        if raw is None:
-            out[rank] = None
-            continue
-        hit = cache.get(rank)
-        if hit is not None and hit[0] == raw:
-            out[rank] = hit[1]
-        else:
-            beat = out[rank] = Beat.decode(rank, raw)
-            cache[rank] = (raw, beat)
-    return out

@@ -11,7 +11,7 @@ import redis
 
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.encoding import AUDIT_CAP
-from kuangchao.platform.security import redis_acl
+from kuangchao.platform.jobs import redis_acl
 
 
 class Credentials:

@@ -6,7 +6,7 @@ docs/architecture.md's key table lists (a test compares the two and checks that
 every builder matches its pattern). Pure: no Redis import.
 
 A job's own keys all start with `job_prefix`: the job's Redis ACL user may reach
-those and nothing else (platform/security/redis_acl.py).
+those and nothing else (platform/jobs/redis_acl.py).
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from kuangchao.platform.execution.heartbeat import Beat
 from kuangchao.platform.jobs.debugreq import ANSWER_TTL_S, DebugRequest, new_request, parse_answers
 from kuangchao.platform.jobs.encoding import AUDIT_CAP
 from kuangchao.platform.jobs.memory_more import Expiring
+from kuangchao.platform.protocol.heartbeat import Beat
 
 
 class MemorySecurity:

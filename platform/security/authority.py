@@ -26,7 +26,7 @@ from kuangchao.platform.errors import ClusterError, JobNotFound, TokenError
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
-from kuangchao.platform.security import redis_acl
+from kuangchao.platform.jobs import redis_acl
 from kuangchao.platform.security.audit import AuditLog, AuditRecord
 from kuangchao.platform.security.tokens import (
     ROLE_INTERFACES,

@@ -28,7 +28,7 @@ import pytest
 import redis
 import yaml
 
-from kuangchao.platform.security import redis_acl
+from kuangchao.platform.jobs import redis_acl
 from kuangchao.platform.security.apikeys import stored_key
 from kuangchao.platform.security.authority import load_signing_key
 

@@ -25,7 +25,7 @@ PURE = [
     "platform/jobs/memory.py", "platform/jobs/memory_more.py", "platform/jobs/encoding.py",
     "platform/jobs/record_edits.py", "platform/jobs/memory_security.py",
     "platform/security/tokens.py", "platform/security/apikeys.py",
-    "platform/security/redis_acl.py", "platform/security/audit.py",
+    "platform/jobs/redis_acl.py", "platform/security/audit.py",
     "platform/observability/metrics.py", "platform/observability/scrape_targets.py",
     "platform/observability/logjson.py",
     "platform/execution/failure_policy.py", "platform/jobs/claims.py",

@@ -3,8 +3,9 @@ with explicit clocks."""
 
 import pytest
 
-from kuangchao.platform.execution.heartbeat import Classifier, read_beats
+from kuangchao.platform.execution.heartbeat import Classifier
 from kuangchao.platform.jobs import keys
+from kuangchao.platform.jobs.beats import read_beats
 from kuangchao.platform.protocol.heartbeat import Beat
 
 TIMEOUT, HANG = 10.0, 60.0
