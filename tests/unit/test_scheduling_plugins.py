@@ -29,10 +29,6 @@ def cycle(queued=(), active=(), queues=QueueTable(), cluster=None) -> Cycle:
                           queues=queues))
 
 
-def first(c: Cycle, job_id: str):
-    return c.job(job_id)
-
-
 # -- the snapshot ---------------------------------------------------------------------
 
 def test_snapshot_resolves_each_jobs_spec_once_with_its_defaults():
@@ -69,13 +65,13 @@ def test_snapshot_and_decisions_are_frozen():
 ])
 def test_quota_makes_a_job_wait_when_its_queue_or_the_cluster_has_no_room(queued, active, expected):
     c = cycle(queued=[queued], active=active, queues=TEAMS)
-    assert QueueQuota().admissible(first(c, queued.id), c) == Wait(queued.id, expected)
+    assert QueueQuota().admissible(c.job(queued.id), c) == Wait(queued.id, expected)
 
 
 def test_quota_offers_an_elastic_job_only_the_sizes_within_its_queues_limit():
     queues = QueueTable(queues=(Queue("default", 3, 0),))
     c = cycle(queued=[elastic_job("el", 1, 4)], queues=queues)
-    assert QueueQuota().admissible(first(c, "el"), c) == Sizes((3, 2, 1))
+    assert QueueQuota().admissible(c.job("el"), c) == Sizes((3, 2, 1))
 
 
 def test_quota_room_counts_what_the_queue_already_holds():
@@ -89,14 +85,14 @@ def test_quota_room_counts_what_the_queue_already_holds():
 def test_admission_takes_the_largest_size_that_places():
     c = cycle(queued=[elastic_job("el", 1, 4)], active=[running("big", "n0", range(8)),
                                                          running("mid", "n1", range(6))])
-    admit = GangAdmission().place(first(c, "el"), Sizes((4, 2, 1)), c)
+    admit = GangAdmission().place(c.job("el"), Sizes((4, 2, 1)), c)
     assert isinstance(admit, Admit) and admit.replicas == 2 and len(admit.plan.slots) == 2
 
 
 def test_admission_is_all_or_nothing():
     c = cycle(queued=[job("q", gpus=4)], active=[running("big", "n0", range(8)),
                                                   running("mid", "n1", range(5))])
-    out = GangAdmission().place(first(c, "q"), Sizes((4,)), c)
+    out = GangAdmission().place(c.job("q"), Sizes((4,)), c)
     assert out == Infeasible("needs 4 GPUs, 3 of 16 are free")
 
 
@@ -104,7 +100,7 @@ def test_admission_is_all_or_nothing():
 
 def test_the_first_blocked_job_becomes_the_head_and_holds_its_partial_fit():
     c = cycle(queued=[job("head", gpus=12)], active=[running("r", "n0", range(8))])
-    steps = HeadReservation().wait(first(c, "head"), JobShape(dp=12), 12, "no room", c)
+    steps = HeadReservation().wait(c.job("head"), JobShape(dp=12), 12, "no room", c)
     assert steps == (Hold({"n1": set(range(8))}, head="head"), Wait("head", "no room"))
 
 
@@ -116,7 +112,7 @@ def test_a_job_behind_the_head_says_why_it_waits(need, reason):
     c = cycle(queued=[job("head", gpus=12), job("small", gpus=need)],
               active=[running("r", "n0", range(8))])
     c.apply(Hold({"n1": set(range(8))}, head="head"))
-    assert HeadReservation().wait(first(c, "small"), JobShape(dp=need), need, "no room",
+    assert HeadReservation().wait(c.job("small"), JobShape(dp=need), need, "no room",
                                   c) == (Wait("small", reason),)
 
 
@@ -132,14 +128,14 @@ def test_who_may_yield_gpus_to_a_queued_job(victim, eligible):
     queued = job("a1", gpus=8, queue="team-a")
     queues = QueueTable(queues=(Queue("team-a", 8, 0), Queue("team-b", 4, None), Queue("default")))
     c = cycle(queued=[queued], active=[victim], queues=queues)
-    assert may_yield(first(c, "a1"), 8, victim, c) is eligible
+    assert may_yield(c.job("a1"), 8, victim, c) is eligible
 
 
 def test_preemption_evicts_only_the_victims_needed():
     active = [running("old-low", "n0", range(8), priority=10, created=1),
               running("new-low", "n1", range(8), priority=10, created=2)]
     c = cycle(queued=[job("urgent", gpus=8, priority=100, created=3)], active=active)
-    steps = CheckpointPreemption().evict(first(c, "urgent"), JobShape(dp=8), 8, c)
+    steps = CheckpointPreemption().evict(c.job("urgent"), JobShape(dp=8), 8, c)
     assert steps == (Preempt("new-low", "urgent", "preempted for higher-priority job urgent"),
                      Wait("urgent", "preempting new-low"))
 
@@ -151,13 +147,13 @@ def test_preemption_starts_nothing_when_off_or_when_one_started_this_cycle(queue
               active=[running("low", "n0", range(8), priority=10),
                       running("low2", "n1", range(8), priority=10)], queues=queues)
     c.preempting = already
-    assert CheckpointPreemption().evict(first(c, "urgent"), JobShape(dp=8), 8, c) == ()
+    assert CheckpointPreemption().evict(c.job("urgent"), JobShape(dp=8), 8, c) == ()
 
 
 def test_a_job_whose_victims_are_checkpointing_waits_and_holds_their_gpus():
     c = cycle(queued=[job("urgent", gpus=8, priority=100)],
               active=[running("victim", "n0", range(8), priority=10, preempting_for="urgent")])
-    steps = CheckpointPreemption().pending(first(c, "urgent"), c)
+    steps = CheckpointPreemption().pending(c.job("urgent"), c)
     assert steps == (Hold({"n0": set(range(8))}),
                      Wait("urgent", "waiting for preempted job(s) victim to checkpoint"))
     assert CheckpointPreemption().pending(c.job("victim"), c) == ()
@@ -169,7 +165,7 @@ def test_shrink_for_priority_takes_only_the_replicas_needed():
     low = elastic_job("low", 2, 8, dp=8, priority=10, state=JobState.RUNNING, on=on("n0", range(8)))
     c = cycle(queued=[elastic_job("urgent", 2, 2, dp=2, priority=100)], active=[low],
               cluster=nodes(n=1))
-    steps = ElasticShrink().make_room(first(c, "urgent"), JobShape(dp=2), 2, c)
+    steps = ElasticShrink().make_room(c.job("urgent"), JobShape(dp=2), 2, c)
     assert steps[0] == Resize("low", 6, "preemption",
                               "shrinking to 6 replica(s) for higher-priority job urgent",
                               for_job="urgent")
