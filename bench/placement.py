@@ -29,15 +29,15 @@ from pathlib import Path
 
 from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
-from kuangchao.platform.scheduling import policies
-from kuangchao.platform.scheduling.placement import (
+from kuangchao.platform.placement.score import PlacementScore, Traffic, score
+from kuangchao.platform.placement.solver import (
     Infeasible,
     JobShape,
     PlacementPlan,
     RankSlot,
     place,
 )
-from kuangchao.platform.scheduling.placement_score import PlacementScore, Traffic, score
+from kuangchao.platform.scheduling import policies
 from kuangchao.platform.scheduling.policies import Snapshot, make_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from kuangchao.platform.cluster.topology import NodeInfo
-from kuangchao.platform.scheduling.placement import (
+from kuangchao.platform.placement.solver import (
     Infeasible,
     JobShape,
     PlacementPlan,

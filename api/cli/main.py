@@ -262,9 +262,9 @@ def place(spec: Annotated[Path, typer.Argument(help="Job YAML.")],
           set_: Sets = None, as_json: Json = False) -> None:
     """Show where a job's ranks would go on an empty cluster, and the plan's score."""
     from kuangchao.platform.cluster.topology import load_topology
-    from kuangchao.platform.scheduling.placement import Infeasible, traffic_from_spec
-    from kuangchao.platform.scheduling.placement import place as solve
-    from kuangchao.platform.scheduling.placement_score import score
+    from kuangchao.platform.placement.score import score
+    from kuangchao.platform.placement.solver import Infeasible, traffic_from_spec
+    from kuangchao.platform.placement.solver import place as solve
     from kuangchao.platform.scheduling.policies import shape_of
 
     doc = load_job_doc(spec, set_)

@@ -25,8 +25,8 @@ from kuangchao.platform.cluster import quarantine
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics as m
-from kuangchao.platform.scheduling.queues import QueueTable
 from kuangchao.platform.spec.defaults import value
+from kuangchao.platform.spec.queues import QueueTable
 
 _BY_NAME = {d.name: d for d in m.ALL}
 

@@ -18,10 +18,10 @@ from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.planning import autoplan
 from kuangchao.platform.scheduling.plugins.snapshot import order_key
-from kuangchao.platform.scheduling.queues import QueueTable
 from kuangchao.platform.settings import kc_home
 from kuangchao.platform.spec.elastic import samples_seen
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
+from kuangchao.platform.spec.queues import QueueTable
 from kuangchao.platform.spec.stored import spec_of, stored_form
 
 

@@ -9,9 +9,8 @@ from collections.abc import Iterator
 
 import redis
 
-from kuangchao.platform.jobs import keys
+from kuangchao.platform.jobs import keys, redis_acl
 from kuangchao.platform.jobs.encoding import AUDIT_CAP
-from kuangchao.platform.jobs import redis_acl
 
 
 class Credentials:

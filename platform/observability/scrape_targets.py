@@ -20,9 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kuangchao.platform.jobs.state import JobRecord
-
-if TYPE_CHECKING:  # the store's type only: this module stays free of Redis
+if TYPE_CHECKING:  # types only: the catalogue sits below the store, which records into it
+    from kuangchao.platform.jobs.state import JobRecord
     from kuangchao.platform.jobs.store import JobStore
 
 REFRESH_S = 5.0

@@ -74,8 +74,8 @@ def read_admin_key(path: str) -> str:
 
 def prepare(store: JobStore, opts: BootstrapOptions, log: Callable[[str], None]) -> None:
     """Steps 2 and 3: the admin key and the queue table."""
-    from kuangchao.platform.scheduling.queues import load_queues
     from kuangchao.platform.security.keystore import KeyStore
+    from kuangchao.platform.spec.queues import load_queues
 
     if opts.admin_key_file:
         key = read_admin_key(opts.admin_key_file)

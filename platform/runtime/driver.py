@@ -27,7 +27,7 @@ from kuangchao.platform.errors import ClusterError, DriverStopped, PlacementErro
 from kuangchao.platform.execution.controller import JobController
 from kuangchao.platform.jobs.state import JobState, PlacedRank, admit, cancel, fail
 from kuangchao.platform.jobs.store import JobStore
-from kuangchao.platform.scheduling.placement import Infeasible, place, traffic_from_spec
+from kuangchao.platform.placement.solver import Infeasible, place, traffic_from_spec
 from kuangchao.platform.scheduling.policies import Snapshot, job_shape
 from kuangchao.platform.security.audit import AuditLog, AuditRecord
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings, audit_file

@@ -26,7 +26,6 @@ from kuangchao.platform.errors import ClusterError
 from kuangchao.platform.jobs.redis_client import connect, redact
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.runtime import procs
-from kuangchao.platform.scheduling.queues import QueueTable, load_queues
 from kuangchao.platform.settings import (
     DEFAULT_API_PORT,
     DEFAULT_DASHBOARD_PORT,
@@ -37,6 +36,7 @@ from kuangchao.platform.settings import (
     read_cluster_state,
     state_file,
 )
+from kuangchao.platform.spec.queues import QueueTable, load_queues
 
 OBJECT_STORE_BYTES = 128 * 1024 * 1024
 BIN = Path(sys.executable).parent

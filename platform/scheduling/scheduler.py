@@ -22,7 +22,7 @@ from kuangchao.platform.scheduling.plugins.decisions import Admit, Decision, Pre
 from kuangchao.platform.scheduling.plugins.interface import AdmissionPolicy
 from kuangchao.platform.scheduling.plugins.registry import make_policy
 from kuangchao.platform.scheduling.plugins.snapshot import Snapshot
-from kuangchao.platform.scheduling.queues import QueueTable
+from kuangchao.platform.spec.queues import QueueTable
 from kuangchao.platform.spec.stored import spec_of
 
 if TYPE_CHECKING:

@@ -23,10 +23,9 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from kuangchao.platform.errors import ClusterError, JobNotFound, TokenError
-from kuangchao.platform.jobs import keys
+from kuangchao.platform.jobs import keys, redis_acl
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
-from kuangchao.platform.jobs import redis_acl
 from kuangchao.platform.security.audit import AuditLog, AuditRecord
 from kuangchao.platform.security.tokens import (
     ROLE_INTERFACES,

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import redis
 
+from kuangchao.platform.jobs.redis_acl import grant_job_user, revoke_job_user, url_for
 from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.jobs.store import JobStore
-from kuangchao.platform.jobs.redis_acl import grant_job_user, revoke_job_user, url_for
 
 from .private_redis import PrivateRedis
 

@@ -14,12 +14,12 @@ PURE = [
     "platform/errors.py",
     "platform/spec/jobspec.py", "platform/spec/elastic.py",
     "platform/cluster/topology.py", "platform/cluster/hardware.py",
-    "platform/scheduling/placement.py", "platform/scheduling/placement_score.py",
+    "platform/placement/solver.py", "platform/placement/score.py",
     "platform/scheduling/policies.py", *(f"platform/scheduling/plugins/{m}.py" for m in (
         "admission", "backfill", "cycle", "decisions", "elastic", "fifo", "gang", "interface",
         "preemption", "quota", "registry", "snapshot")),
     "platform/spec/stored.py", "platform/scheduling/scheduler.py",
-    "platform/scheduling/queues.py",
+    "platform/spec/queues.py",
     "platform/planning/planner.py", "platform/planning/autoplan.py",
     "platform/jobs/state.py", "platform/jobs/debugreq.py",
     "platform/jobs/memory.py", "platform/jobs/memory_more.py", "platform/jobs/encoding.py",
@@ -301,17 +301,6 @@ def test_the_protocol_package_loads_no_torch_ray_or_redis():
 # does not count is `if TYPE_CHECKING:`: it never runs, and it is the standard
 # way to name a type for an annotation without depending on its module.
 #
-# Known edges that close a cycle today, each with the change that removes it; the
-# test fails when one no longer exists, so the list only shrinks.
-KNOWN_CYCLE_EDGES = {
-    # observability/metrics.py's cluster_recorder and job_recorder name their Redis key
-    # with platform/jobs/keys.py, and scrape_targets.py reads the JobStore, while
-    # platform/jobs/records.py counts commits in the metric catalogue. Removed when the
-    # recorders and scrape targets move above platform/jobs (api/server/metrics.py,
-    # another engineer's, imports scrape_targets) or the key names move below both.
-    ("kuangchao.platform.observability", "kuangchao.platform.jobs"):
-        "the metric recorders and scrape targets move above platform/jobs",
-}
 
 
 def _subpackage_of_file(path: Path) -> str:
@@ -392,17 +381,11 @@ def test_find_cycle_finds_one_and_only_one_that_exists():
 
 def test_subpackages_import_each_other_without_a_cycle():
     graph = subpackage_graph()
-    cycle = find_cycle(set(graph) - set(KNOWN_CYCLE_EDGES))
+    cycle = find_cycle(set(graph))
     if cycle:
         hops = [f"  {a} -> {b}: {', '.join(graph[a, b][:3])}" for a, b in zip(cycle, cycle[1:], strict=False)]
         raise AssertionError("subpackages import each other in a cycle; move the code to the "
                              "layer it belongs to:\n" + "\n".join(hops))
-
-
-def test_every_known_cycle_edge_still_exists():
-    graph = subpackage_graph()
-    stale = sorted(set(KNOWN_CYCLE_EDGES) - set(graph))
-    assert not stale, f"remove {stale} from KNOWN_CYCLE_EDGES: nothing imports along them any more"
 
 
 def test_workers_never_import_the_execution_layer():

@@ -6,7 +6,7 @@ from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.errors import SpecError
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
 from kuangchao.platform.scheduling.policies import Admit, GangPolicy, Preempt, Snapshot, Wait
-from kuangchao.platform.scheduling.queues import Queue, QueueTable, parse_queues
+from kuangchao.platform.spec.queues import Queue, QueueTable, parse_queues
 
 
 def nodes(n=2, gpus=8, island=4) -> tuple[NodeInfo, ...]:

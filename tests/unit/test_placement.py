@@ -4,7 +4,7 @@ import pytest
 
 from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
-from kuangchao.platform.scheduling.placement import Infeasible, JobShape, PlacementPlan, RankSlot, place
+from kuangchao.platform.placement.solver import Infeasible, JobShape, PlacementPlan, RankSlot, place
 from kuangchao.platform.scheduling.policies import Admit, FifoPolicy, Snapshot, Wait
 
 
@@ -88,7 +88,7 @@ def test_fifo_counts_gpus_admitted_earlier_in_the_same_cycle():
 
 
 # -- topology rules on larger clusters ------------------------------------
-from kuangchao.platform.scheduling.placement_score import Traffic, score  # noqa: E402
+from kuangchao.platform.placement.score import Traffic, score  # noqa: E402
 
 
 def cluster(leaves: int, nodes_per_leaf: int, gpus: int = 8, island: int = 4,

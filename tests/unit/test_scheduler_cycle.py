@@ -8,9 +8,9 @@ from kuangchao.platform.control import operations
 from kuangchao.platform.jobs.memory import MemoryStore
 from kuangchao.platform.jobs.state import JobRecord, JobState, finish, start
 from kuangchao.platform.scheduling.plugins.decisions import Admit, Preempt, Resize, Wait
-from kuangchao.platform.scheduling.queues import Queue, QueueTable
 from kuangchao.platform.scheduling.scheduler import Scheduler
 from kuangchao.platform.spec.jobspec import validate_spec
+from kuangchao.platform.spec.queues import Queue, QueueTable
 
 from .test_gang_policy import nodes
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from kuangchao.platform.jobs.state import JobState
-from kuangchao.platform.scheduling.placement import Infeasible, JobShape
+from kuangchao.platform.placement.solver import Infeasible, JobShape
 from kuangchao.platform.scheduling.plugins.admission import GangAdmission
 from kuangchao.platform.scheduling.plugins.backfill import HeadReservation
 from kuangchao.platform.scheduling.plugins.cycle import Cycle
@@ -16,7 +16,7 @@ from kuangchao.platform.scheduling.plugins.preemption import CheckpointPreemptio
 from kuangchao.platform.scheduling.plugins.quota import QueueQuota, Sizes
 from kuangchao.platform.scheduling.plugins.registry import POLICIES, make_policy
 from kuangchao.platform.scheduling.plugins.snapshot import Snapshot
-from kuangchao.platform.scheduling.queues import Queue, QueueTable
+from kuangchao.platform.spec.queues import Queue, QueueTable
 
 from .test_elastic_policy import elastic_job, on
 from .test_gang_policy import job, nodes, running

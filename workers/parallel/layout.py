@@ -1,7 +1,7 @@
 """Where a rank sits in the job's 3-D layout, and the device mesh over it.
 
 Ranks are numbered `rank = (dp_index * pp + stage) * tp + tp_index`, the order
-placement uses (platform/scheduling/placement.py): a tensor-parallel group is a run of
+placement uses (platform/placement/solver.py): a tensor-parallel group is a run of
 consecutive ranks, which placement keeps inside one NVLink island, and a
 data-parallel replica (one pipeline) is a run of `pp * tp` ranks. The mesh's
 dimensions are therefore ("dp", "pp", "tp"), row-major.

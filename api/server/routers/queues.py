@@ -13,8 +13,8 @@ from kuangchao.api.server.schemas.common import errors
 from kuangchao.platform.control.operations import queue_view
 from kuangchao.platform.errors import SpecError
 from kuangchao.platform.scheduling.policies import POLICIES
-from kuangchao.platform.scheduling.queues import parse_queues
 from kuangchao.platform.security.apikeys import Principal
+from kuangchao.platform.spec.queues import parse_queues
 
 router = APIRouter(prefix="/v1/queues", tags=["queues"], responses=errors(401, 503))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from kuangchao.platform.scheduling.placement import Infeasible, PlacementPlan
+from kuangchao.platform.placement.solver import Infeasible, PlacementPlan
 from kuangchao.platform.scheduling.plugins.cycle import Cycle
 from kuangchao.platform.scheduling.plugins.decisions import Admit
 from kuangchao.platform.scheduling.plugins.quota import Sizes

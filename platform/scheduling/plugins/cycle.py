@@ -9,7 +9,7 @@ fail fast (a cache: it changes no outcome).
 
 from __future__ import annotations
 
-from kuangchao.platform.scheduling.placement import Infeasible, JobShape, PlacementPlan, Traffic, place
+from kuangchao.platform.placement.solver import Infeasible, JobShape, PlacementPlan, Traffic, place
 from kuangchao.platform.scheduling.plugins.decisions import (
     Admit,
     GpuMap,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kuangchao.platform.scheduling.placement import PlacementPlan
+from kuangchao.platform.placement.solver import PlacementPlan
 
 GpuMap = dict[str, set[int]]
 

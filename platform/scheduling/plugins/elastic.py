@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kuangchao.platform.jobs.state import JobState
-from kuangchao.platform.scheduling.placement import JobShape, PlacementPlan, place
+from kuangchao.platform.placement.solver import JobShape, PlacementPlan, place
 from kuangchao.platform.scheduling.plugins.cycle import Cycle
 from kuangchao.platform.scheduling.plugins.decisions import GpuMap, Resize, Step, Wait
 from kuangchao.platform.scheduling.plugins.preemption import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from kuangchao.platform.scheduling.placement import Infeasible, PlacementPlan, place
+from kuangchao.platform.placement.solver import Infeasible, PlacementPlan, place
 from kuangchao.platform.scheduling.plugins.decisions import Admit, Decision, Wait
 from kuangchao.platform.scheduling.plugins.snapshot import JobView, Snapshot, plan_gpus, union
 

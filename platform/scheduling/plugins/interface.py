@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kuangchao.platform.scheduling.placement import Infeasible, JobShape
+from kuangchao.platform.placement.solver import Infeasible, JobShape
 from kuangchao.platform.scheduling.plugins.cycle import Cycle
 from kuangchao.platform.scheduling.plugins.decisions import Admit, Decision, Resize, Step, Wait
 from kuangchao.platform.scheduling.plugins.quota import Sizes

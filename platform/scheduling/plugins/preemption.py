@@ -10,7 +10,7 @@ so the next cycle sees its effect.
 from __future__ import annotations
 
 from kuangchao.platform.jobs.state import JobRecord
-from kuangchao.platform.scheduling.placement import JobShape, PlacementPlan, place
+from kuangchao.platform.placement.solver import JobShape, PlacementPlan, place
 from kuangchao.platform.scheduling.plugins.cycle import Cycle
 from kuangchao.platform.scheduling.plugins.decisions import GpuMap, Hold, Preempt, Step, Wait
 from kuangchao.platform.scheduling.plugins.snapshot import JobView, union, without

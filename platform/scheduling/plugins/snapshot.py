@@ -13,11 +13,11 @@ from functools import cached_property
 
 from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.jobs.state import JobRecord
-from kuangchao.platform.scheduling.placement import JobShape, PlacementPlan, Traffic, traffic_of
+from kuangchao.platform.placement.solver import JobShape, PlacementPlan, Traffic, traffic_of
 from kuangchao.platform.scheduling.plugins.decisions import GpuMap
-from kuangchao.platform.scheduling.queues import QueueTable
 from kuangchao.platform.spec.elastic import ElasticRange
 from kuangchao.platform.spec.jobspec import JobSpec
+from kuangchao.platform.spec.queues import QueueTable
 from kuangchao.platform.spec.stored import spec_of
 
 

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kuangchao.platform.cluster.topology import NodeInfo
-from kuangchao.platform.scheduling.placement import JobShape, PlacementPlan, Traffic
+from kuangchao.platform.placement.solver import JobShape, PlacementPlan, Traffic
 
 
 @dataclass(frozen=True)

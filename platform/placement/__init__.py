@@ -1,0 +1,3 @@
+"""Placement: where a job's ranks go. The solver (`solver.py`) packs tensor-parallel
+groups into NVLink islands and replicas under leaf switches; `score.py` rates a plan.
+Pure: the scheduler's plugins and `kc plan` call it."""
