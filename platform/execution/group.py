@@ -11,6 +11,7 @@ at. Every Ray error leaves it as one of ours (`RankFailed`, `WorkerLost`,
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +21,6 @@ from typing import Any
 import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from torch.distributed import TCPStore
 
 from kuangchao.platform.errors import Cancelled, KuangchaoError, RankFailed, WorkerLost
 from kuangchao.platform.execution.bundles import pinned_nodes, rank_resources, replica_pg
@@ -33,7 +33,7 @@ from kuangchao.platform.jobs.state import PlacedRank
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.workers.errors import WorkerError
-from kuangchao.workers.runtime.worker import TrainWorker
+from kuangchao.workers.runtime.rank_actor import RankActor
 
 PG_READY_TIMEOUT_S = 180.0
 RENDEZVOUS_TIMEOUT_S = 300.0
@@ -107,6 +107,8 @@ class RayWorkerGroup:
         self.fresh_grants = self._grants(list(range(len(placement))))
         for rank, slot in enumerate(placement):
             self.members[rank].actor = self._spawn(rank, slot.node)
+        # The rendezvous store is torch's: load torch while the ranks start, not before.
+        importlib.import_module("torch.distributed")
         return self.describe(300.0)
 
     def _await_pgs(self, pgs: list[Any], timeout_s: float) -> None:
@@ -130,7 +132,7 @@ class RayWorkerGroup:
         grant = self.fresh_grants.pop(rank, None) or self._grants([rank])[rank]
         m, ft = self.members[rank], self._spec().fault_tolerance
         custom = {k: v for k, v in m.bundle.items() if k not in ("CPU", "GPU")}
-        return ray.remote(TrainWorker).options(
+        return ray.remote(RankActor).options(
             num_cpus=m.bundle["CPU"], num_gpus=m.bundle.get("GPU", 0), resources=custom,
             max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pgs[rank // self.rpr], placement_group_bundle_index=rank % self.rpr),
@@ -156,6 +158,8 @@ class RayWorkerGroup:
         """Where every generation of this job meets (a store this process hosts)."""
         host = ray.util.get_node_ip_address()
         if self.kv is None:
+            from torch.distributed import TCPStore
+
             self.kv = TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
         return host, int(self.kv.port)

@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kuangchao.platform.execution.grants import worker_settings
 from kuangchao.platform.settings import Settings
-from kuangchao.workers.runtime.worker import SpareWorker
+from kuangchao.workers.runtime.rank_actor import SpareActor
 
 SPARE_WAIT_S = 60.0
 
@@ -30,7 +30,7 @@ class SparePool:
     def keep(self, node_ids: set[str]) -> None:
         """Start a spare on each of these nodes that has none."""
         for node_id in node_ids - set(self.by_node):
-            self.by_node[node_id] = ray.remote(SpareWorker).options(
+            self.by_node[node_id] = ray.remote(SpareActor).options(
                 num_cpus=0, max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
 

@@ -20,11 +20,12 @@ from typing import Any
 
 import ray
 
-# The worker group (and with it torch) loads with this module, before the driver
-# connects to Ray: dlopen'ing libtorch once Ray's threads run can fail for want of
-# static TLS ("Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so"), which kills
-# the driver with its job still holding GPUs. The controller itself loads no torch.
-import kuangchao.platform.execution.group  # noqa: F401
+# torch (the rendezvous store the controller hosts) loads with this module, before
+# the driver connects to Ray: dlopen'ing libtorch once Ray's threads run can fail
+# for want of static TLS ("Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so"),
+# which kills the driver with its job still holding GPUs.
+import torch.distributed  # noqa: F401
+
 from kuangchao.platform.cluster.registry import nodes_from_ray
 from kuangchao.platform.cluster.topology import ClusterTopology
 from kuangchao.platform.control import operations as jobs

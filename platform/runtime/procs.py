@@ -73,7 +73,15 @@ def alive(pid: int) -> bool:
         return False
 
 
-def stop(pids: set[int], grace_s: float = 10.0) -> None:
+# What a stack's processes get between SIGTERM and SIGKILL: Ray's own wait for
+# `ray job stop` (RAY_JOB_STOP_WAIT_TIME_S). The API server, drivers and actors
+# finish within it; Ray's daemons (gcs_server, raylets, their agents, the
+# autoscaler monitor) do not act on SIGTERM while their peers go away (seen on
+# Ray 2.60: still up 10 s later), and keep nothing a SIGKILL could lose.
+STOP_GRACE_S = 3.0
+
+
+def stop(pids: set[int], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM, wait up to `grace_s`, then SIGKILL whatever is left."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:

@@ -426,6 +426,17 @@ def test_the_controller_loads_no_ray_or_torch_so_its_unit_tests_need_neither():
         m for m in loaded if m.split(".")[0] in ("ray", "torch"))
 
 
+def test_the_worker_group_loads_no_torch_until_its_ranks_start():
+    # A new controller imports the group on every job's path to its first step:
+    # torch and the trainer there cost seconds the ranks spend starting anyway.
+    for path in ("platform/execution/group.py", "platform/execution/spares.py",
+                 "workers/runtime/rank_actor.py"):
+        loaded = load_time_closure(ROOT / path)
+        heavy = sorted(m for m in loaded
+                       if m.split(".")[0] == "torch" or m == "kuangchao.workers.runtime.worker")
+        assert not heavy, f"{path} loads {heavy}"
+
+
 # No raw Redis client outside the store: platform/jobs holds every Redis operation
 # (the `r` attribute of `JobStore` is its client). Each exception says why.
 RAW_CLIENT_EXCEPTIONS = {

@@ -13,15 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# `shared`: what every built-in model has in common (config.py).
 from kuangchao.workers.errors import ModelConfigError
-from kuangchao.workers.models.config import (
-    CausalSelfAttention,
-    ModelConfig,
-    check_input,
-    count_params,
-    init_weights,
-    lm_loss,
-)
+from kuangchao.workers.models import config as shared
 
 ROPE_THETA = 10000.0
 NORM_EPS = 1e-5
@@ -75,10 +69,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos + _rotate_half(x) * sin).type_as(x)
 
 
-class LlamaAttention(CausalSelfAttention):
+class LlamaAttention(shared.CausalSelfAttention):
     """Causal self-attention with rotary embeddings on q and k, no biases."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: shared.ModelConfig) -> None:
         super().__init__(cfg, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -90,7 +84,7 @@ class LlamaAttention(CausalSelfAttention):
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: shared.ModelConfig) -> None:
         super().__init__()
         hidden = cfg.ffn_dim_for("llama")
         self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=False)
@@ -105,7 +99,7 @@ class LlamaMLP(nn.Module):
 class LlamaBlock(nn.Module):
     """Pre-RMSNorm block; takes the rotary tables so one copy serves all blocks."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: shared.ModelConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model)
         self.attn = LlamaAttention(cfg)
@@ -128,7 +122,7 @@ class Llama(nn.Module):
         cfg: Model shape; ``cfg.type`` is not consulted.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: shared.ModelConfig) -> None:
         super().__init__()
         if cfg.head_dim % 2 != 0:
             raise ModelConfigError(
@@ -142,7 +136,7 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        init_weights(self, cfg.n_layers)
+        shared.init_weights(self, cfg.n_layers)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
@@ -151,14 +145,14 @@ class Llama(nn.Module):
 
         Same arguments, return value and errors as ``GPT.forward``.
         """
-        check_input(idx, self.config.seq_len)
+        shared.check_input(idx, self.config.seq_len)
         cos, sin = self.rope(idx.size(1))
         x = self.drop(self.tok_emb(idx))
         for block in self.blocks:
             x = block(x, cos, sin)
         logits = self.lm_head(self.norm(x))
-        return logits, lm_loss(logits, targets)
+        return logits, shared.lm_loss(logits, targets)
 
     def num_params(self) -> int:
         """Number of parameters (buffers such as the rotary tables excluded)."""
-        return count_params(self)
+        return shared.count_params(self)

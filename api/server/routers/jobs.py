@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
@@ -127,9 +128,8 @@ def job_samples(job_id: str, store: Store, who: Reader) -> dict[str, Any]:
             response_model=EventList, response_model_exclude_unset=True)
 def job_events(job_id: str, store: Store, who: Reader,
                start: int = Query(0, ge=0, le=_MAX_INDEX)) -> dict[str, Any]:
-    visible_job(store, who, job_id, "job.read")
-    events = store.events(job_id, start)
-    return {"events": events, "next": start + len(events)}
+    """Events `{ts, type, ...}` from `start` on; `next` is where the next call starts."""
+    return _page("events", store.events, store, who, job_id, start)
 
 
 @router.get("/{job_id}/metrics", summary="The loss curve: one point per logged step, oldest first",
@@ -138,9 +138,15 @@ def job_metrics(job_id: str, store: Store, who: Reader,
                 start: int = Query(0, ge=0, le=_MAX_INDEX)) -> dict[str, Any]:
     """Points `{step, ts, loss, tokens_per_s, step_s, ...}` from `start` on; `next` is
     where the next call starts. Steps replayed after a recovery come again."""
+    return _page("points", store.metrics, store, who, job_id, start)
+
+
+def _page(key: str, read: Callable[[str, int], list[dict[str, Any]]], store: Any, who: Any,
+          job_id: str, start: int) -> dict[str, Any]:
+    """A stream's entries from `start` on, for a caller who may read the job."""
     visible_job(store, who, job_id, "job.read")
-    points = store.metrics(job_id, start)
-    return {"points": points, "next": start + len(points)}
+    entries = read(job_id, start)
+    return {key: entries, "next": start + len(entries)}
 
 
 @router.get("/{job_id}/logs", summary="The job's log lines from every rank",

@@ -42,9 +42,9 @@ class CheckpointPublic(Passthrough):
 
     step: int
     path: str
-    bytes: int | None = None
-    blocked_s: Number | None = None
-    write_s: Number | None = None
+    bytes: int | None = Field(None, description="its size on disk, every shard together")
+    blocked_s: Number | None = Field(None, description="how long training waited to stage it")
+    write_s: Number | None = Field(None, description="how long the write took, in the background")
     committed_at: Number | None = None
 
 
@@ -132,10 +132,10 @@ class LogLinePublic(Passthrough):
     fields of its own, which pass through."""
 
     ts: Number | None = None
-    level: str | None = None
+    level: str | None = Field(None, description="INFO, WARNING or ERROR")
     job_id: str | None = None
-    rank: int | None = None
-    module: str | None = None
+    rank: int | None = Field(None, description="the rank that logged it; none for the controller")
+    module: str | None = Field(None, description="the part of the rank that logged it")
     message: str | None = None
 
 
@@ -149,9 +149,9 @@ class MetricPointPublic(Passthrough):
 
     step: int
     ts: Number | None = None
-    loss: Number | None = None
+    loss: Number | None = Field(None, description="the global batch's mean loss at this step")
     tokens_per_s: Number | None = None
-    step_s: Number | None = None
+    step_s: Number | None = Field(None, description="the wall time of this one step")
 
 
 class MetricPointList(Public):

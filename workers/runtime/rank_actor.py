@@ -1,0 +1,47 @@
+"""The Ray actor classes of a rank, cheap to import.
+
+The controller creates rank actors but runs none: importing the worker itself
+(torch, distributed checkpointing, the trainer) took 2.5 s of CPU in every new
+controller, on the path from admission to the first step. These shells name
+the methods the controller calls; the worker is imported and built inside the
+actor's own process, where it is needed anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RankActor:
+    """One rank's actor: a `TrainWorker` built in the actor's process."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from kuangchao.workers.runtime.worker import TrainWorker
+
+        self.worker = TrainWorker(*args, **kwargs)
+
+    def describe(self) -> dict[str, Any]:
+        return self.worker.describe()
+
+    def join(self, generation: dict[str, Any], rank: int | None = None,
+             timeout_s: float = 300.0) -> str:
+        return self.worker.join(generation, rank, timeout_s)
+
+    def run(self, spec_doc: dict[str, Any]) -> dict[str, Any]:
+        return self.worker.run(spec_doc)
+
+    def reset(self) -> None:
+        self.worker.reset()
+
+
+class SpareActor(RankActor):
+    """A warm spare's actor: a `SpareWorker` that has imported the trainer and
+    waits to `adopt` a failed rank on its node."""
+
+    def __init__(self) -> None:  # noqa: D107 -- the rank comes later, with `adopt`
+        from kuangchao.workers.runtime.worker import SpareWorker
+
+        self.worker = SpareWorker()
+
+    def adopt(self, *args: Any, **kwargs: Any) -> int:
+        return self.worker.adopt(*args, **kwargs)
