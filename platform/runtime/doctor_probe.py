@@ -57,7 +57,6 @@ def node_facts() -> dict[str, Any]:
     if version and any(os.path.exists(f) for f in GPU_DEVICE_FILES):
         import torch
 
-        version = torch.__version__
         cuda = torch.version.cuda if torch.cuda.is_available() else None
         if cuda:
             gpus = torch.cuda.device_count()

@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# `shared`: what every built-in model has in common (config.py).
 from kuangchao.workers.errors import ModelConfigError
-from kuangchao.workers.models import config as shared
+from kuangchao.workers.models import config as shared  # what every built-in model has
 
 ROPE_THETA = 10000.0
 NORM_EPS = 1e-5

@@ -23,9 +23,8 @@ class RankActor:
     def describe(self) -> dict[str, Any]:
         return self.worker.describe()
 
-    def join(self, generation: dict[str, Any], rank: int | None = None,
-             timeout_s: float = 300.0) -> str:
-        return self.worker.join(generation, rank, timeout_s)
+    def join(self, *args: Any, **kwargs: Any) -> str:
+        return self.worker.join(*args, **kwargs)
 
     def run(self, spec_doc: dict[str, Any]) -> dict[str, Any]:
         return self.worker.run(spec_doc)
