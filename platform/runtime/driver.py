@@ -132,7 +132,8 @@ def run_as_driver(doc: dict[str, Any], settings: Settings | None = None) -> dict
     spec = validate_spec(doc)
     store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
     _connect_ray(settings)
-    from kuangchao.platform.runtime.actors import find_scheduler, private_authority
+    from kuangchao.platform.runtime.actors import find_scheduler
+    from kuangchao.platform.runtime.authority_actor import private_authority
 
     managed = find_scheduler() is not None
     # Without a control plane, this driver's own authority (an ephemeral key

@@ -39,6 +39,15 @@ from kuangchao.platform.settings import (
 from kuangchao.platform.spec.queues import QueueTable, load_queues
 
 OBJECT_STORE_BYTES = 128 * 1024 * 1024
+# Every node of a local cluster runs on this one machine, so each of Ray's
+# per-node pollers sees all of it: the dashboard agent's reporter walks every
+# process on every tick, and the head's log monitor lists the session's log
+# folder ten times a second. Prometheus scrapes every 15 s, so a sample every
+# 15 s loses nothing, and new log files are found within 5 s; measured on an
+# idle 2-node stack, the log monitor then uses 0.16 CPU-s a minute, not 0.74,
+# and each dashboard agent two thirds of what it did. The shell's values win.
+RAY_QUIET = {"REPORTER_UPDATE_INTERVAL_MS": "15000",
+             "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "5"}
 BIN = Path(sys.executable).parent
 
 
@@ -200,6 +209,7 @@ def _ray_env(state: dict[str, Any], admin: bool = True) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env.update({k: v for k, v in RAY_QUIET.items() if k not in env})
     env.pop("KC_REDIS_URL", None)
     if admin:
         env["KC_REDIS_URL"] = state["redis_url"]

@@ -7,7 +7,7 @@ before the token expires, and the authority refuses a token that is expired,
 revoked, or not its own. Every mint, renewal, refusal and revocation is
 audited.
 
-No Ray here: `actors.TokenAuthorityActor` hosts it, and tests step it directly.
+No Ray here: `authority_actor.TokenAuthorityActor` hosts it, and tests step it directly.
 """
 
 from __future__ import annotations

@@ -437,6 +437,17 @@ def test_the_worker_group_loads_no_torch_until_its_ranks_start():
         assert not heavy, f"{path} loads {heavy}"
 
 
+def test_a_rank_unpickling_the_authority_handle_loads_no_control_plane():
+    # Ray imports an actor's class module where its handle is unpickled: in every
+    # rank, for the token authority's. The controller and the scheduler (and the
+    # torch they load) must not come with it.
+    loaded = load_time_closure(ROOT / "platform/runtime/authority_actor.py")
+    control = sorted(m for m in loaded if m.startswith(("kuangchao.platform.execution",
+                                                        "kuangchao.platform.scheduling"))
+                     or m in ("kuangchao.platform.runtime.actors", "torch"))
+    assert not control, f"authority_actor.py loads {control}"
+
+
 # No raw Redis client outside the store: platform/jobs holds every Redis operation
 # (the `r` attribute of `JobStore` is its client). Each exception says why.
 RAW_CLIENT_EXCEPTIONS = {

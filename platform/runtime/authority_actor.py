@@ -1,0 +1,82 @@
+"""The token authority's Ray actor, in a module of its own.
+
+Every rank receives a handle to this actor, and Ray imports an actor's class
+module wherever one of its handles is unpickled. Kept apart from `actors.py`
+(the scheduler, the registry, the job controller), a rank loads only this
+shell and the authority, which its token checks import anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import ray
+
+from kuangchao.platform.jobs.store import JobStore
+from kuangchao.platform.observability.logjson import use_json_logs
+from kuangchao.platform.security.audit import AuditLog
+from kuangchao.platform.security.authority import TokenAuthority, load_signing_key
+from kuangchao.platform.security.tokens import generate_key
+from kuangchao.platform.settings import Settings, audit_file
+
+log = logging.getLogger(__name__)
+
+# How often the authority retires the credentials of jobs that have ended, and
+# how often it checks that Redis still has the running jobs' users.
+SWEEP_S = 30.0
+RESTORE_S = 1.0
+
+
+class TokenAuthorityActor:
+    """Hosts the token authority. With `ephemeral`, a key of its own that dies
+    with it: a `kc train` driver without a control plane makes one for its job."""
+
+    def __init__(self, settings: Settings, ephemeral: bool = False) -> None:
+        use_json_logs("authority")
+        store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
+        key, self.key_source = ((generate_key(), "ephemeral") if ephemeral else
+                                load_signing_key(settings.signing_key_file, settings.dev))
+        self.authority = TokenAuthority(store, key, AuditLog(store, audit_file()),
+                                        settings.redis_url, job_acl=settings.job_acl)
+        self._stop = threading.Event()
+        threading.Thread(target=self._sweep, daemon=True, name="kc-authority-sweep").start()
+
+    def _sweep(self) -> None:
+        next_sweep = time.monotonic() + SWEEP_S
+        while not self._stop.wait(RESTORE_S):
+            try:
+                self.authority.restore_users()
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + SWEEP_S
+                    self.authority.sweep()
+            except Exception as exc:  # Redis away: try again on the next beat
+                log.warning("token authority upkeep failed (%s); retrying", exc)
+
+    def grant_workers(self, job_id: str, ranks: dict[int, tuple[int, ...]]) -> dict[int, dict]:
+        return {r: g.to_json() for r, g in self.authority.grant_workers(job_id, ranks).items()}
+
+    def grant_module(self, job_id: str, module: str, role: str) -> dict:
+        return self.authority.grant_module(job_id, module, role).to_json()
+
+    def renew(self, token: str) -> str:
+        return self.authority.renew(token)
+
+    def revoke_job(self, job_id: str, reason: str) -> int:
+        return self.authority.revoke_job(job_id, reason)
+
+    def report_denial(self, token: str | None, interface: str, resource: str, reason: str) -> None:
+        self.authority.report_denial(token, interface, resource, reason)
+
+    def info(self) -> dict[str, Any]:
+        return {"key": self.key_source, "public_key": self.authority.public_key().decode()}
+
+
+def private_authority(settings: Settings) -> Any:
+    """A token authority owned by the caller, with an ephemeral key (for `kc train`
+    on a Ray cluster without a kuangchao control plane)."""
+    actor = ray.remote(TokenAuthorityActor).options(num_cpus=0).remote(settings, True)
+    ray.get(actor.info.remote(), timeout=120)
+    return actor
