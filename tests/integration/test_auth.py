@@ -163,6 +163,8 @@ def test_queues_are_managed_by_operators(stack, tenants):
 
 def test_metrics_need_the_scrape_token_or_an_operator(stack, tenants):
     token = Path(stack.state["metrics_token_file"]).read_text().strip()
+    # A request to a job's route of our own, not one some earlier test may have made.
+    assert stack.client.get(tenants["job_a"])["id"] == tenants["job_a"]
     resp = httpx.get(url(stack, "/metrics"), headers={"Authorization": f"Bearer {token}"})
     assert resp.status_code == 200 and "kc_api_request_duration_seconds" in resp.text
     assert 'route="/v1/jobs/{job_id}"' in resp.text  # labelled by route, not by raw path

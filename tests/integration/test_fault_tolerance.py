@@ -187,7 +187,11 @@ def test_control_plane_actors_run_on_the_head_node(stack, ray_driver):
 
     head = next(n["NodeID"] for n in ray_driver.nodes()
                 if (n.get("Labels") or {}).get("kc.io/role") == "head")
-    control = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    # The stack's own dashboard: the state API's own search gives up when it finds
+    # more than one cluster on the machine.
+    alive = list_actors(address=stack.state["dashboard_url"], filters=[("state", "=", "ALIVE")],
+                        limit=1000)
+    control = [a for a in alive
                if a.class_name in ("SchedulerService", "RegistryActor", "JobControllerActor")]
     assert {a.class_name for a in control} >= {"SchedulerService", "RegistryActor"}
     assert all(a.node_id == head for a in control), [(a.class_name, a.node_id) for a in control]

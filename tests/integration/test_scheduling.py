@@ -67,8 +67,10 @@ def test_each_tenant_stays_within_its_quota(stack):
 
 def test_high_priority_job_preempts_a_low_priority_one_which_resumes_and_finishes(stack):
     # The high-priority job comes at step 3 and preempts within a second or two; 500
-    # steps keep the low one training until then on a fast machine.
-    low = stack.client.submit(doc(stack, "low", dp=4, gpus_per_rank=8, steps=500,
+    # steps keep the low one training until then on a fast machine. The low job holds
+    # two of the four nodes and the high one needs three, so only preempting it makes
+    # room (two ranks train the long part, not four).
+    low = stack.client.submit(doc(stack, "low", dp=2, gpus_per_rank=8, steps=500,
                                   task={"priority": "low"},
                                   checkpoint={"interval_steps": 10_000,
                                               "path": stack.job_doc()["checkpoint"]["path"]}))
@@ -76,7 +78,7 @@ def test_high_priority_job_preempts_a_low_priority_one_which_resumes_and_finishe
     try:
         wait_for(lambda: stack.client.get(low["id"])["progress"]["step"] >= 3, 300,
                  "the low-priority job to make progress")
-        high = stack.client.submit(doc(stack, "high", dp=2, gpus_per_rank=4, steps=5,
+        high = stack.client.submit(doc(stack, "high", dp=3, gpus_per_rank=8, steps=5,
                                        task={"priority": "high"}))
         ids.append(high["id"])
         assert stack.wait_state(high["id"], DONE, timeout=400)["state"] == "SUCCEEDED"
