@@ -27,7 +27,7 @@ from kuangchao.platform.security.tokens import generate_key, private_pem
 
 from .conftest import ROOT, redis_prefix, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_stack]
 BIN = Path(sys.executable).parent
 STORE = 128 * 1024 * 1024  # object store per raylet, as `kc up` gives them: the ranks need little
 

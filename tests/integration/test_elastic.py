@@ -28,7 +28,7 @@ from kuangchao.platform.runtime import procs
 
 from .conftest import HERE, Stack, kc, raylet_of, shared_redis_url, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_stack]
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED"}
 JOINED = "node-d"

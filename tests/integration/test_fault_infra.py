@@ -24,7 +24,7 @@ from kuangchao.api.sdk.client import Client
 from .conftest import HERE, Stack, kc, raylet_of, wait_for
 from .private_redis import PrivateRedis
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_stack]
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED"}
 

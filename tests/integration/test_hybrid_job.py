@@ -21,8 +21,8 @@ def hybrid(stack, name: str) -> dict:
     d["model"].update(n_layers=4, n_heads=2)
     d["parallel"] = {"data_parallel_size": 2, "pipeline_parallel_size": 2, "schedule": "1f1b",
                      "micro_batch_size": 2, "gradient_accumulation_steps": 2, "zero_stage": 1}
-    d["training"].update(steps=60, seed=5, log_interval=10)
-    d["checkpoint"]["interval_steps"] = 20
+    d["training"].update(steps=40, seed=5, log_interval=10)
+    d["checkpoint"]["interval_steps"] = 10
     return d
 
 
@@ -30,7 +30,7 @@ def test_a_pipelined_zero1_job_recovers_from_a_killed_rank_to_the_uninterrupted_
     # The uninterrupted run trains beside it, on GPUs of its own.
     clean = stack.client.submit(hybrid(stack, "hybrid-clean"))
     victim = stack.client.submit(hybrid(stack, "hybrid-killed"))
-    wait_for(lambda: stack.client.get(victim["id"])["progress"]["step"] >= 25, 600,
+    wait_for(lambda: stack.client.get(victim["id"])["progress"]["step"] >= 15, 600,
              "the hybrid job to pass its first checkpoint")
     last_stage = next(p for p in stack.client.get(victim["id"])["placement"] if p["rank"] == 3)
     assert alive(last_stage["pid"])
@@ -38,7 +38,7 @@ def test_a_pipelined_zero1_job_recovers_from_a_killed_rank_to_the_uninterrupted_
     done = stack.wait_state(victim["id"], DONE, timeout=900)
     assert done["state"] == "SUCCEEDED", done["message"]
     assert done["restarts"] == 1 and done["restart_log"][0]["rank"] == 3
-    assert done["restart_log"][0]["resumed_step"] in (20, 40)
+    assert done["restart_log"][0]["resumed_step"] in (10, 20, 30)
 
     logs = [r["message"] for r in stack.client.logs(victim["id"])["logs"]]
     assert any("dp=2 tp=1 pp=2, schedule 1f1b, ZeRO-1" in m for m in logs), \

@@ -1,0 +1,37 @@
+"""Run order across the whole suite.
+
+The session's shared stack (`stack` in tests/integration/conftest.py) is a
+4-node Ray cluster with its control plane; idle, it still takes some 10% of a
+2-core machine (raylets, dashboard agents, the control-plane actors' loops), and
+the modules that start a stack of their own ran a quarter slower beside it
+(tests/integration/test_elastic.py: 119 s alone, 156 s with the shared stack
+up). So modules run in three tiers: those with a stack of their own first, then
+those that need no stack, then those that use the shared one, which comes up
+for the last tier and goes down when the session ends. Within a tier, modules
+keep pytest's order, and a module's tests stay together and in their order
+(module fixtures are set up once; some modules run a test last on purpose).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+OWN_STACK, NO_STACK, SHARED_STACK = 0, 1, 2
+
+
+def _tier(module: str, items: list[pytest.Item]) -> int:
+    own = any(item.get_closest_marker("own_stack") for item in items)
+    shared = any("stack" in getattr(item, "fixturenames", ()) for item in items)
+    if own and shared:  # run first, it would bring the shared stack up for the whole session
+        raise pytest.UsageError(f"{module} is marked own_stack but uses the shared `stack` fixture: "
+                                "drop the mark, or move the tests that use `stack` to another module")
+    return OWN_STACK if own else SHARED_STACK if shared else NO_STACK
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    by_module: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+    tiers = {module: _tier(module, group) for module, group in by_module.items()}
+    items[:] = sorted(items, key=lambda item: tiers[item.nodeid.split("::")[0]])
