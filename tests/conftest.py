@@ -19,7 +19,7 @@ import pytest
 OWN_STACK, NO_STACK, SHARED_STACK = 0, 1, 2
 
 
-def _tier(module: str, items: list[pytest.Item]) -> int:
+def _tier(module: object, items: list[pytest.Item]) -> int:
     own = any(item.get_closest_marker("own_stack") for item in items)
     shared = any("stack" in getattr(item, "fixturenames", ()) for item in items)
     if own and shared:  # run first, it would bring the shared stack up for the whole session
@@ -30,8 +30,8 @@ def _tier(module: str, items: list[pytest.Item]) -> int:
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
-    by_module: dict[str, list[pytest.Item]] = {}
+    by_module: dict[object, list[pytest.Item]] = {}
     for item in items:
-        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+        by_module.setdefault(item.path, []).append(item)
     tiers = {module: _tier(module, group) for module, group in by_module.items()}
-    items[:] = sorted(items, key=lambda item: tiers[item.nodeid.split("::")[0]])
+    items[:] = sorted(items, key=lambda item: tiers[item.path])
