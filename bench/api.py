@@ -61,7 +61,7 @@ import redis  # noqa: E402
 
 from bench.api_load import Conn, Result, closed_loop, encode_request, open_loop  # noqa: E402
 from bench.harness import REDIS_URL, emit, log, median, wait_for_quiet  # noqa: E402
-from kuangchao.platform import jobs  # noqa: E402
+from kuangchao.platform.control import operations as jobs  # noqa: E402
 from kuangchao.platform.jobs import keys as redis_keys  # noqa: E402
 from kuangchao.platform.jobs.store import JobStore  # noqa: E402
 from kuangchao.platform.runtime.procs import free_port  # noqa: E402
