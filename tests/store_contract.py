@@ -55,6 +55,14 @@ def test_get_of_an_unknown_job_raises_job_not_found(store):
         store.update("nope", bump("restarts"))
 
 
+@pytest.mark.parametrize("bad", ["j001:events", "j001:*", "*", "j00?", "../j001", "", "j001 "])
+def test_an_id_that_is_no_job_id_is_a_missing_job_even_where_it_names_a_key(store, bad):
+    store.create(job(1))
+    store.add_event("j001", {"type": "note"})  # `j001:events` is a key, not a job
+    with pytest.raises(JobNotFound):
+        store.get(bad)
+
+
 def test_list_gives_the_newest_oldest_first_and_the_active_set_keeps_old_waiting_jobs(store):
     for i in (3, 0, 2, 1, 4):
         store.create(job(i))
@@ -65,6 +73,16 @@ def test_list_gives_the_newest_oldest_first_and_the_active_set_keeps_old_waiting
     assert [j.id for j in store.list_active()] == ["j000", "j001", "j003", "j004"]
     assert store.get("j002").state is JobState.CANCELLED
     assert store.list_active()[0].created_at == 1000.0
+
+
+def test_list_pages_back_from_the_newest(store):
+    for i in range(7):
+        store.create(job(i))
+    ids = lambda jobs: [j.id[1:] for j in jobs]  # noqa: E731
+    assert ids(store.list(3)) == ["004", "005", "006"]
+    assert ids(store.list(3, before=3)) == ["001", "002", "003"]
+    assert ids(store.list(3, before=6)) == ["000"]
+    assert store.list(3, before=7) == [] and store.list(3, before=100) == []
 
 
 def test_list_orders_jobs_created_at_the_same_time_by_id(store):

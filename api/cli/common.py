@@ -6,6 +6,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from kuangchao.api.cli.render import terminal_safe
 from kuangchao.api.sdk.client import ApiError, Client
 from kuangchao.platform.settings import Settings, credentials_file
 
@@ -13,7 +14,7 @@ Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of text."
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"error: {terminal_safe(message)}", err=True)
     raise typer.Exit(code)
 
 

@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
 import typer
+
+# What a terminal would act on rather than print: C0 and C1 controls (ESC starts
+# ANSI sequences that move the cursor, retitle the window or rewrite earlier
+# lines) but newline and tab, and the bidirectional overrides that reorder what
+# is shown. Job output and messages come from code the platform does not trust.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def terminal_safe(text: str) -> str:
+    """`text` with every control character but newline and tab written as an escape."""
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def say(text: str) -> None:
+    """Print a line of the human-readable output, terminal-safe."""
+    typer.echo(terminal_safe(text))
 
 
 def _ts(t: float | None) -> str:
@@ -50,21 +67,21 @@ def print_job(job: dict[str, Any]) -> None:
     if job.get("message"):
         rows.append(("message", job["message"].splitlines()[0]))
     for k, v in rows:
-        typer.echo(f"{k:<12} {v}")
+        say(f"{k:<12} {v}")
     for pl in job.get("placement") or []:
-        typer.echo(f"  rank {pl['rank']:<3} {pl['node']:<12} leaf {pl['leaf']:<10} "
+        say(f"  rank {pl['rank']:<3} {pl['node']:<12} leaf {pl['leaf']:<10} "
                    f"gpu {pl['gpu']} pid {pl['pid']}")
     for r in job.get("restart_log") or []:
-        typer.echo(f"restart {r.get('restart')}    {r.get('kind', '?')}: {r.get('cause', '')}")
-        typer.echo("             " + restart_timings(r))
+        say(f"restart {r.get('restart')}    {r.get('kind', '?')}: {r.get('cause', '')}")
+        say("             " + restart_timings(r))
     for r in job.get("resize_log") or []:
         took = f"{r['resize_s']:.2f}s to the first step" if "resize_s" in r else "in progress"
-        typer.echo(f"resize       {r.get('from')} -> {r.get('to')} replicas ({r.get('cause')}, "
+        say(f"resize       {r.get('from')} -> {r.get('to')} replicas ({r.get('cause')}, "
                    f"{r.get('path')}): {took}")
     ckpts = job.get("checkpoints") or []
     if ckpts:
         last = ckpts[-1]
-        typer.echo(f"checkpoint   step {last['step']} at {last['path']} ({last['bytes']} bytes)")
+        say(f"checkpoint   step {last['step']} at {last['path']} ({last['bytes']} bytes)")
 
 
 def _secs(v: Any) -> str:
@@ -97,18 +114,18 @@ def restart_timings(r: dict[str, Any]) -> str:
 
 
 def print_jobs(jobs: list[dict[str, Any]]) -> None:
-    typer.echo(f"{'ID':<28} {'NAME':<16} {'STATE':<10} {'STEP':>11} {'LOSS':>8}  CREATED")
+    say(f"{'ID':<28} {'NAME':<16} {'STATE':<10} {'STEP':>11} {'LOSS':>8}  CREATED")
     for j in jobs:
         p = j.get("progress") or {}
         step = f"{p.get('step', 0)}/{p.get('total_steps') or '?'}"
-        typer.echo(f"{j['id']:<28} {j['name'][:16]:<16} {j['state']:<10} {step:>11} "
+        say(f"{j['id']:<28} {j['name'][:16]:<16} {j['state']:<10} {step:>11} "
                    f"{_loss(p.get('loss')):>8}  {_ts(j.get('created_at'))}")
 
 
 def print_events(events: list[dict[str, Any]]) -> None:
     for e in events:
         what = f"{e.get('from') or '-'} -> {e['to']}" if e.get("type") == "state" else e.get("type")
-        typer.echo(f"{_ts(e.get('ts'))}  {what:<24} {e.get('message') or ''}")
+        say(f"{_ts(e.get('ts'))}  {what:<24} {e.get('message') or ''}")
 
 
 def print_log_lines(lines: list[dict[str, Any]], as_json: bool) -> None:
@@ -118,34 +135,34 @@ def print_log_lines(lines: list[dict[str, Any]], as_json: bool) -> None:
         else:
             rank = rec.get("rank")
             who = f"rank {rank}" if rank is not None else rec.get("module", "")
-            typer.echo(f"[{who}] {rec.get('message', '')}")
+            say(f"[{who}] {rec.get('message', '')}")
 
 
 def print_plan(plan, sc, shape) -> None:
-    typer.echo(f"layout dp={shape.dp} tp={shape.tp} pp={shape.pp}: {len(plan.slots)} ranks on "
+    say(f"layout dp={shape.dp} tp={shape.tp} pp={shape.pp}: {len(plan.slots)} ranks on "
                f"{sc.nodes_used} node(s), {sc.leaves_used} leaf switch(es)")
-    typer.echo(f"{'RANK':>5} {'DP':>4} {'STAGE':>5} {'TP':>3}  {'NODE':<14} {'LEAF':<10} GPUS")
+    say(f"{'RANK':>5} {'DP':>4} {'STAGE':>5} {'TP':>3}  {'NODE':<14} {'LEAF':<10} GPUS")
     for s in plan.slots:
         d, rest = divmod(s.rank, shape.pp * shape.tp)
         stage, t = divmod(rest, shape.tp)
-        typer.echo(f"{s.rank:>5} {d:>4} {stage:>5} {t:>3}  {s.node:<14} {s.leaf:<10} "
+        say(f"{s.rank:>5} {d:>4} {stage:>5} {t:>3}  {s.node:<14} {s.leaf:<10} "
                    f"{','.join(map(str, s.gpus))}")
-    typer.echo(f"score: tp groups split {sc.tp_groups_split}, pipelines across leaves "
+    say(f"score: tp groups split {sc.tp_groups_split}, pipelines across leaves "
                f"{sc.pipelines_across_leaves}, cross-leaf ring edges {sc.cross_leaf_ring_edges}, "
                f"cross-leaf {sc.cross_leaf_bytes / 1e6:.1f} MB/step, "
                f"cross-island {sc.cross_island_bytes / 1e6:.1f} MB/step")
 
 
 def print_queues(data: dict[str, Any]) -> None:
-    typer.echo(f"{'QUEUE':<16} {'GUARANTEED':>10} {'LIMIT':>6} {'IN USE':>7} {'RUNNING':>8} {'QUEUED':>7}")
+    say(f"{'QUEUE':<16} {'GUARANTEED':>10} {'LIMIT':>6} {'IN USE':>7} {'RUNNING':>8} {'QUEUED':>7}")
     for q in data["queues"]:
         limit = "-" if q["limit_gpus"] is None else q["limit_gpus"]
-        typer.echo(f"{q['name']:<16} {q['guaranteed_gpus']:>10} {limit:>6} {q['gpus_in_use']:>7} "
+        say(f"{q['name']:<16} {q['guaranteed_gpus']:>10} {limit:>6} {q['gpus_in_use']:>7} "
                    f"{q['running']:>8} {q['queued']:>7}")
 
 
 def print_nodes(data: dict[str, Any]) -> None:
-    typer.echo(f"{'NODE':<14} {'LEAF':<10} {'SPINE':<10} {'STATUS':<12} {'GPUS':>4} {'FREE':>4}  "
+    say(f"{'NODE':<14} {'LEAF':<10} {'SPINE':<10} {'STATUS':<12} {'GPUS':>4} {'FREE':>4}  "
                f"{'NVLINK':<20} JOBS")
     quarantined = []
     for n in data["nodes"]:
@@ -153,11 +170,11 @@ def print_nodes(data: dict[str, Any]) -> None:
         status = "lost" if not n["alive"] else "quarantined" if n.get("quarantine") else "ready"
         if n.get("quarantine"):
             quarantined.append(n)
-        typer.echo(f"{n['name']:<14} {n['leaf']:<10} {n['spine'] or '-':<10} "
+        say(f"{n['name']:<14} {n['leaf']:<10} {n['spine'] or '-':<10} "
                    f"{status:<12} {n['gpus']:>4} {n['free_gpus']:>4}  "
                    f"{islands:<20} {', '.join(n['jobs']) or '-'}")
     for n in quarantined:
         q = n["quarantine"]
         until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(q["until"]))
-        typer.echo(f"\n{n['name']} is quarantined until {until}: {q['reason']}\n"
+        say(f"\n{n['name']} is quarantined until {until}: {q['reason']}\n"
                    f"  release it early with `kc node release {n['name']}`")

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 
 from kuangchao.api.server import metrics
 from kuangchao.api.server.dependencies.auth import Caller
+from kuangchao.api.server.edge import Edge
 from kuangchao.api.server.routers import admin, audit, debug, health, jobs, nodes, queues, ui
 from kuangchao.platform.errors import StoreUnavailable
 from kuangchao.platform.version import __version__
@@ -25,6 +26,10 @@ def create_app() -> FastAPI:
                   openapi_url=None)
     for router in ROUTERS:
         app.include_router(router)
+    # Every request is authenticated and its body bounded before routing
+    # (edge.py); the request timer, added after it, wraps it, so its
+    # refusals are timed and counted too.
+    app.add_middleware(Edge)
     metrics.install(app)
 
     @app.get("/openapi.json", include_in_schema=False)

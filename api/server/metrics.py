@@ -141,13 +141,13 @@ async def _scraper(request: Request) -> JobStore:
 
 def _start_sd_writer(path: Path) -> None:
     """Keep the workers' file_sd list current (platform/observability/scrape_targets.py)."""
-    from kuangchao.api.server.dependencies.store import _store
+    from kuangchao.api.server.dependencies.store import open_store
 
     def loop() -> None:
         failing = False
         while True:
             try:
-                scrape_targets.write_file_sd(path, scrape_targets.read_groups(_store()))
+                scrape_targets.write_file_sd(path, scrape_targets.read_groups(open_store()))
                 failing = False
             except Exception as exc:  # noqa: BLE001 -- Redis away: keep the last list, retry
                 if not failing:

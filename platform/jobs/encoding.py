@@ -10,8 +10,19 @@ accept values Redis refuses.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
+
+# What a job id may be (operations.new_job_id makes `<slug>-<8 hex>`). No `:`,
+# `*`, `?`, `[` or `/`: an id is part of key names and ACL patterns, so one that
+# held them would name another job's keys (`a:events` is job a's stream). Both
+# stores answer such an id as a missing job.
+JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def is_job_id(text: str) -> bool:
+    return bool(JOB_ID.match(text))
 
 LOG_CAP = 20_000
 # A point per logged step: 50k points cover a million steps logged every 20.

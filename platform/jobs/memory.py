@@ -31,6 +31,7 @@ from kuangchao.platform.jobs.encoding import (
     decoded_list,
     event_text,
     hash_value,
+    is_job_id,
     loads_or_none,
     progress_fields,
     sample_fields_from,
@@ -98,15 +99,16 @@ class MemoryStore(RecordEdits, MemoryExtras, MemorySecurity):
 
     def get(self, job_id: str) -> JobRecord:
         with self._lock:
-            raw = self._jobs.text.get(job_id)
+            raw = self._jobs.text.get(job_id) if is_job_id(job_id) else None
         if raw is None:
             raise JobNotFound.for_id(job_id)
         return JobRecord.from_json(json.loads(raw))
 
-    def list(self, limit: int = 1000) -> list[JobRecord]:
-        """The newest `limit` jobs, oldest first."""
-        with self._lock:
-            ids = [i for _, i in self._jobs.order[-limit:]]  # ZRANGE -limit -1
+    def list(self, limit: int = 1000, before: int = 0) -> list[JobRecord]:
+        """The newest `limit` jobs, oldest first; with `before`, the newest `before`
+        are skipped (the next page back)."""
+        with self._lock:  # ZRANGE -(before+limit) -(before+1)
+            ids = [i for _, i in self._jobs.order[-(before + limit):len(self._jobs.order) - before]]
         return self._loaded(ids)
 
     def list_active(self) -> list[JobRecord]:

@@ -16,7 +16,7 @@ import redis
 
 from kuangchao.platform.errors import JobNotFound
 from kuangchao.platform.jobs import keys
-from kuangchao.platform.jobs.encoding import EVENT_CAP, created_event, event_text
+from kuangchao.platform.jobs.encoding import EVENT_CAP, created_event, event_text, is_job_id
 from kuangchao.platform.jobs.record_edits import RecordEdits
 from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.observability import metrics
@@ -70,14 +70,17 @@ class Records(RecordEdits):
         return job
 
     def get(self, job_id: str) -> JobRecord:
+        if not is_job_id(job_id):  # answers as a missing job: nothing about others leaks
+            raise JobNotFound.for_id(job_id)
         raw = self.r.get(keys.job(self.p, job_id))
         if raw is None:
             raise JobNotFound.for_id(job_id)
         return JobRecord.from_json(json.loads(raw))
 
-    def list(self, limit: int = 1000) -> list[JobRecord]:
-        """The newest `limit` jobs, oldest first."""
-        return self._records(self.r.zrange(keys.jobs(self.p), -limit, -1))
+    def list(self, limit: int = 1000, before: int = 0) -> list[JobRecord]:
+        """The newest `limit` jobs, oldest first; with `before`, the newest `before`
+        are skipped (the next page back)."""
+        return self._records(self.r.zrange(keys.jobs(self.p), -(before + limit), -(before + 1)))
 
     def list_active(self) -> list[JobRecord]:
         """Every job that has not finished, however old, oldest first."""

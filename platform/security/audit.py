@@ -104,3 +104,45 @@ class AuditLog:
             if len(out) >= limit:
                 break
         return out[::-1]
+
+
+class DenialSampler:
+    """Keeps a flood of refusals from flushing the trail.
+
+    The stream keeps the newest records only, so a few hundred thousand refused
+    requests would push every earlier decision out of it. Each source (a
+    client address for requests without a valid key, else the principal) may
+    leave `burst` denial records per `window_s`; past that its refusals are
+    counted, and the next record it may leave says how many were not written.
+    Allowed decisions are never sampled.
+
+    Pure: the caller passes the clock.
+    """
+
+    def __init__(self, burst: int = 20, window_s: float = 60.0, max_sources: int = 10_000) -> None:
+        self.burst, self.window_s, self.max_sources = burst, window_s, max_sources
+        self._lock = threading.Lock()
+        self._seen: dict[str, list[float]] = {}  # source -> [window start, written, suppressed]
+
+    def admit(self, source: str, now: float) -> tuple[bool, int]:
+        """Whether to write this denial, and how many of the source's were skipped before it."""
+        with self._lock:
+            entry = self._seen.get(source)
+            if entry is None or now - entry[0] >= self.window_s:
+                skipped = int(entry[2]) if entry is not None else 0
+                if entry is None and len(self._seen) >= self.max_sources:
+                    self._forget(now)
+                self._seen[source] = [now, 1, 0]
+                return True, skipped
+            if entry[1] < self.burst:
+                entry[1] += 1
+                skipped, entry[2] = int(entry[2]), 0
+                return True, skipped
+            entry[2] += 1
+            return False, 0
+
+    def _forget(self, now: float) -> None:
+        """Drop sources whose window has passed (with nothing skipped), else the oldest."""
+        stale = [s for s, e in self._seen.items() if now - e[0] >= self.window_s and not e[2]]
+        for s in stale or sorted(self._seen, key=lambda s: self._seen[s][0])[:len(self._seen) // 2]:
+            del self._seen[s]

@@ -24,6 +24,12 @@ from kuangchao.platform.errors import SpecError
 MAX_DEPTH = 64
 # Python will not print an int past 4,300 digits.
 MAX_INT_BITS = 14_000
+# What a document may grow to once its YAML aliases are expanded, as validation
+# and storage expand them: 400 bytes of nested aliases would otherwise make a
+# billion values (minutes of CPU and gigabytes in the API). A job spec has a
+# few hundred values; `args` is free-form, hence the room.
+MAX_VALUES = 100_000
+MAX_TEXT_BYTES = 4 << 20
 
 
 def parse_spec_text(text: str) -> dict[str, Any]:
@@ -48,6 +54,7 @@ def parse_spec_text(text: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise SpecError([("", "a job spec must be a mapping at the top level")])
     check_document(doc)
+    check_expanded_size(doc)
     return doc
 
 
@@ -70,6 +77,38 @@ def check_document(doc: Any) -> None:
         for key, item in value.items() if isinstance(value, dict) else enumerate(value):
             _check_scalar(key, path)
             stack.append((item, [*path, str(key)], outer | {id(value)}))
+
+
+def check_expanded_size(doc: Any) -> None:
+    """`SpecError` for a document that expands past `MAX_VALUES` values or
+    `MAX_TEXT_BYTES` of text. Linear in the document as parsed: each value
+    shared through an alias is sized once (call `check_document` first, which
+    refuses cycles)."""
+    sizes: dict[int, tuple[int, int]] = {}  # id(container) -> (values, text bytes), expanded
+    stack: list[tuple[Any, bool]] = [(doc, False)]
+    while stack:
+        value, children_done = stack.pop()
+        if id(value) in sizes:
+            continue
+        items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+        inner = [v for _, v in items if isinstance(v, dict | list) and id(v) not in sizes]
+        if not children_done and inner:
+            stack.append((value, True))
+            stack.extend((v, False) for v in inner)
+            continue
+        count, text = 1, 0
+        for key, item in items:
+            text += len(key) if isinstance(key, str) else 0
+            if isinstance(item, dict | list):
+                n, b = sizes[id(item)]
+            else:
+                n, b = 1, len(item) if isinstance(item, str) else 0
+            count, text = count + n, text + b
+        if count > MAX_VALUES or text > MAX_TEXT_BYTES:
+            raise SpecError([("", f"the document expands to more than {MAX_VALUES:,} values or "
+                                  f"{MAX_TEXT_BYTES >> 20} MiB of text (each YAML alias repeats "
+                                  "what it names); write it without nested aliases, or smaller")])
+        sizes[id(value)] = (count, text)
 
 
 def _check_scalar(value: Any, path: list[str]) -> None:

@@ -61,7 +61,7 @@ def test_building_the_app_and_its_schema_opens_no_store(monkeypatch):
         raise AssertionError("the app reached for Redis")
 
     monkeypatch.setattr(JobStore, "from_url", refuse)
-    monkeypatch.setattr(deps, "_store", refuse)
+    monkeypatch.setattr(deps, "open_store", refuse)
     assert create_app().openapi()["paths"]
 
 

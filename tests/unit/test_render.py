@@ -28,3 +28,17 @@ def test_status_of_an_elastic_job_shows_its_size_samples_and_resizes(capsys):
     assert "samples      480 (global batch 24)" in out
     assert "resize       3 -> 2 replicas (node_lost, live): 0.41s to the first step" in out
     assert "resize       2 -> 3 replicas (grow, live): in progress" in out
+
+
+def test_job_output_reaches_the_terminal_escaped_not_obeyed(capsys):
+    from kuangchao.api.cli.render import print_events, print_log_lines
+
+    hostile = "loss 1.0\x1b[2J\x1b]0;owned\x07\r\u202eexe.txt \x9b1A"
+    print_log_lines([{"rank": 0, "message": hostile + "\nline two\tok"}], as_json=False)
+    print_events([{"ts": 1.0, "type": "note", "message": hostile}])
+    out = capsys.readouterr().out
+    assert not any(c in out for c in "\x1b\x07\r\u202e\x9b")
+    assert "\\x1b[2J\\x1b]0;owned\\x07\\r\\u202eexe.txt \\x9b1A" in out
+    assert "\nline two\tok" in out  # newlines and tabs are text
+    print_log_lines([{"rank": 0, "message": hostile}], as_json=True)
+    assert "\\u001b[2J" in capsys.readouterr().out  # JSON escapes them itself

@@ -9,6 +9,7 @@ changes state, leaves an audit record.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Annotated, Any
@@ -21,7 +22,7 @@ from kuangchao.platform.errors import JobNotFound
 from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.security.apikeys import Principal, authenticate, key_id_of
-from kuangchao.platform.security.audit import AuditLog, AuditRecord
+from kuangchao.platform.security.audit import AuditLog, AuditRecord, DenialSampler
 from kuangchao.platform.security.keystore import KeyStore
 from kuangchao.platform.settings import audit_file
 
@@ -41,9 +42,19 @@ def keystore(store: JobStore) -> KeyStore:
     return KeyStore(store)
 
 
+# Refusals are sampled per source (see DenialSampler); every allow is written.
+_denials = DenialSampler()
+
+
 def audit(store: JobStore, who: Principal | str, action: str, resource: str, decision: str,
-          reason: str = "", job: str | None = None) -> None:
+          reason: str = "", job: str | None = None, source: str | None = None) -> None:
     name = who if isinstance(who, str) else f"{who.name}[{who.tenant}/{who.key_id}]"
+    if decision == "deny":
+        write, skipped = _denials.admit(source or name, time.time())
+        if not write:
+            return
+        if skipped:
+            reason = f"{reason} ({skipped} more refusals from {source or name} were not written)"
     _trail(store).record(AuditRecord(principal=name, action=action, resource=resource,
                                      decision=decision, reason=reason, job=job))  # type: ignore[arg-type]
 
@@ -62,16 +73,38 @@ def bearer(header: str | None) -> str | None:
 _SCHEME = HTTPBearer(auto_error=False, description="an API key: kc_<id>_<secret>")
 
 
+def authenticate_request(store: JobStore, header: str | None, resource: str,
+                         client: str | None) -> Principal:
+    """The principal of an `Authorization` header.
+
+    Raises:
+        PermissionError: What is wrong with the key; the refusal is audited
+            (sampled per client address, so a flood cannot flush the trail).
+    """
+    key = bearer(header)
+    try:
+        return authenticate(key, keystore(store).get(key_id_of(key)))
+    except PermissionError as exc:
+        audit(store, key_id_of(key) or ANONYMOUS, "api.authenticate", resource, "deny", str(exc),
+              source=f"client {client}" if client else None)
+        raise
+
+
 async def caller(request: Request, store: Store,
                  _: Annotated[HTTPAuthorizationCredentials | None, Security(_SCHEME)] = None,
                  ) -> Principal:
-    """The authenticated principal, or 401 (audited) saying what is wrong with the key."""
-    key = bearer(request.headers.get("authorization"))
+    """The authenticated principal, or 401 (audited) saying what is wrong with the key.
+
+    The edge (api/server/edge.py) has authenticated the request already; a
+    route reached without it (an app built without the edge) checks here."""
+    principal = getattr(request.state, "principal", None)
+    if principal is not None:
+        return principal
     try:
-        principal = authenticate(key, keystore(store).get(key_id_of(key)))
+        principal = authenticate_request(store, request.headers.get("authorization"),
+                                         f"{request.method} {request.url.path}",
+                                         request.client.host if request.client else None)
     except PermissionError as exc:
-        audit(store, key_id_of(key) or ANONYMOUS, "api.authenticate",
-              f"{request.method} {request.url.path}", "deny", str(exc))
         raise HTTPException(status_code=401, detail=f"API key refused ({exc})",
                             headers={"WWW-Authenticate": "Bearer"}) from None
     request.state.principal = principal

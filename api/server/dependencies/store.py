@@ -20,14 +20,15 @@ from kuangchao.platform.settings import Settings
 
 
 @lru_cache(maxsize=1)
-def _store() -> JobStore:
+def open_store() -> JobStore:
+    """The process's store. Raises `StoreUnavailable`."""
     s = Settings.from_env()
     return JobStore.from_url(s.redis_url, s.redis_prefix)
 
 
 async def get_store() -> JobStore:
     try:
-        return _store()
+        return open_store()
     except StoreUnavailable as exc:
         raise HTTPException(status_code=503, detail=exc.message) from None
 
