@@ -18,8 +18,11 @@ import typer
 from kuangchao.api.cli.common import Json, call, client, fail
 
 debug_app = typer.Typer(help="Diagnose a running job's ranks.", no_args_is_help=True)
-Timeout = Annotated[float, typer.Option("--timeout", min=1, max=600,
+# The API waits at most this long for a diagnosis (api/server/routers/debug.py).
+Timeout = Annotated[float, typer.Option("--timeout", min=1, max=120,
                                         help="Seconds to wait for every rank.")]
+ProfileTimeout = Annotated[float, typer.Option("--timeout", min=1, max=3600,
+                                               help="Seconds to wait for every rank's trace.")]
 MiB = 1024 * 1024
 
 
@@ -104,7 +107,7 @@ def profile(job_id: str,
                                                help="Optimizer steps to record.")] = 5,
             out: Annotated[Path | None, typer.Option("--out", help=(
                 "Where to write rankN.json (default ./kc-profile-JOB-ID)."))] = None,
-            timeout: Timeout = 300.0, as_json: Json = False) -> None:
+            timeout: ProfileTimeout = 300.0, as_json: Json = False) -> None:
     """Record a torch.profiler trace of the next N steps on every rank; writes one
     Chrome/Perfetto trace per rank and prints the top operators and the
     compute/communication split."""

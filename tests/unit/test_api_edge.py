@@ -170,3 +170,47 @@ def test_a_listing_filters_by_tenant_before_it_limits(api, monkeypatch):
     listed = client.get("/v1/jobs", params={"limit": 2}).json()["jobs"]
     assert [j["id"] for j in listed] == mine[1:]
     assert [j["id"] for j in client.get("/v1/jobs").json()["jobs"]] == mine
+
+
+def running_job(store, tenant: str = "team-a", steps: int = 5) -> str:
+    from kuangchao.platform.jobs.state import JobRecord, JobState
+
+    doc = {**SPEC, "training": {"steps": steps}}
+    store.create(JobRecord(id="dbg-00000001", name="dbg", spec=doc, state=JobState.RUNNING,
+                           world_size=2, tenant=tenant))
+    return "dbg-00000001"
+
+
+def test_a_debug_step_past_the_jobs_last_is_refused(api):
+    store, client, _ = api
+    job_id = running_job(store, steps=5)
+    resp = client.post(f"/v1/jobs/{job_id}/debug/gradient", json={"step": 10**12})
+    assert resp.status_code == 422 and "trains 5 steps" in resp.text
+    resp = client.post(f"/v1/jobs/{job_id}/debug/comm", json={"timeout_s": 600})
+    assert resp.status_code == 422, "a wait longer than the bound"
+
+
+def test_debug_waits_hold_no_thread_and_past_their_bound_get_429(api, monkeypatch):
+    import threading
+
+    from kuangchao.api.server.routers import debug as debug_router
+
+    store, client, _ = api
+    job_id = running_job(store)
+    monkeypatch.setattr(debug_router, "WAITS", debug_router.Waits(total=8, per_tenant=1))
+    first: dict = {}
+    waiting = threading.Thread(target=lambda: first.update(resp=client.post(
+        f"/v1/jobs/{job_id}/debug/comm", json={"timeout_s": 5})))
+    waiting.start()
+    deadline = time.monotonic() + 10
+    while not debug_router.WAITS._open and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the first request is waiting
+    assert debug_router.WAITS._open == {"team-a": 1}
+    second = client.post(f"/v1/jobs/{job_id}/debug/memory", json={"timeout_s": 3})
+    assert second.status_code == 429 and second.headers["retry-after"] == "5"
+    assert "team-a has 1 debug requests waiting" in second.json()["detail"]
+    assert client.get("/healthz").status_code == 200
+    assert waiting.is_alive(), "healthz should answer while the wait still holds"
+    waiting.join(timeout=30)
+    assert first["resp"].status_code == 200 and first["resp"].json()["missing"] == [0, 1]
+    assert debug_router.WAITS._open == {}

@@ -3,7 +3,9 @@ ranks for a diagnosis (platform/jobs/debugreq.py), and fetch the profiler traces
 
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,20 +22,57 @@ from kuangchao.platform.jobs import debugreq
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.security.apikeys import Principal
+from kuangchao.platform.spec.defaults import value
 
 router = APIRouter(prefix="/v1/jobs", tags=["debug"],
-                   responses=errors(401, 403, 404, 409, 422, 503))
+                   responses=errors(401, 403, 404, 409, 413, 422, 503))
 Debugger = Annotated[Principal, Depends(require("job.debug"))]
 Reader = Annotated[Principal, Depends(require("job.read"))]
 _ID = re.compile(r"^[0-9a-f]{12}$")
 _TRACE = re.compile(r"^rank(\d{1,6})\.json\.gz$")
 
 
+MAX_WAIT_S = 120.0
+
+
 class DebugAsk(BaseModel):
     model_config = ConfigDict(extra="forbid")
     step: int | None = Field(None, ge=1, description="gradient: the optimizer step to capture "
-                                                     "(default: the next one)")
-    timeout_s: float = Field(30.0, gt=0, le=600, description="how long to wait for every rank")
+                                                     "(default: the next one; at most the job's "
+                                                     "last step)")
+    timeout_s: float = Field(30.0, gt=0, le=MAX_WAIT_S,
+                             description="how long to wait for every rank")
+
+
+class Waits:
+    """How many debug waits this API process holds open, in all and per tenant.
+
+    A wait costs no thread (it sleeps on the event loop), but each polls Redis
+    and holds a connection: past these bounds a request gets 429 instead."""
+
+    def __init__(self, total: int = 32, per_tenant: int = 4) -> None:
+        self.total, self.per_tenant = total, per_tenant
+        self._lock = threading.Lock()
+        self._open: dict[str, int] = {}
+
+    def enter(self, tenant: str) -> str | None:
+        """None when the wait may start, else why not."""
+        with self._lock:
+            if self._open.get(tenant, 0) >= self.per_tenant:
+                return f"tenant {tenant} has {self.per_tenant} debug requests waiting already"
+            if sum(self._open.values()) >= self.total:
+                return f"this API server has {self.total} debug requests waiting already"
+            self._open[tenant] = self._open.get(tenant, 0) + 1
+            return None
+
+    def leave(self, tenant: str) -> None:
+        with self._lock:
+            self._open[tenant] -= 1
+            if not self._open[tenant]:
+                del self._open[tenant]
+
+
+WAITS = Waits()
 
 
 class ProfileAsk(BaseModel):
@@ -49,13 +88,15 @@ def _running(store: JobStore, who: Principal, job_id: str, action: str) -> JobRe
     return job
 
 
-def _wait(store: JobStore, job: JobRecord, req_id: str, timeout_s: float) -> dict[int, dict]:
+async def _wait(store: JobStore, job: JobRecord, req_id: str, timeout_s: float) -> dict[int, dict]:
+    """Every rank's answer, or those in by the deadline; sleeps on the event loop, so a
+    wait holds no worker thread (forty of them used to park the whole pool)."""
     deadline = time.monotonic() + timeout_s
     while True:
         answers = store.debug_answers(job.id, req_id)
         if len(answers) >= job.world_size or time.monotonic() >= deadline:
             return answers
-        time.sleep(0.2)
+        await asyncio.sleep(0.2)
 
 
 def _retire(store: JobStore, job_id: str, req_id: str) -> None:
@@ -66,17 +107,30 @@ def _retire(store: JobStore, job_id: str, req_id: str) -> None:
 
 @router.post("/{job_id}/debug/{kind}", summary="Every rank's communication groups, memory, "
                                                "or gradients compared across replicas",
-             response_model=DebugReport, response_model_exclude_unset=True)
-def debug(job_id: str, kind: Literal["comm", "memory", "gradient"], store: Store, who: Debugger,
-          ask: Annotated[DebugAsk | None, Body()] = None) -> dict[str, Any]:
+             response_model=DebugReport, response_model_exclude_unset=True,
+             responses=errors(429))
+async def debug(job_id: str, kind: Literal["comm", "memory", "gradient"], store: Store,
+                who: Debugger, ask: Annotated[DebugAsk | None, Body()] = None) -> dict[str, Any]:
     """Waits for every rank (up to `timeout_s`); ranks that did not answer are listed in
     `missing`. A rank stuck in a collective still answers `comm` and `memory`."""
     ask = ask or DebugAsk()
     job = _running(store, who, job_id, f"job.debug.{kind}")
-    req = store.post_debug(job_id, kind, step=ask.step)
-    allowed(store, who, f"job.debug.{kind}", f"job/{job_id}", job=job_id, request=req.id)
-    answers = _wait(store, job, req.id, ask.timeout_s)
-    _retire(store, job_id, req.id)
+    last = int(value(job.spec, "training", "steps"))
+    if ask.step is not None and ask.step > last:
+        raise HTTPException(422, [{"loc": ["body", "step"], "field": "body.step", "msg": (
+            f"job {job_id} trains {last} steps; ask for a step up to {last}, or none "
+            "for the next one")}])
+    busy = WAITS.enter(who.tenant)
+    if busy is not None:
+        raise HTTPException(429, f"{busy}; retry once one has answered",
+                            headers={"Retry-After": "5"})
+    try:
+        req = store.post_debug(job_id, kind, step=ask.step)
+        allowed(store, who, f"job.debug.{kind}", f"job/{job_id}", job=job_id, request=req.id)
+        answers = await _wait(store, job, req.id, ask.timeout_s)
+        _retire(store, job_id, req.id)
+    finally:
+        WAITS.leave(who.tenant)
     out: dict[str, Any] = {"job": job_id, "kind": kind, "request": req.id,
                            "missing": sorted(set(range(job.world_size)) - set(answers))}
     if kind == "comm":

@@ -60,7 +60,9 @@ _WHY = {
     403: "The key's role may not do this",
     404: "No such resource, or one of a tenant the key may not see",
     409: "The resource is in a state that does not allow this",
+    413: "The request body is larger than the server takes",
     422: "The request, or the document in it, is invalid",
+    429: "Too many such requests are in flight; retry after the time in Retry-After",
     503: "Redis is unavailable",
 }
 
