@@ -68,6 +68,11 @@ class SpecError(KuangchaoError):
         super().__init__("\n".join(lines))
 
 
+class AdmissionRefused(SpecError):
+    """The submitter's role or tenant may not ask for what a valid spec asks for
+    (platform/security/admission.py); the API answers 403."""
+
+
 class TopologyError(KuangchaoError):
     """A cluster topology file or node label is malformed."""
 

@@ -18,7 +18,8 @@ from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.planning import autoplan
 from kuangchao.platform.scheduling.plugins.snapshot import order_key
-from kuangchao.platform.settings import kc_home
+from kuangchao.platform.security.admission import check_paths, check_request, limits_from_json
+from kuangchao.platform.settings import checkpoint_roots, data_roots, kc_home
 from kuangchao.platform.spec.elastic import samples_seen
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
 from kuangchao.platform.spec.queues import QueueTable
@@ -46,12 +47,25 @@ def resolve_checkpoint_path(spec: JobSpec) -> JobSpec:
     return spec.model_copy(update={"checkpoint": checkpoint})
 
 
-def check_queue(store: JobStore, spec: JobSpec) -> None:
-    """Refuse a job for a queue the cluster does not have."""
+def check_queue(store: JobStore, spec: JobSpec, role: str | None = None,
+                tenant: str = "default") -> None:
+    """Refuse a job for a queue the cluster does not have, and, for a submitter
+    of `role` (the API's callers), what its role or tenant may not ask for.
+
+    Raises:
+        SpecError: No such queue, or a path outside the roots.
+        AdmissionRefused: What the role or tenant may not ask for.
+    """
     table = QueueTable.from_json(store.info("queues"))
-    if table.get(spec.task.queue) is None:
+    queue = table.get(spec.task.queue)
+    if queue is None:
         raise SpecError([("task.queue", f"{spec.task.queue!r} is not a queue; known queues: "
                                         f"{', '.join(table.names)}")])
+    check_paths(spec.data.path, spec.checkpoint.path, data_roots(), checkpoint_roots())
+    if role is not None:
+        check_request(role, tenant, spec.task.priority_value, queue.tenants, queue.name,
+                      spec.fault_tolerance.max_restarts,
+                      spec.data.max_bytes, limits_from_json(table.limits))
 
 
 def resolve_auto(store: JobStore, spec: JobSpec,
@@ -72,29 +86,36 @@ def resolve_auto(store: JobStore, spec: JobSpec,
     return validate_spec(doc), plan
 
 
-def dry_run(store: JobStore, spec: JobSpec) -> dict[str, Any]:
-    """What `submit` would record, without recording it: the queue is checked and a
-    `parallel: auto` layout is planned. Raises `SpecError` as `submit` does."""
-    check_queue(store, spec)
+def dry_run(store: JobStore, spec: JobSpec, role: str | None = None,
+            tenant: str = "default") -> dict[str, Any]:
+    """What `submit` would record, without recording it: the queue, paths and the
+    role's ceilings are checked and a `parallel: auto` layout is planned. Raises
+    `SpecError` and `AdmissionRefused` as `submit` does."""
+    spec = resolve_checkpoint_path(spec)
+    check_queue(store, spec, role, tenant)
     spec, plan = resolve_auto(store, spec)
     return {"valid": True, "spec": stored_form(spec), "plan": plan}
 
 
 def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
            owner: str | None = None, tenant: str = "default",
-           cluster: ClusterTopology | None = None) -> JobRecord:
+           cluster: ClusterTopology | None = None, role: str | None = None) -> JobRecord:
     """Record a validated job as QUEUED and wake the scheduler.
 
     A `parallel: auto` spec is resolved here, on the nodes in `cluster` (default:
     the registry's view): the record holds the concrete spec and the plan.
 
+    With `role` (the API's submitters), the role's ceilings and the queue's
+    tenants apply too (platform/security/admission.py).
+
     Raises:
-        SpecError: When the job names a queue that does not exist, or no
-            layout fits an auto spec.
+        SpecError: When the job names a queue that does not exist, a path outside
+            the roots, or no layout fits an auto spec.
+        AdmissionRefused: What the role or tenant may not ask for.
     """
-    check_queue(store, spec)
-    spec, plan = resolve_auto(store, spec, cluster)
     spec = resolve_checkpoint_path(spec)
+    check_queue(store, spec, role, tenant)
+    spec, plan = resolve_auto(store, spec, cluster)
     rng = spec.elastic_range
     world = rng.world_size(rng.max_replicas)  # until admitted: the most it may take
     # The record holds the resolved spec alone, not also the document the user sent: it
@@ -213,8 +234,10 @@ def queue_view(store: JobStore) -> dict[str, Any]:
             "gpus_in_use": sum(j.gpus for j in mine if j.state.holds_resources),
             "running": sum(1 for j in mine if j.state.holds_resources),
             "queued": sum(1 for j in mine if j.state is JobState.QUEUED),
+            "tenants": None if q.tenants is None else list(q.tenants),
         })
-    return {"queues": out, "preemption": table.preemption, "policy": table.policy}
+    return {"queues": out, "preemption": table.preemption, "policy": table.policy,
+            "limits": {role: lim.to_json() for role, lim in limits_from_json(table.limits).items()}}
 
 
 def node_view(store: JobStore, sees: Callable[[str], bool] = lambda _tenant: True

@@ -8,16 +8,21 @@ YAML file (`kc up --queues queues.yaml`); without one there is a single queue
 `default` with no limit.
 
     queues:
-      - {name: team-a, guaranteed_gpus: 8, borrow_limit_gpus: 8}
+      - {name: team-a, guaranteed_gpus: 8, borrow_limit_gpus: 8, tenants: [vision]}
       - {name: team-b, guaranteed_gpus: 8}
     preemption: true
+    limits:                     # per role; a role not named keeps its defaults
+      submitter: {max_priority: 100, max_restarts: 20, max_data_bytes: 1073741824}
+
+A queue with `tenants` takes only those tenants' jobs. What `limits` bounds, and
+its defaults, are in platform/security/admission.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -32,6 +37,16 @@ class QueueModel(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     guaranteed_gpus: int = Field(0, ge=0)
     borrow_limit_gpus: int | None = Field(None, ge=0)
+    # Only these tenants' jobs (unset: every tenant's).
+    tenants: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(
+        None, max_length=1000)
+
+
+class RoleLimitsModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_priority: int | None = Field(None, ge=0, le=10**9)
+    max_restarts: int | None = Field(None, ge=0, le=10_000)
+    max_data_bytes: int | None = Field(None, ge=0, le=1 << 50)
 
 
 class QueueFileModel(BaseModel):
@@ -39,6 +54,7 @@ class QueueFileModel(BaseModel):
     queues: list[QueueModel] = Field(min_length=1)
     preemption: bool = True
     policy: str = "gang"
+    limits: dict[Literal["viewer", "submitter", "operator", "admin"], RoleLimitsModel] = {}
 
     @field_validator("queues")
     @classmethod
@@ -54,6 +70,7 @@ class Queue:
     name: str
     guaranteed_gpus: int = 0
     borrow_limit_gpus: int | None = None
+    tenants: tuple[str, ...] | None = None
 
     @property
     def limit(self) -> float:
@@ -68,6 +85,7 @@ class QueueTable:
     queues: tuple[Queue, ...] = field(default_factory=lambda: (Queue(DEFAULT_QUEUE),))
     preemption: bool = True
     policy: str = "gang"
+    limits: dict[str, dict[str, int]] = field(default_factory=dict)  # role -> ceilings set
 
     def get(self, name: str) -> Queue | None:
         return next((q for q in self.queues if q.name == name), None)
@@ -77,15 +95,25 @@ class QueueTable:
         return [q.name for q in self.queues]
 
     def to_json(self) -> dict[str, Any]:
-        return {"queues": [q.__dict__ for q in self.queues], "preemption": self.preemption,
-                "policy": self.policy}
+        # `tenants` and `limits` only where set: tables stored before they existed
+        # read back the same, and so do their answers.
+        out: dict[str, Any] = {
+            "queues": [{k: v for k, v in q.__dict__.items() if k != "tenants"}
+                       | ({"tenants": list(q.tenants)} if q.tenants is not None else {})
+                       for q in self.queues],
+            "preemption": self.preemption, "policy": self.policy}
+        if self.limits:
+            out["limits"] = self.limits
+        return out
 
     @classmethod
     def from_json(cls, doc: dict[str, Any] | None) -> QueueTable:
         if not doc:
             return cls()
-        return cls(queues=tuple(Queue(**q) for q in doc["queues"]),
-                   preemption=doc.get("preemption", True), policy=doc.get("policy", "gang"))
+        return cls(queues=tuple(Queue(**{**q, "tenants": tuple(q["tenants"])} if "tenants" in q
+                                      else q) for q in doc["queues"]),
+                   preemption=doc.get("preemption", True), policy=doc.get("policy", "gang"),
+                   limits=doc.get("limits") or {})
 
 
 def parse_queues(doc: Any, source: str = "queues") -> QueueTable:
@@ -94,8 +122,11 @@ def parse_queues(doc: Any, source: str = "queues") -> QueueTable:
         model = QueueFileModel.model_validate(doc)
     except ValidationError as exc:
         raise SpecError(pydantic_errors(exc, prefix=f"{source}: ")) from None
-    return QueueTable(queues=tuple(Queue(**q.model_dump()) for q in model.queues),
-                      preemption=model.preemption, policy=model.policy)
+    return QueueTable(
+        queues=tuple(Queue(q.name, q.guaranteed_gpus, q.borrow_limit_gpus,
+                           None if q.tenants is None else tuple(q.tenants)) for q in model.queues),
+        preemption=model.preemption, policy=model.policy,
+        limits={role: m.model_dump(exclude_none=True) for role, m in model.limits.items()})
 
 
 def load_queues(path: str | Path) -> QueueTable:

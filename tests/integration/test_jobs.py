@@ -129,8 +129,10 @@ def test_train_function_that_raises_fails_with_remote_traceback(stack):
     assert "TypeError" in logs[0]["message"]
 
 
-def test_missing_data_path_fails_with_the_path(stack, tmp_path):
-    missing = tmp_path / "nowhere.bin"
+def test_missing_data_path_fails_with_the_path(stack):
+    # Under the stack's data root ($KC_HOME/data): a path outside the roots is
+    # refused at submission (tests/unit/test_admission.py).
+    missing = Path(stack.env["KC_HOME"]) / "data" / "nowhere.bin"
     job = stack.client.submit(stack.job_doc(data={"path": str(missing)}))
     done = stack.wait_state(job["id"], {"FAILED", "SUCCEEDED"})
     assert done["state"] == "FAILED"

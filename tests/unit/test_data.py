@@ -394,3 +394,25 @@ def test_data_reexports_corpus_and_prefetch_names_when_imported() -> None:
         assert getattr(data, name) is getattr(corpus_module, name), name
     assert data.Prefetcher is prefetch.Prefetcher
     assert set(data.__all__) <= set(dir(data))
+
+
+def test_a_path_that_leads_outside_the_roots_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    root, outside = tmp_path / "data", tmp_path / "secret"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "credentials").write_bytes(b"api_key = kc_...")
+    (root / "ok.txt").write_bytes(b"hello world")
+    roots = (str(root),)
+    assert corpus_module.load_corpus(str(root / "ok.txt"), 1024, 256, roots=roots).size == 11
+    (root / "link").symlink_to(outside / "credentials")  # a symlink under the root
+    (root / "folder").mkdir()
+    (root / "folder" / "a.txt").write_bytes(b"fine")
+    (root / "folder" / "b.txt").symlink_to(outside / "credentials")
+    for bad in (outside / "credentials", root / "link", root / "folder", outside / "missing"):
+        with pytest.raises(DataError) as info:
+            corpus_module.load_corpus(str(bad), 1024, 256, roots=roots)
+        assert "leads outside the folders jobs may read" in str(info.value)
+        assert "does not exist" not in str(info.value)  # says nothing of what is there
+    # Inside the roots a missing file is named as missing.
+    with pytest.raises(DataError, match="does not exist"):
+        corpus_module.load_corpus(str(root / "missing.bin"), 1024, 256, roots=roots)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kuangchao.platform.security.admission import under
 from kuangchao.workers.errors import DataError
 
 STDLIB_SKIP_DIRS = frozenset(
@@ -131,7 +132,8 @@ def _remove_quietly(path: str) -> None:
         os.unlink(path)
 
 
-def load_corpus(path: str | None, max_bytes: int, vocab_size: int) -> np.ndarray:
+def load_corpus(path: str | None, max_bytes: int, vocab_size: int,
+                roots: tuple[str, ...] | None = None) -> np.ndarray:
     """Load the training corpus as a flat array of token ids.
 
     Args:
@@ -142,15 +144,20 @@ def load_corpus(path: str | None, max_bytes: int, vocab_size: int) -> np.ndarray
         max_bytes: Read at most this many bytes from text sources and the
             stdlib, and at most ``max_bytes // 2`` tokens from a ``.bin`` file.
         vocab_size: The model's vocabulary size; every token must be below it.
+        roots: The folders jobs may read data from on this node; the path, and
+            each file of a folder, must resolve (symlinks followed) inside one.
+            None: no check (tools reading a user's own files).
 
     Returns:
         A 1-D ``uint8`` array (text) or ``uint16`` memmap (``.bin``).
 
     Raises:
-        DataError: When the path is missing, unreadable or empty, or a token is
-            ``>= vocab_size``.
+        DataError: When the path is outside the roots, missing, unreadable or
+            empty, or a token is ``>= vocab_size``.
     """
     _check_max_bytes(max_bytes)
+    if path is not None and roots is not None:
+        _check_inside(Path(path), roots)
     if path is None:
         corpus = stdlib_corpus(max_bytes)
         source = "the built-in stdlib corpus"
@@ -163,6 +170,23 @@ def load_corpus(path: str | None, max_bytes: int, vocab_size: int) -> np.ndarray
         )
     _check_vocab(corpus, vocab_size, source)
     return corpus
+
+
+def _check_inside(path: Path, roots: tuple[str, ...]) -> None:
+    """Refuse a path that resolves outside every root, before anything is opened.
+
+    The API checked the path as written; a symlink under a root can still point
+    anywhere, so the worker checks where it leads. Nothing said here depends on
+    whether the target exists."""
+    real_roots = tuple(os.path.realpath(r) for r in roots)
+    targets = [path]
+    if path.is_dir() and under(os.path.realpath(path), real_roots):
+        targets += [p for p in path.iterdir() if not p.name.startswith(".")]
+    for target in targets:
+        if not under(os.path.realpath(target), real_roots):
+            raise DataError(f"data.path: '{path}' leads outside the folders jobs may read on this "
+                            f"node ({', '.join(roots)}); put the data under one of them, or ask "
+                            "an operator to add a root (KC_DATA_ROOTS)")
 
 
 def _load_path(path: Path, max_bytes: int) -> np.ndarray:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kuangchao.platform.settings import data_roots
 from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.workers.collectives import permit
 from kuangchao.workers.data.sampling import BatchSource, Prefetcher, batch_indices, load_corpus
@@ -116,7 +117,8 @@ def train(ctx: TrainContext) -> dict[str, Any]:
         pos = restore_latest(ctx, model, optimizer, guard) or Position()
         resize.forget_samples_from(ctx, pos.step)
         ctx.generation_start = pos.step
-    corpus = load_corpus(spec.data.path, spec.data.max_bytes, spec.model.vocab_size)
+    corpus = load_corpus(spec.data.path, spec.data.max_bytes, spec.model.vocab_size,
+                         roots=data_roots())
     source = BatchSource(corpus, spec.model.seq_len, spec.training.seed)
     if ctx.telemetry is not None:
         m = spec.model

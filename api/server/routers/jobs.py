@@ -22,14 +22,14 @@ from kuangchao.api.server.schemas.jobs import (
     SamplesPublic,
 )
 from kuangchao.platform.control import operations as jobs
-from kuangchao.platform.errors import InvalidTransition, SpecError
+from kuangchao.platform.errors import AdmissionRefused, InvalidTransition, SpecError
 from kuangchao.platform.security.apikeys import Principal
 from kuangchao.platform.spec.defaults import value
 from kuangchao.platform.spec.jobspec import validate_spec
 from kuangchao.platform.spec.text import BUNDLE_TYPE, parse_bundle, parse_spec_text
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"],
-                   responses=errors(401, 403, 404, 409, 422, 503))
+                   responses=errors(401, 403, 404, 409, 413, 422, 503))
 
 
 Submitter = Annotated[Principal, Depends(require("job.submit"))]
@@ -65,13 +65,17 @@ async def submit_job(request: Request, store: Store, who: Submitter,
         spec = (_validated(body, bundled) if len(body) <= INLINE_PARSE_BYTES
                 else await run_in_threadpool(_validated, body, bundled))
         if dry_run:  # a 200 of its own shape: it bypasses the 201's response model
-            checked = DryRunPublic.model_validate(await run_in_threadpool(jobs.dry_run, store, spec))
+            checked = DryRunPublic.model_validate(await run_in_threadpool(
+                jobs.dry_run, store, spec, role=who.role, tenant=who.tenant))
             return Response(checked.model_dump_json(), media_type="application/json")
         if spec.parallel.auto:  # the planner resolves it; its search runs off the event loop
             job = await run_in_threadpool(jobs.submit, store, spec, owner=who.name,
-                                          tenant=who.tenant)
+                                          tenant=who.tenant, role=who.role)
         else:
-            job = jobs.submit(store, spec, owner=who.name, tenant=who.tenant)
+            job = jobs.submit(store, spec, owner=who.name, tenant=who.tenant, role=who.role)
+    except AdmissionRefused as exc:
+        audit(store, who, "job.submit", "jobs", "deny", exc.message.replace("\n", "; "))
+        raise HTTPException(status_code=403, detail=exc.message.replace("\n", "; ")) from None
     except SpecError as exc:
         raise spec_422(exc) from None
     allowed(store, who, "job.submit", f"job/{job.id}", job=job.id, queue=job.queue)

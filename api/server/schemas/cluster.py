@@ -69,12 +69,22 @@ class QueuePublic(Public):
     gpus_in_use: int
     running: int
     queued: int
+    tenants: list[str] | None = Field(None, description="the tenants whose jobs it takes; "
+                                                        "null: every tenant's")
+
+
+class RoleLimitsPublic(Public):
+    max_priority: int
+    max_restarts: int
+    max_data_bytes: int
 
 
 class QueueList(Public):
     queues: list[QueuePublic]
     preemption: bool
     policy: str
+    limits: dict[str, RoleLimitsPublic] = Field(
+        default_factory=dict, description="per role, the most a job it submits may ask for")
 
 
 class ScrapeLabels(Public):

@@ -1,0 +1,121 @@
+"""What a submitter may ask for: the ceilings of its role, the queues of its
+tenant, and the folders jobs may read data from and write checkpoints to.
+
+A spec is the submitter's to write, so nothing in it may be trusted to be
+modest: `task.priority: 10**15` would preempt or shrink every other tenant's
+job, any queue's quota could be spent, `max_restarts` and `data.max_bytes`
+had no ceiling, and `data.path` and `checkpoint.path` could name any file the
+workers can reach (`$KC_HOME/credentials`, another job's checkpoints,
+`/dev/shm`).
+
+- **Ceilings per role** come from the queue document's `limits:` (`kc up
+  --queues`, `PUT /v1/queues`); a role it does not name gets `DEFAULT_LIMITS`.
+- **Queues per tenant**: a queue with `tenants:` takes only those tenants'
+  jobs; one without takes every tenant's.
+- **Roots**: a `data.path` must lie under a data root, a `checkpoint.path`
+  under a checkpoint root (`KC_DATA_ROOTS`, `KC_CHECKPOINT_ROOTS`, each a
+  `:`-separated list; defaults `$KC_HOME/data` and `$KC_HOME`). Checked here
+  on the path as written, normalised (the API may not see the workers'
+  disks), and again by the worker on the path resolved, symlinks and all,
+  before it opens anything (workers/data/corpus.py).
+
+Pure: no Ray, Redis or torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kuangchao.platform.errors import AdmissionRefused, SpecError
+
+
+@dataclass(frozen=True)
+class RoleLimits:
+    """The most a job submitted by one role may ask for."""
+
+    max_priority: int
+    max_restarts: int
+    max_data_bytes: int
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+
+# `high` is 100 (platform/spec/jobspec.py): submitters may use every named
+# priority; operators may go above them, to jump a queue in an incident.
+DEFAULT_LIMITS = {
+    "viewer": RoleLimits(max_priority=0, max_restarts=0, max_data_bytes=0),
+    "submitter": RoleLimits(max_priority=100, max_restarts=20, max_data_bytes=1 << 30),
+    "operator": RoleLimits(max_priority=1000, max_restarts=100, max_data_bytes=64 << 30),
+    "admin": RoleLimits(max_priority=1000, max_restarts=100, max_data_bytes=64 << 30),
+}
+
+
+def limits_from_json(doc: dict[str, Any] | None) -> dict[str, RoleLimits]:
+    """The queue document's `limits:` over the defaults, role by role."""
+    out = dict(DEFAULT_LIMITS)
+    for role, fields in (doc or {}).items():
+        out[role] = RoleLimits(**{**DEFAULT_LIMITS[role].to_json(), **fields})
+    return out
+
+
+def check_request(role: str, tenant: str, priority: int, queue_tenants: tuple[str, ...] | None,
+                  queue: str, max_restarts: int, data_bytes: int | None,
+                  limits: dict[str, RoleLimits]) -> None:
+    """Refuse what the role or tenant may not ask for.
+
+    Raises:
+        AdmissionRefused: One `(field, message)` per refusal; the API answers 403.
+    """
+    cap = limits.get(role) or DEFAULT_LIMITS["viewer"]
+    errors: list[tuple[str, str]] = []
+    if queue_tenants is not None and tenant not in queue_tenants:
+        errors.append(("task.queue", f"queue {queue!r} takes jobs of tenants "
+                                     f"{', '.join(queue_tenants) or '(none)'}, not {tenant!r}; "
+                                     "submit to another queue, or ask an operator"))
+    if priority > cap.max_priority:
+        errors.append(("task.priority", f"{priority} is above what role {role} may ask for "
+                                        f"({cap.max_priority}); use at most that"))
+    if max_restarts > cap.max_restarts:
+        errors.append(("fault_tolerance.max_restarts", f"{max_restarts} is above what role "
+                                                       f"{role} may ask for ({cap.max_restarts})"))
+    if data_bytes is not None and data_bytes > cap.max_data_bytes:
+        errors.append(("data.max_bytes", f"{data_bytes} is above what role {role} may ask for "
+                                         f"({cap.max_data_bytes})"))
+    if errors:
+        raise AdmissionRefused(errors)
+
+
+def roots_from(value: str | None, default: list[str]) -> tuple[str, ...]:
+    """A `:`-separated list of folders as absolute, normalised paths."""
+    parts = [p for p in (value or "").split(os.pathsep) if p.strip()] or default
+    return tuple(os.path.normpath(os.path.abspath(os.path.expanduser(p))) for p in parts)
+
+
+def under(path: str, roots: tuple[str, ...]) -> bool:
+    """Whether `path` (absolute, normalised) is one of `roots` or inside one."""
+    return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+
+def check_paths(data_path: str | None, checkpoint_path: str, data_roots: tuple[str, ...],
+                checkpoint_roots: tuple[str, ...]) -> None:
+    """Refuse a data or checkpoint path outside its roots, as written.
+
+    Raises:
+        SpecError: Naming the field, the roots, and the setting that adds one.
+    """
+    errors = []
+    for field, raw, roots, setting in (
+            ("data.path", data_path, data_roots, "KC_DATA_ROOTS"),
+            ("checkpoint.path", checkpoint_path, checkpoint_roots, "KC_CHECKPOINT_ROOTS")):
+        if raw is None:
+            continue
+        path = os.path.normpath(os.path.abspath(os.path.expanduser(raw)))
+        if not under(path, roots):
+            errors.append((field, f"{raw!r} is outside the folders jobs may use here "
+                                  f"({', '.join(roots)}); put it under one of them, or ask an "
+                                  f"operator to add a root ({setting})"))
+    if errors:
+        raise SpecError(errors)
