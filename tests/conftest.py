@@ -1,6 +1,10 @@
-"""Run order across the whole suite.
+"""The session's shared stack, and the run order across the whole suite.
 
-The session's shared stack (`stack` in tests/integration/conftest.py) is a
+`stack` and `ray_driver` live here so that every folder of live tests
+(tests/integration, tests/security) shares one stack; what they do is in
+tests/integration/conftest.py.
+
+The session's shared stack is a
 4-node Ray cluster with its control plane; idle, it still takes some 10% of a
 2-core machine (raylets, dashboard agents, the control-plane actors' loops), and
 the modules that start a stack of their own ran a quarter slower beside it
@@ -17,6 +21,20 @@ from __future__ import annotations
 import pytest
 
 OWN_STACK, NO_STACK, SHARED_STACK = 0, 1, 2
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    from tests.integration.conftest import shared_stack
+
+    yield from shared_stack(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def ray_driver(stack):
+    from tests.integration.conftest import connect_driver
+
+    yield from connect_driver(stack)
 
 
 def _tier(module: object, items: list[pytest.Item]) -> int:

@@ -76,7 +76,7 @@ class JobController:
             from kuangchao.platform.execution.grants import Credentials
             from kuangchao.platform.execution.group import RayWorkerGroup
 
-            credentials = credentials or Credentials(job_id, authority)
+            credentials = credentials or Credentials(job_id, authority, store)
         self.credentials = credentials
         if group is None:
             group = RayWorkerGroup(job_id, settings, self.credentials,

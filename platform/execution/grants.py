@@ -33,10 +33,19 @@ class Credentials:
         authority: The token authority's actor; found by name on first use when None.
     """
 
-    def __init__(self, job_id: str, authority: Any = None) -> None:
+    def __init__(self, job_id: str, authority: Any = None, store: Any = None) -> None:
         self.job_id = job_id
         self.authority = authority
+        self.store = store  # the admin store: where the control-plane credential is kept
         self.own_claims: Claims | None = None
+
+    def _credential(self) -> str:
+        """The control plane's credential for the authority (admin Redis only)."""
+        secret = self.store.control_secret() if self.store is not None else None
+        if not secret:
+            raise ClusterError("the control plane's credential for the token authority is not in "
+                               "Redis; is the token authority running? (`kc up` starts it)")
+        return secret
 
     def _authority(self) -> Any:
         if self.authority is None:
@@ -53,14 +62,15 @@ class Credentials:
         authority = self._authority()
         if not ranks_gpus:
             return {}
-        return ray.get(authority.grant_workers.remote(self.job_id, ranks_gpus), timeout=60)
+        return ray.get(authority.grant_workers.remote(self._credential(), self.job_id, ranks_gpus),
+                       timeout=60)
 
     def _claims(self) -> Claims:
         """The controller's own token (role `controller`), verified with the public key."""
         if self.own_claims is None:
             authority = self._authority()
-            grant = ray.get(authority.grant_module.remote(self.job_id, "controller", "controller"),
-                            timeout=60)
+            grant = ray.get(authority.grant_module.remote(self._credential(), self.job_id,
+                                                          "controller", "controller"), timeout=60)
             self.own_claims = Verifier(load_public(grant["public_key"].encode())).verify(
                 grant["token"])
         return self.own_claims
@@ -88,8 +98,8 @@ class Credentials:
         try:
             state = store.get(self.job_id).state
             if state.is_terminal:
-                ray.get(self.authority.revoke_job.remote(self.job_id, f"job {state.value}"),
-                        timeout=30)
+                ray.get(self.authority.revoke_job.remote(self._credential(), self.job_id,
+                                                         f"job {state.value}"), timeout=30)
         except Exception as exc:
             log.warning("job %s: credentials not retired now (%s); the authority's sweep will",
                         self.job_id, exc)

@@ -48,6 +48,23 @@ class Credentials:
     def forget_tokens(self, job_id: str) -> None:
         self.r.delete(keys.issued(self.p, job_id))
 
+    def mark_job_revoked(self, job_id: str, reason: str, ttl_s: int) -> None:
+        """Note that every token of the job is revoked (set before they are, one by one)."""
+        self.r.set(keys.job_revoked(self.p, job_id), reason, ex=ttl_s)
+
+    def job_revoked(self, job_id: str) -> bool:
+        return bool(self.r.exists(keys.job_revoked(self.p, job_id)))
+
+    # -- the control plane's credential for the token authority ---------------------
+    def control_secret(self) -> str | None:
+        """What the scheduler and controllers present to the authority (admin only)."""
+        return self.r.get(keys.control_secret(self.p))
+
+    def offer_control_secret(self, secret: str) -> str:
+        """Keep `secret` unless one is kept already; returns the one kept."""
+        self.r.set(keys.control_secret(self.p), secret, nx=True)
+        return self.r.get(keys.control_secret(self.p)) or secret
+
     def hold_credentials(self, job_id: str) -> None:
         """Note that the job holds credentials (the authority's sweep visits it)."""
         self.r.sadd(keys.auth_jobs(self.p), job_id)

@@ -49,6 +49,8 @@ PATTERNS = {
     "issued": "auth:issued:{job}",
     "auth_jobs": "auth:jobs",
     "job_user_secret": "auth:jobuser:{job}",
+    "control_secret": "auth:control",
+    "job_revoked": "auth:jobrevoked:{job}",
     "audit": "audit",
 }
 
@@ -118,6 +120,8 @@ quarantine = _key("quarantine")
 sched_wake = _key("sched_wake")
 cluster_metrics = _key("cluster_metrics")
 api_keys = _key("api_keys")
+control_secret = _key("control_secret")
+job_revoked = _key("job_revoked")
 auth_jobs = _key("auth_jobs")
 audit = _key("audit")
 

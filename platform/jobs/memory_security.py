@@ -33,6 +33,7 @@ class MemorySecurity:
         self._debug_asks = Expiring()  # job -> request JSON
         self._debug_replies = Expiring()  # (job, request id) -> {rank: answer JSON}
         self._beats = Expiring()  # (job, rank) -> encoded beat
+        self._control: str | None = None
 
     # -- API keys -------------------------------------------------------------------
     def api_key(self, key_id: str) -> str | None:
@@ -64,6 +65,21 @@ class MemorySecurity:
 
     def forget_tokens(self, job_id: str) -> None:
         self._issued.pop(job_id, None)  # one dict operation: atomic under the GIL
+
+    def mark_job_revoked(self, job_id: str, reason: str, ttl_s: int) -> None:
+        self._revoked.put(("job", job_id), reason, ttl_s)
+
+    def job_revoked(self, job_id: str) -> bool:
+        return self._revoked.get(("job", job_id)) is not None
+
+    def control_secret(self) -> str | None:
+        with self._lock:
+            return self._control
+
+    def offer_control_secret(self, secret: str) -> str:
+        with self._lock:
+            self._control = self._control or secret
+            return self._control
 
     def hold_credentials(self, job_id: str) -> None:
         with self._lock:

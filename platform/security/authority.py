@@ -42,6 +42,8 @@ from kuangchao.platform.spec.jobspec import JobSpec
 log = logging.getLogger(__name__)
 
 AUTHORITY_NAME = "kc-token-authority"  # the control plane's actor (actors.py)
+# The longest a token may live (permission.token_ttl_seconds is bounded by it).
+MAX_TOKEN_TTL_S = 7 * 86400
 
 # What a trainer may do besides the collectives its spec whitelists.
 TRAINER_BASE = frozenset({"checkpoint_read", "checkpoint_write", "heartbeat"})
@@ -199,14 +201,32 @@ class TokenAuthority:
         """
         try:
             claims = self._verifier.verify(token)
+            self._renewable(claims)
         except TokenError as exc:
             self._audit("unverified", "token.renew", "token", "deny", str(exc), None)
             raise
-        new, _ = self._mint(claims.module, claims.job, claims.role, claims.scope,
-                            claims.interfaces, claims.expires_at - claims.issued_at,
-                            action="token.renew")
+        new, fresh = self._mint(claims.module, claims.job, claims.role, claims.scope,
+                                claims.interfaces, claims.expires_at - claims.issued_at,
+                                action="token.renew")
+        # `revoke_job` marks the job before it revokes the tokens it finds: a
+        # renewal that raced it, and minted after it read them, sees the mark here.
+        if self.store.job_revoked(claims.job) or self._ended(claims.job):
+            self.revoke(fresh.token_id, "the job's tokens were revoked", fresh.expires_at,
+                        job=claims.job, quiet=True)
+            self._audit(claims.module, "token.renew", f"token/{claims.token_id}", "deny",
+                        "the job's tokens were revoked while it renewed", claims.job)
+            raise TokenError("revoked", f"job {claims.job} has ended; its tokens are revoked")
         self.revoke(claims.token_id, "renewed", claims.expires_at, job=claims.job, quiet=True)
         return new
+
+    def _renewable(self, claims: Claims) -> None:
+        """Refuse to renew a token this authority did not issue for a live job."""
+        if claims.token_id not in self.store.issued_tokens(claims.job):
+            raise TokenError("denied", f"token {claims.token_id} was not issued for job "
+                                       f"{claims.job} by this authority (or the job's tokens "
+                                       "were retired)")
+        if self.store.job_revoked(claims.job) or self._ended(claims.job):
+            raise TokenError("revoked", f"job {claims.job} has ended; its tokens are revoked")
 
     def revoke(self, token_id: str, reason: str, expires_at: float | None = None,
                job: str | None = None, quiet: bool = False) -> None:
@@ -224,6 +244,8 @@ class TokenAuthority:
         still read the revocation marks, fail with the reason, and say so.
         """
         now = self.clock()
+        # Marked first, so that a renewal racing this sees it (`renew`).
+        self.store.mark_job_revoked(job_id, reason, MAX_TOKEN_TTL_S + 60)
         live = {tid: exp for tid, exp in self.store.issued_tokens(job_id).items() if exp > now}
         for tid, exp in live.items():
             self.revoke(tid, reason, exp, job=job_id, quiet=True)

@@ -103,8 +103,9 @@ class Stack:
                         timeout, f"job {job_id} to reach {states}")
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory) -> Stack:
+def shared_stack(tmp_path_factory) -> Iterator[Stack]:
+    """The session's stack: the `stack` fixture of tests/conftest.py, which every
+    folder of live tests (integration, security) shares."""
     home = tmp_path_factory.mktemp("kchome")
     # The fault tests kill ranks on the same node again and again; quarantining
     # it would shrink the cluster under later tests. test_fault_infra.py tests
@@ -140,9 +141,9 @@ def stack(tmp_path_factory) -> Stack:
         assert down.returncode == 0, down.stderr
 
 
-@pytest.fixture(scope="session")
-def ray_driver(stack: Stack):
-    """A Ray driver connection to the stack, for inspecting actors and groups."""
+def connect_driver(stack: Stack) -> Iterator[Any]:
+    """A Ray driver connection to the stack, for inspecting actors and groups (the
+    `ray_driver` fixture of tests/conftest.py)."""
     import ray
 
     ray.init(address=stack.state["ray_address"], namespace="kctest", log_to_driver=False,

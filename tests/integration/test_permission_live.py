@@ -76,7 +76,11 @@ def test_a_revoked_token_stops_the_ranks_collectives(stack, ray_driver):
     wait_for(lambda: (j := stack.client.get(jid))["state"] == "RUNNING"
              and j["progress"]["step"] > 0, 180, "the job to train")
     authority = ray_driver.get_actor("kc-token-authority", namespace="kuangchao")
-    assert ray_driver.get(authority.revoke_job.remote(jid, "revoked by the test")) == 2
+    # An operator with the admin Redis holds the control plane's credential.
+    admin = redis.Redis.from_url(shared_redis_url() or stack.state["redis_url"], decode_responses=True)
+    credential = admin.get(stack.env["KC_REDIS_PREFIX"] + "auth:control")
+    assert credential
+    assert ray_driver.get(authority.revoke_job.remote(credential, jid, "revoked by the test")) == 2
     job = stack.wait_state(jid, {"FAILED", "SUCCEEDED", "CANCELLED"}, timeout=120)
     # The ranks' own Redis user went with the tokens, so the controller (not the
     # ranks) records why; the audit trail has the revocation.

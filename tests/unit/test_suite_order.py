@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-INTEGRATION = Path(__file__).resolve().parents[1] / "integration"
+LIVE = [Path(__file__).resolve().parents[1] / d for d in ("integration", "security")]
 # What a fixture that brings a stack up calls: `kc up`, or a Ray head by hand.
 STARTS_A_STACK = ('kc("up"', '"start", "--head"')
 
@@ -22,7 +22,8 @@ def _marked_own_stack(tree: ast.Module) -> bool:
 
 
 def _modules() -> dict[str, tuple[ast.Module, str]]:
-    return {p.name: (ast.parse(text := p.read_text()), text) for p in sorted(INTEGRATION.glob("test_*.py"))}
+    return {p.name: (ast.parse(text := p.read_text()), text)
+            for folder in LIVE for p in sorted(folder.glob("test_*.py"))}
 
 
 def _starts_a_stack(tree: ast.Module, text: str) -> bool:

@@ -1,0 +1,86 @@
+"""A security drill: a job whose ranks try, from the inside, what a job's code
+must never manage, and report each attempt.
+
+    entrypoint: kuangchao.workers.security_drill:train
+    args: {victim: <another job's id>}
+
+Each attempt is one log line (`module: train`, `attack`, `refused`, `detail`);
+the job succeeds when every attempt was refused and fails naming those that
+were not. Operators run it to check a deployment (docs/security.md); the
+security tests run it against a live stack (tests/security/).
+
+What it tries, as the rank's own process and with what the rank was handed:
+- the token authority, which Ray lets any code in the cluster call: mint
+  tokens for the victim, for its controller, revoke the victim's tokens, with
+  no credential and with a made-up one, and renew a token it does not hold;
+- Redis, as the job's own ACL user: the control plane's credential, the API
+  key records, the victim's record and its cancel flag.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import torch
+
+from kuangchao.platform.security.authority import AUTHORITY_NAME
+from kuangchao.platform.settings import RAY_NAMESPACE
+from kuangchao.workers.runtime.context import TrainContext
+
+
+def _attempt(name: str, fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run one attack; refused means it raised (what it raised is the detail)."""
+    try:
+        out = fn()
+    except Exception as exc:  # noqa: BLE001 -- every refusal counts, whatever its type
+        cause = getattr(exc, "cause", None) or exc  # a remote call's error, unwrapped from Ray's
+        return {"attack": name, "refused": True, "detail": f"{type(cause).__name__}: {cause}"[:300]}
+    return {"attack": name, "refused": False, "detail": repr(out)[:300]}
+
+
+def attacks(ctx: TrainContext, victim: str) -> list[tuple[str, Callable[[], Any]]]:
+    authority = ray.get_actor(AUTHORITY_NAME, namespace=RAY_NAMESPACE)
+    guess = secrets.token_urlsafe(32)
+    store = ctx.store
+    if store is None:
+        raise ValueError("the drill runs in a job's ranks, which have the job's store")
+
+    def call(method: str, *args: Any) -> Any:
+        return ray.get(getattr(authority, method).remote(*args), timeout=60)
+
+    return [
+        ("authority.grant_workers without a credential", lambda: call("grant_workers", None, victim,
+                                                                      {0: ()})),
+        ("authority.grant_workers with a guessed credential",
+         lambda: call("grant_workers", guess, victim, {0: ()})),
+        ("authority.grant_module as the victim's controller",
+         lambda: call("grant_module", guess, victim, "controller", "controller")),
+        ("authority.revoke_job of the victim", lambda: call("revoke_job", guess, victim, "drill")),
+        ("authority.renew of a token it does not hold", lambda: call("renew", "kc1.forged.token")),
+        ("redis: read the control plane's credential", lambda: store.control_secret()),
+        ("redis: read the API key records", lambda: store.api_key_records()),
+        ("redis: read the victim's record", lambda: store.get(victim)),
+        ("redis: cancel the victim", lambda: store.request_cancel(victim)),
+    ]
+
+
+def train(ctx: TrainContext) -> dict[str, Any]:
+    victim = str(ctx.spec.args.get("victim") or "")
+    if not victim:
+        raise ValueError("args.victim: name the job the drill attacks")
+    results = [_attempt(name, fn) for name, fn in attacks(ctx, victim)]
+    for r in results:
+        ctx.log(f"{'refused' if r['refused'] else 'NOT REFUSED'}: {r['attack']} ({r['detail']})",
+                attack=r["attack"], refused=r["refused"], detail=r["detail"])
+    ctx.report(1, loss=0.0)
+    # A job succeeds with its final checkpoint on disk; the drill's state is its results.
+    model = torch.nn.Linear(1, 1)
+    ctx.checkpoint.save(1, model, torch.optim.SGD(model.parameters(), lr=0.0),
+                        rank_state={"results": results})
+    allowed = [r["attack"] for r in results if not r["refused"]]
+    if allowed:
+        raise PermissionError(f"the drill was not refused: {'; '.join(allowed)}")
+    return {"attacks": len(results)}
