@@ -9,7 +9,7 @@ JOB ?= examples/tiny-gpt.yaml
 
 LOCK := constraints.txt
 
-.PHONY: install tools run test unit process layouts deploy integration fuzz lint lock up down clean
+.PHONY: install tools run test unit process layouts deploy integration security fuzz lint lock up down clean
 
 install: $(VENV)/.installed
 
@@ -73,6 +73,9 @@ deploy: install tools
 
 integration: install tools
 	$(PY) -m pytest -q tests/integration
+
+security: install tools
+	$(PY) -m pytest -q tests/security
 
 # The API fuzz test of `make test`, longer and with a new seed each run (it prints it;
 # KC_FUZZ_SEED=N replays one).

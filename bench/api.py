@@ -9,6 +9,10 @@
                  driven by the same client in the same run. Median over
                  repeats. Higher is better: the target 0.5 is a floor on the
                  ratio.
+  alias_bomb_ms  median time to refuse (422) a submit of 400 bytes of YAML
+                 whose nested aliases expand to a billion values, sequential;
+                 baseline the trivial route answering the same bytes. Target:
+                 `ours` <= 100 ms.
   submit_p99_ms  p99 latency (nearest rank) of the same POST at a constant
                  rate of half our peak (open loop: a request that waits for
                  a free connection is timed from its intended start);
@@ -235,6 +239,37 @@ def depth_probe(port: int, raw: bytes, store: JobStore, active: ActiveJobs, n: i
         active.use(saved)
 
 
+def alias_bomb(levels: int = 9) -> bytes:
+    """Some 400 bytes of YAML whose nested aliases expand to 10**levels values."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def alias_bomb_ms(ours: Server, base: Server, headers: dict[str, str],
+                  n: int = 20) -> dict[Server, float]:
+    """Median time to answer a submit of `alias_bomb()` (ours: 422; the baseline's
+    trivial route answers the same bytes 200), sequential on one connection."""
+    body = alias_bomb()
+    hdrs = {**headers, "Content-Type": "application/yaml"}
+    out = {}
+    for s, path, expect in ((ours, "/v1/jobs", 422), (base, "/ping", 200)):
+        raw = encode_request("POST", path, s.port, hdrs, body)
+        conn, lat = Conn(s.port, timeout=600), []
+        try:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                status, answer = conn.send(raw)
+                lat.append(time.perf_counter() - t0)
+                if status != expect:
+                    raise RuntimeError(f"{s.name} alias bomb: HTTP {status}: {answer[:300]!r}")
+        finally:
+            conn.close()
+        out[s] = median(lat) * 1e3
+        log(f"alias bomb ({len(body)} bytes) {s.name:8s}: median {out[s]:.2f} ms over {n}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -322,10 +357,13 @@ def main() -> None:
                     active.max_seen = 0
                     p99s[s].append(res.percentile(99) * 1e3)
 
+            bomb_ms = alias_bomb_ms(ours, base, headers)
+
             load = os.getloadavg()[0]
             log(f"1-minute load average {load:.2f} on {os.cpu_count()} CPUs")
             emit(BENCH, "submit_rps", "req/s", ours_peak, base_peak, 0.5)
             emit(BENCH, "submit_p99_ms", "ms", median(p99s[ours]), median(p99s[base]), 20)
+            emit(BENCH, "alias_bomb_ms", "ms", bomb_ms[ours], bomb_ms[base], 100)
         except BaseException:
             for s in servers:
                 if s.proc.poll() is not None:

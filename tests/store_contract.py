@@ -8,6 +8,7 @@ No Redis import here: the unit tier imports this module.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import replace
@@ -229,6 +230,19 @@ def test_concurrent_writers_lose_no_update(store):
 
 
 # -- streams ------------------------------------------------------------------------
+def test_a_log_line_longer_than_the_cap_keeps_its_head_and_says_it_was_cut(store):
+    from kuangchao.platform.jobs.encoding import LOG_LINE_BYTES
+
+    store.create(job(1))
+    store.add_logs("j001", [{"rank": 0, "message": "x" * (10 * LOG_LINE_BYTES), "extra": "y" * 5000},
+                            {"rank": 1, "message": "short"}])
+    long, short = store.logs("j001")
+    assert long["truncated"] is True and long["message"].startswith("x" * 100)
+    assert "characters cut" in long["message"] and long["extra"] == "[cut]"
+    assert len(json.dumps(long)) <= LOG_LINE_BYTES
+    assert short == {"rank": 1, "message": "short"}
+
+
 def test_logs_and_curve_points_keep_their_caps(store):
     store.add_logs("j1", [])
     store.add_metrics("j1", [])

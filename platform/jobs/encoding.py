@@ -24,13 +24,31 @@ JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 def is_job_id(text: str) -> bool:
     return bool(JOB_ID.match(text))
 
+
 LOG_CAP = 20_000
+# The most one stored log line may take: 20,000 lines of it are at most 320 MB,
+# where lines of any size could fill Redis. A longer line keeps its head.
+LOG_LINE_BYTES = 16 * 1024
 # A point per logged step: 50k points cover a million steps logged every 20.
 METRICS_CAP = 50_000
 EVENT_CAP = 5_000
 REPORT_ANSWER_TTL_S = 600
 STACK_TTL_S = 3600  # a rank's answer to a stack request
 AUDIT_CAP = 200_000  # records the audit stream keeps (about: Redis trims it in whole nodes)
+
+
+def log_text(record: dict[str, Any]) -> str:
+    """A log line as stored: its message cut to fit `LOG_LINE_BYTES`, saying so."""
+    text = json.dumps(record, default=str)
+    if len(text) <= LOG_LINE_BYTES:
+        return text
+    message = str(record.get("message", ""))
+    head = LOG_LINE_BYTES // 2
+    cut = {**record, "message": f"{message[:head]} [... {len(message) - head} characters cut]",
+           "truncated": True}
+    cut = {k: v if k == "message" or len(json.dumps(v, default=str)) < 1024 else "[cut]"
+           for k, v in cut.items()}
+    return json.dumps(cut, default=str)
 
 
 def event_text(event: dict[str, Any]) -> str:

@@ -33,6 +33,7 @@ from kuangchao.platform.jobs.encoding import (
     hash_value,
     is_job_id,
     loads_or_none,
+    log_text,
     progress_fields,
     sample_fields_from,
 )
@@ -174,7 +175,7 @@ class MemoryStore(RecordEdits, MemoryExtras, MemorySecurity):
         return self._read("events", job_id, start)
 
     def add_logs(self, job_id: str, records: list[dict[str, Any]]) -> None:
-        self._append("logs", job_id, [json.dumps(r, default=str) for r in records], LOG_CAP)
+        self._append("logs", job_id, [log_text(r) for r in records], LOG_CAP)
 
     def logs(self, job_id: str, start: int = 0) -> list[dict[str, Any]]:
         return self._read("logs", job_id, start)

@@ -1,10 +1,14 @@
 """A Redis ACL user per job: its workers reach their own job's keys and nothing else.
 
-The user may read and write `{prefix}job:{id}` and `{prefix}job:{id}:*`
-(two patterns: a bare `job:{id}*` would also match a job whose id merely
-starts with this one), read token revocation marks, run the store's
-compare-and-set script and
-transactions, and nothing that lists, flushes or administers the server. Its
+The user may read and write `{prefix}job:{id}:*`, only read the job's record
+`{prefix}job:{id}` (two patterns: a bare `job:{id}*` would also match a job
+whose id merely starts with this one), read token revocation marks, and run
+transactions; nothing that lists, flushes or administers the server, and no
+scripts. The record is read-only because it holds the job's tenant, priority,
+queue, GPU count, state and spec, which the token authority and the scheduler
+trust: ranks never change job state (the controller does), and a rank's code
+that could would raise its own priority or rewrite its own spec. Scripts are
+out because one endless script blocks every client of the server. Its
 password is random and lives only in the job's worker environment; workers
 never see the admin credentials.
 """
@@ -19,8 +23,7 @@ from kuangchao.platform.jobs import keys
 
 # Categories first, then the exceptions: later ACL rules win.
 _RULES = ("resetchannels", "-@all", "+@read", "+@write", "+@connection", "+@transaction",
-          "+@scripting", "-@dangerous", "-@admin", "-scan", "-keys", "-randomkey",
-          "-script|flush", "-script|kill", "-function")
+          "-@scripting", "-@dangerous", "-@admin", "-scan", "-keys", "-randomkey")
 
 
 def job_user(job_id: str) -> str:
@@ -35,7 +38,7 @@ def grant_job_user(admin: Any, prefix: str, job_id: str,
     # Revocation marks are readable (not writable), so workers can see that a
     # token of theirs was revoked.
     admin.execute_command("ACL", "SETUSER", name, "reset", "on", f">{password}",
-                          f"~{keys.job(prefix, job_id)}", f"~{keys.job_prefix(prefix, job_id)}*",
+                          f"%R~{keys.job(prefix, job_id)}", f"~{keys.job_prefix(prefix, job_id)}*",
                           f"%R~{keys.revoked(prefix, '*')}", *_RULES)
     return name, password
 

@@ -18,6 +18,7 @@ from kuangchao.platform.jobs.encoding import (
     decoded_list,
     event_text,
     loads_or_none,
+    log_text,
     progress_fields,
     sample_fields_from,
 )
@@ -63,7 +64,7 @@ class Streams:
             return
         k = keys.logs(self.p, job_id)
         with self.r.pipeline() as pipe:
-            pipe.rpush(k, *[json.dumps(r, default=str) for r in records])
+            pipe.rpush(k, *[log_text(r) for r in records])
             pipe.ltrim(k, -LOG_CAP, -1)
             pipe.execute()
 

@@ -38,13 +38,20 @@ def test_a_job_user_reaches_its_own_keys_and_no_one_elses(server):
     for jid in ("a-1111", "b-2222"):
         JobStore(admin, PREFIX).create(JobRecord(id=jid, name=jid, spec={}))
     store = JobStore(mine, PREFIX)
-    # What a worker does: progress, logs, and the record through the compare-and-set script.
+    # What a worker does: progress, logs, and reading its record. The record itself
+    # (tenant, priority, queue, spec, state) is the control plane's to write.
     store.set_progress("a-1111", {"step": 3})
     store.add_logs("a-1111", [{"message": "a line"}])
-    store.update("a-1111", lambda j: (dataclasses.replace(j, message="from the worker"), None))
-    assert store.get("a-1111").message == "from the worker" and store.progress("a-1111")["step"]
-    with pytest.raises(redis.exceptions.NoPermissionError):
-        store.update("b-2222", lambda j: (dataclasses.replace(j, message="hijacked"), None))
+    assert store.get("a-1111").id == "a-1111" and store.progress("a-1111")["step"]
+    for jid in ("a-1111", "b-2222"):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            store.update(jid, lambda j: (dataclasses.replace(j, priority=10**15), None))
+    for attempt in (lambda: mine.set(f"{PREFIX}job:a-1111", "{}"),
+                    lambda: mine.delete(f"{PREFIX}job:a-1111"),
+                    lambda: mine.eval("while true do end", 0)):  # would block every client
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attempt()
+    assert JobStore(admin, PREFIX).get("a-1111").priority == 50
 
     denied = [
         lambda: mine.get(f"{PREFIX}job:b-2222:progress"),
