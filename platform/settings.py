@@ -32,14 +32,14 @@ def data_roots() -> tuple[str, ...]:
     """The folders a job's `data.path` may name (`KC_DATA_ROOTS`, default `$KC_HOME/data`)."""
     from kuangchao.platform.security.admission import roots_from
 
-    return roots_from(os.environ.get("KC_DATA_ROOTS"), [str(kc_home() / "data")])
+    return roots_from(os.environ.get("KC_DATA_ROOTS"), (str(kc_home() / "data"),))
 
 
 def checkpoint_roots() -> tuple[str, ...]:
     """The folders a job's `checkpoint.path` may name (`KC_CHECKPOINT_ROOTS`, default `$KC_HOME`)."""
     from kuangchao.platform.security.admission import roots_from
 
-    return roots_from(os.environ.get("KC_CHECKPOINT_ROOTS"), [str(kc_home())])
+    return roots_from(os.environ.get("KC_CHECKPOINT_ROOTS"), (str(kc_home()),))
 
 
 def credentials_file() -> Path:

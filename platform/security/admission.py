@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Any
 
 from kuangchao.platform.errors import AdmissionRefused, SpecError
@@ -88,8 +89,10 @@ def check_request(role: str, tenant: str, priority: int, queue_tenants: tuple[st
         raise AdmissionRefused(errors)
 
 
-def roots_from(value: str | None, default: list[str]) -> tuple[str, ...]:
-    """A `:`-separated list of folders as absolute, normalised paths."""
+@lru_cache(maxsize=64)
+def roots_from(value: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    """A `:`-separated list of folders as absolute, normalised paths (cached: every
+    submit asks)."""
     parts = [p for p in (value or "").split(os.pathsep) if p.strip()] or default
     return tuple(os.path.normpath(os.path.abspath(os.path.expanduser(p))) for p in parts)
 

@@ -78,8 +78,8 @@ def test_paths_must_lie_under_their_roots_as_written_and_normalised(tmp_path):
 
 
 def test_roots_come_from_a_colon_separated_setting_or_the_default(tmp_path):
-    assert roots_from(f"{tmp_path}/a/:{tmp_path}//b", ["/x"]) == (f"{tmp_path}/a", f"{tmp_path}/b")
-    assert roots_from("", ["~/d"])[0].endswith("/d") and roots_from(None, ["/x"]) == ("/x",)
+    assert roots_from(f"{tmp_path}/a/:{tmp_path}//b", ("/x",)) == (f"{tmp_path}/a", f"{tmp_path}/b")
+    assert roots_from("", ("~/d",))[0].endswith("/d") and roots_from(None, ("/x",)) == ("/x",)
     assert admission.under("/x/y", ("/x",)) and not admission.under("/xy", ("/x",))
 
 
