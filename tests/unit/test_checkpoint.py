@@ -192,3 +192,27 @@ def test_the_manifest_names_the_checksum_it_was_written_with(mgr, monkeypatch):
     manifest = verify(info.path)
     assert manifest["checksum"] == "sha256"
     assert all(set(e) == {"bytes", "sha256"} for e in manifest["files"].values())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_rank_state_with_rng_states_loads_and_a_crafted_one_runs_nothing(mgr, tmp_path):
+    from kuangchao.workers.trainer.resume import rng_state
+
+    model, opt = make(0)
+    info = mgr.save(3, model, opt, rank_state={"rng": rng_state(), "step": 3})
+    state = mgr.load(info.path, *make(1))
+    assert state["step"] == 3 and state["rng"]["numpy"][1].dtype.name == "uint32"
+
+    # A rank file that names a callable to run on unpickling (what job code could write).
+    import pickle
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+    crafted = tmp_path / "rank_0.pt"
+    torch.save({"step": 1, "x": Payload()}, crafted, pickle_module=pickle)
+    with pytest.raises(CheckpointError, match="not a rank state this platform reads"):
+        ckpt_io.load_rank_state(crafted)
+    assert not marker.exists()

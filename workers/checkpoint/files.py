@@ -12,6 +12,7 @@ import ctypes
 import functools
 import io
 import os
+import pickle
 import shutil
 import sys
 import threading
@@ -20,10 +21,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
+import numpy as np
+import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from kuangchao.platform.protocol.checkpoint import CHECKSUM, Checksum, checksum_file
+from kuangchao.workers.errors import CheckpointError
 
 # Each shard's writer asks the kernel to start writing back every this many
 # bytes, so that the disk works while the rest is serialized and the final
@@ -223,3 +227,31 @@ def retire_leftovers(folder: Path) -> list[Path]:
         with contextlib.suppress(OSError):
             retire(stale)
     return list(folder.glob(f".step_*{TRASH}"))
+
+
+def _plain_numpy() -> list[Any]:
+    """What a rank's saved RNG state needs beyond tensors and plain data: NumPy's
+    array rebuild (`np.random.get_state()` holds one uint32 array)."""
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_rank_state(path: Path) -> dict[str, Any]:
+    """A rank's `rank_N.pt`, unpickled with torch's weights-only loader.
+
+    The file is written by the job's own code, and the controller and `kc`
+    read checkpoints too: a full unpickle would run whatever a crafted file
+    names. Only tensors, plain data and NumPy arrays are rebuilt.
+
+    Raises:
+        CheckpointError: For a file that holds anything else, or none that loads.
+    """
+    try:
+        with torch.serialization.safe_globals(_plain_numpy()):
+            return torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
+        # torch's own message would suggest loading it unsafely; this one does not.
+        raise CheckpointError(f"{path}: not a rank state this platform reads "
+                              f"({type(exc).__name__}); a rank state holds only tensors, "
+                              "numbers, text and NumPy arrays, so this one was not written by "
+                              "kuangchao's checkpoint manager, or is damaged") from None

@@ -51,7 +51,12 @@ from kuangchao.workers.checkpoint.async_save import (
     stage_to_cpu,
 )
 from kuangchao.workers.checkpoint.export import load_model_state
-from kuangchao.workers.checkpoint.files import retire, retire_leftovers, start_reaper
+from kuangchao.workers.checkpoint.files import (
+    load_rank_state,
+    retire,
+    retire_leftovers,
+    start_reaper,
+)
 from kuangchao.workers.checkpoint.state_reader import StateDictReader, read_states, write_states
 from kuangchao.workers.checkpoint.writer import SaveJob, write
 from kuangchao.workers.errors import CheckpointError
@@ -330,7 +335,7 @@ class CheckpointManager:
             rank_file = path / f"rank_{self.rank}.pt"
             if not rank_file.exists():  # world size changed: fall back to rank 0's
                 rank_file = path / "rank_0.pt"
-            rank_state = torch.load(rank_file, weights_only=False)
+            rank_state = load_rank_state(rank_file)
             self.last_restored_step = read_manifest(path).get("step")
         self.last_load_s, self.last_load_end = time.perf_counter() - t0, time.time()
         return rank_state
