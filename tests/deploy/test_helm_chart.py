@@ -329,6 +329,24 @@ def test_api_deployment(default_docs: list[dict], gpu_docs: list[dict]) -> None:
     assert not find(default_docs, "Ingress") and one(gpu_docs, "Ingress")["spec"]["tls"]
 
 
+def test_the_api_audit_file_is_on_a_claim_that_outlives_pods(default_docs: list[dict]) -> None:
+    pod = one(default_docs, "Deployment")["spec"]["template"]["spec"]
+    (api,) = pod["containers"]
+    env = env_of(api)
+    assert env["KC_AUDIT_FILE"]["value"] == "/var/lib/kuangchao-audit/$(POD_NAME).jsonl"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    mount = next(m for m in api["volumeMounts"] if m["mountPath"] == "/var/lib/kuangchao-audit")
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    claim = one(default_docs, "PersistentVolumeClaim", "-audit")
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    off = render({"api": {"audit": {"persistence": False}}})
+    assert not find(off, "PersistentVolumeClaim", "-audit")
+    pod = one(off, "Deployment")["spec"]["template"]["spec"]
+    assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == mount["name"])
+
+
 def test_external_redis_renders_no_redis_and_reaches_api_and_head(gpu_docs: list[dict]) -> None:
     for docs, ref in ((gpu_docs, {"name": "kc-redis", "key": "url"}),
                       (render({"redis": {"external": {"url": "redis://kc-admin:x@r.example:6379/0"}}}),
