@@ -420,6 +420,14 @@ def admitted(policy: dict, pods: dict[str, dict]) -> dict[str, list]:
     return out
 
 
+def opens(ports: list[dict] | str, port: int, protocol: str = "TCP") -> bool:
+    """Whether a rule's `ports` (or "all") let TCP `port` in."""
+    if ports == "all":
+        return True
+    return any(p.get("protocol", "TCP") == protocol and p["port"] <= port <= p.get("endPort", p["port"])
+               for p in ports)  # type: ignore[union-attr]
+
+
 def test_redis_admits_only_api_and_ray_pods(default_docs: list[dict]) -> None:
     pods = pod_specs(default_docs)
     policy = one(default_docs, "NetworkPolicy", "-redis")
@@ -433,14 +441,21 @@ def test_redis_admits_only_api_and_ray_pods(default_docs: list[dict]) -> None:
 def test_ray_and_api_policies(default_docs: list[dict]) -> None:
     pods = pod_specs(default_docs)
     ray = one(default_docs, "NetworkPolicy", "-ray")
-    # Ray pods reach each other on every port; the API only the GCS port of KC_RAY_ADDRESS.
-    assert admitted(ray, pods) == {"ray-head": ["all"], "ray-worker-cpu": ["all"],
-                                   "kc-kuangchao-api": [[{"port": 6379, "protocol": "TCP"}]]}
+    # Ray pods reach each other on every port but the dashboard's (8265: the job API,
+    # which a rank's code must not reach); the API only the GCS port of KC_RAY_ADDRESS.
+    let_in = admitted(ray, pods)
+    assert set(let_in) == {"ray-head", "ray-worker-cpu", "kc-kuangchao-api"}
+    assert let_in["kc-kuangchao-api"] == [[{"port": 6379, "protocol": "TCP"}]]
+    for name in ("ray-head", "ray-worker-cpu"):
+        (ports,) = let_in[name]
+        assert all(opens(ports, p) for p in (6379, 8080, 10002, 40000, 65535))
+        assert not opens(ports, 8265), f"{name} reaches the job API"
     prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
                   "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
-    # Prometheus reaches every port of the Ray pods (8080 and the ranks' ephemeral ports).
-    assert any(prometheus in r["from"] and "ports" not in r for r in ray["spec"]["ingress"])
-    assert not any({"port": 8265, "protocol": "TCP"} in r.get("ports", []) for r in ray["spec"]["ingress"])
+    # Prometheus reaches what the Ray pods do (8080 and the ranks' ephemeral ports).
+    (rule,) = [r for r in ray["spec"]["ingress"] if prometheus in r["from"]]
+    assert opens(rule["ports"], 8080) and opens(rule["ports"], 45000) and not opens(rule["ports"], 8265)
+    assert all("ports" in r for r in ray["spec"]["ingress"]), "a rule without ports opens 8265"
     api = one(default_docs, "NetworkPolicy", "-api")
     rule = next(r for r in api["spec"]["ingress"] if r.get("ports"))
     assert rule["ports"] == [{"port": 8000, "protocol": "TCP"}] and prometheus in rule["from"]
