@@ -18,6 +18,13 @@ def main(app: Any = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
+    from kuangchao.api.server.edge import max_body_bytes
+    from kuangchao.platform.errors import KuangchaoError
+
+    try:  # a bad setting stops the server here, with its message, not at the first request
+        max_body_bytes()
+    except KuangchaoError as exc:
+        parser.exit(2, f"error: {exc.message}\n")
     if app is None:
         from kuangchao.api.server.app import app
 
