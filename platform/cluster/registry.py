@@ -44,6 +44,13 @@ def nodes_from_ray(ray_nodes: list[dict[str, Any]]) -> tuple[NodeInfo, ...]:
     return tuple(sorted(by_name.values(), key=lambda x: x.name))
 
 
+def node_ips(ray_nodes: list[dict[str, Any]]) -> dict[str, str]:
+    """Ray node id -> the node's IP, for the nodes alive. The control plane checks
+    a rank's metrics address against it (platform/observability/scrape_targets.py)."""
+    return {n["NodeID"]: str(n["NodeManagerAddress"]) for n in ray_nodes
+            if n.get("Alive") and n.get("NodeID") and n.get("NodeManagerAddress")}
+
+
 def head_node_id(ray_nodes: list[dict[str, Any]]) -> str | None:
     for n in ray_nodes:
         if n.get("Alive") and (n.get("Labels") or {}).get(LABEL_ROLE) == "head":
@@ -60,9 +67,11 @@ class Registry:
     def snapshot(self) -> tuple[NodeInfo, ...]:
         import ray
 
-        nodes = nodes_from_ray(ray.nodes())
+        raw = ray.nodes()
+        nodes = nodes_from_ray(raw)
         if self.store is not None:
             nodes = apply_probe(nodes, self.store.info("probe"))
+            # `ips` beside the node list: the API's node route shows `nodes` only.
             self.store.set_info("nodes", {"nodes": [n.to_json() for n in nodes],
-                                          "updated_at": time.time()})
+                                          "ips": node_ips(raw), "updated_at": time.time()})
         return nodes

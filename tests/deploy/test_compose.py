@@ -307,7 +307,11 @@ def test_prometheus_config_for_compose(tmp_path):
     assert urlsplit(sd["url"]).path == "/v1/metrics/targets"
     token = jobs["kc-api"]["authorization"]["credentials_file"]
     assert sd["authorization"]["credentials_file"] == token == f"{SECRET_TARGET}/metrics-token"
-    assert jobs["kc-api"]["honor_labels"] and jobs["kc-workers"]["honor_labels"]
+    # The API's labels are the control plane's; a rank's are not honoured (rank code
+    # is the job's), and only its kc_worker_* series are kept.
+    assert jobs["kc-api"]["honor_labels"] is True and jobs["kc-workers"]["honor_labels"] is False
+    assert jobs["kc-workers"]["metric_relabel_configs"] == [
+        {"source_labels": ["__name__"], "regex": "kc_worker_.*", "action": "keep"}]
 
     promtool = shutil.which("promtool")
     assert promtool, "promtool is not on PATH: `make tools` installs it (Debian package prometheus)"

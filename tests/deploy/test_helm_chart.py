@@ -272,6 +272,10 @@ def test_one_generated_value_per_render_and_checksums_follow_it(default_docs: li
     sd = scrape[0]["http_sd_configs"][0]
     assert sd["authorization"]["credentials"] == s["metrics-token"]
     assert sd["url"] == "http://kc-kuangchao-api.ml.svc.cluster.local:8000/v1/metrics/targets"
+    # A rank's endpoint runs the job's code: its labels are not honoured, only kc_worker_* kept.
+    assert scrape[0]["honor_labels"] is False
+    assert scrape[0]["metric_relabel_configs"] == [
+        {"source_labels": ["__name__"], "regex": "kc_worker_.*", "action": "keep"}]
     sha = lambda v: hashlib.sha256(v.encode()).hexdigest()  # noqa: E731
     url = s["url"]
     api = one(default_docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]

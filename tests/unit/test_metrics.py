@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kuangchao.api.server.cluster_metrics import recorded_families
 from kuangchao.platform.jobs.memory import MemoryStore
-from kuangchao.platform.jobs.state import JobRecord, JobState
+from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
 from kuangchao.platform.observability import metrics as m
 from kuangchao.platform.observability.scrape_targets import groups, write_file_sd
 from kuangchao.workers.parallel.comm_clock import CommClock
@@ -116,17 +116,23 @@ def _values(text: str) -> dict:
 
 
 def _job(job_id: str, state: JobState, world: int) -> JobRecord:
-    return JobRecord(id=job_id, name=job_id, spec={}, state=state, world_size=world)
+    # Placed for world + 1 ranks: a shrink leaves the last one beyond the world size.
+    placement = tuple(PlacedRank(rank=r, node="n0", node_id="id0", leaf="l0")
+                      for r in range(world + 1))
+    return JobRecord(id=job_id, name=job_id, spec={}, state=state, world_size=world,
+                     placement=placement)
 
 
 def test_file_sd_groups_keep_current_ranks_of_running_jobs_only():
     entry = lambda addr: json.dumps({"addr": addr, "node": "n0", "pid": 1})  # noqa: E731
     jobs = [_job("a", JobState.RUNNING, 2), _job("b", JobState.QUEUED, 2)]
-    registered = {"a": {"0": entry("h:1"), "1": entry("h:2"), "2": entry("h:3"), "x": "bad"},
-                  "b": {"0": entry("h:9")}}
-    out = groups(jobs, registered)
-    assert out == [{"targets": ["h:1"], "labels": {"job": "a", "rank": "0", "node": "n0"}},
-                   {"targets": ["h:2"], "labels": {"job": "a", "rank": "1", "node": "n0"}}]
+    registered = {"a": {"0": entry("10.0.0.1:8001"), "1": entry("10.0.0.1:8002"),
+                        "2": entry("10.0.0.1:8003"), "x": "bad"},
+                  "b": {"0": entry("10.0.0.1:8009")}}
+    out = groups(jobs, registered, {"id0": "10.0.0.1"})
+    assert out == [
+        {"targets": ["10.0.0.1:8001"], "labels": {"job": "a", "rank": "0", "node": "n0"}},
+        {"targets": ["10.0.0.1:8002"], "labels": {"job": "a", "rank": "1", "node": "n0"}}]
 
 
 def test_file_sd_is_replaced_atomically_and_only_on_change(tmp_path):
@@ -156,14 +162,14 @@ def test_telemetry_derives_rates_and_mfu_from_one_step():
     tel.observe_numerics(2.5, float("nan"), 1e-3)
     tel.end_step(7, samples=4, tokens=256)
     v = _values(_render(tel.collect()))
-    lab = (("job", "j"), ("node", "n0"), ("rank", "0"))
+    lab = ()  # job, rank and node are the scrape target's labels, not served by the rank
     took = v[("kc_worker_step_seconds", lab)]
     assert v[("kc_worker_step", lab)] == 7
     assert v[("kc_worker_tokens_per_second", lab)] == pytest.approx(256 / took)
     assert v[("kc_worker_samples_per_second", lab)] == pytest.approx(4 / took)
     assert v[("kc_worker_mfu_ratio", lab)] == pytest.approx(1e6 * 256 / took / 1e9)
     assert math.isnan(v[("kc_worker_grad_norm", lab)])
-    rss = (("job", "j"), ("kind", "rss"), ("node", "n0"), ("rank", "0"))
+    rss = (("kind", "rss"),)
     assert v[("kc_worker_memory_bytes", rss)] > 1e6
 
 

@@ -3,8 +3,11 @@
 Each rank serves its own `/metrics` (prometheus_client's HTTP server, on a
 free port of its node's address) and registers the address in the job's
 Redis key space; the control plane turns those into a file_sd list
-(`platform/observability/scrape_targets.py`). Every series carries `job`, `rank` and
-`node`, which are also the target's labels.
+(`platform/observability/scrape_targets.py`). The series served here carry no
+`job`, `rank` or `node`: Prometheus adds those from the target's labels, which
+the control plane takes from the job's placement, and does not honour the ones
+an endpoint serves (a rank's code could serve any), so every stored
+`kc_worker_*` series still has all three.
 
 The train loop only assigns floats (`end_step`); families are built when
 Prometheus scrapes, and memory is read then too. Communication time is the
@@ -32,6 +35,8 @@ from kuangchao.workers.parallel.comm_clock import CommClock
 _log = logging.getLogger(__name__)
 DISABLE_ENV = "KC_WORKER_METRICS"  # "0": no endpoint, no timing (bench/metrics.py's baseline)
 ADDR_ENV = "KC_WORKER_METRICS_ADDR"
+# The catalogue's worker labels that the scrape target supplies (not served here).
+TARGET_LABELS = ("job", "rank", "node")
 
 # Dense bf16 peak FLOP/s by device name (vendor data sheets, without sparsity).
 GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
@@ -126,16 +131,16 @@ class WorkerTelemetry:
 
     # -- what Prometheus reads ---------------------------------------------------
     def collect(self) -> Iterator[Metric]:
-        labels = [self.job_id, str(self.rank), self.node]
         for d in m.WORKER:
+            own = [label for label in d.labels if label not in TARGET_LABELS]
             if d is m.WORKER_MEMORY:
-                fam = GaugeMetricFamily(d.name, d.help, labels=d.labels)
+                fam = GaugeMetricFamily(d.name, d.help, labels=own)
                 for kind, value in memory().items():
-                    fam.add_metric([*labels, kind], value)
+                    fam.add_metric([kind], value)
                 yield fam
             elif d.name in self.values:
-                fam = GaugeMetricFamily(d.name, d.help, labels=d.labels)
-                fam.add_metric(labels, float(self.values[d.name]))
+                fam = GaugeMetricFamily(d.name, d.help, labels=own)
+                fam.add_metric([], float(self.values[d.name]))
                 yield fam
 
     def serve(self, host: str) -> str:
