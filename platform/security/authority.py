@@ -1,8 +1,9 @@
 """The token authority: mints, renews and revokes capability tokens, and hands
 each job a Redis user of its own.
 
-It alone holds the signing key. Workers get the public key, a token per rank,
-and the Redis URL of their job's ACL user; they renew through the authority
+It alone holds the signing key. Workers get the public key, a token per rank
+(and one each for its data reader and its metrics endpoint), and the Redis URL
+of their job's ACL user; they renew through the authority
 before the token expires, and the authority refuses a token that is expired,
 revoked, or not its own. Every mint, renewal, refusal and revocation is
 audited.
@@ -16,7 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
 from kuangchao.platform.security.audit import AuditLog, AuditRecord
 from kuangchao.platform.security.tokens import (
+    DATASET_READ,
     ROLE_INTERFACES,
     Claims,
     Minter,
@@ -49,6 +51,14 @@ MAX_TOKEN_TTL_S = 7 * 86400
 TRAINER_BASE = frozenset({"checkpoint_read", "checkpoint_write", "heartbeat"})
 # The job's own groups: the world, the mesh dimensions, and sub-groups of its ranks.
 TRAINER_GROUPS = ("world", "dp", "tp", "pp", "ranks:*")
+# The modules a rank runs besides its trainer, each under a token of its own role
+# (module name, interfaces), minted with the trainer's in the same grant and scoped
+# to nothing: its data reader reads the dataset, its metrics endpoint (and the
+# read-only views behind it) the metrics.
+RANK_MODULES: dict[str, tuple[str, frozenset[str]]] = {
+    "data_loader": ("data", frozenset({DATASET_READ})),
+    "monitor": ("metrics", frozenset({"metrics_read"})),
+}
 # Seeds no deployment may sign with: all one byte (a placeholder someone forgot),
 # and RFC 8032's first test vector, the key every Ed25519 example shows.
 _KNOWN_SEEDS = {bytes([b]) * 32 for b in range(256)} | {bytes.fromhex(
@@ -90,15 +100,17 @@ def checkpoint_dir(root: str, job_id: str) -> str:
 
 @dataclass(frozen=True)
 class WorkerGrant:
-    """What one rank gets: its token, the key to verify it, and its Redis URL."""
+    """What one rank gets: its token, the key to verify it, its Redis URL, and the
+    tokens of its other modules by role (`RANK_MODULES`)."""
 
     token: str
     public_key: bytes
     redis_url: str | None
+    modules: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"token": self.token, "public_key": self.public_key.decode(),
-                "redis_url": self.redis_url}
+                "redis_url": self.redis_url, "modules": dict(self.modules)}
 
 
 class TokenAuthority:
@@ -134,12 +146,16 @@ class TokenAuthority:
                                       decision=decision, reason=reason, job=job))  # type: ignore[arg-type]
 
     def _mint(self, module: str, job_id: str, role: str, scope: Scope, interfaces: frozenset[str],
-              ttl_s: float, action: str = "token.mint") -> tuple[str, Claims]:
+              ttl_s: float, action: str = "token.mint",
+              principal: str | None = None) -> tuple[str, Claims]:
+        """`principal`: whom the audit names, when not the module (a rank, for the
+        tokens of its data reader and metrics endpoint)."""
         token, claims = self._minter.mint(module, job_id, role, scope, interfaces, ttl_s,
                                           now=self.clock())
         self.store.record_token(job_id, claims.token_id, claims.expires_at)
-        self._audit(module, action, f"token/{claims.token_id}", "allow",
-                    f"role={role} ifaces={','.join(sorted(interfaces))} "
+        held = f"module={module} " if principal and principal != module else ""
+        self._audit(principal or module, action, f"token/{claims.token_id}", "allow",
+                    f"{held}role={role} ifaces={','.join(sorted(interfaces))} "
                     f"expires={int(claims.expires_at)}", job_id)
         return token, claims
 
@@ -151,7 +167,8 @@ class TokenAuthority:
                      redis_prefix=keys.job(self.store.p, job_id) + ":")
 
     def grant_workers(self, job_id: str, ranks: dict[int, tuple[int, ...]]) -> dict[int, WorkerGrant]:
-        """A token per rank (scoped to its GPUs) and the job's Redis URL.
+        """A trainer token per rank (scoped to its GPUs), a data_loader and a monitor
+        token for its data reader and its metrics endpoint, and the job's Redis URL.
 
         The job's Redis user is created on first call and kept (same
         password) for later ranks: replacements and grown replicas.
@@ -160,12 +177,16 @@ class TokenAuthority:
         self.store.hold_credentials(job_id)
         url = self.job_redis_url(job_id)
         interfaces = TRAINER_BASE | frozenset(spec.permission.collectives)
+        ttl = spec.permission.token_ttl_seconds
         out = {}
         for rank, gpus in ranks.items():
-            token, _ = self._mint(f"{job_id}/rank-{rank}", job_id, "trainer",
-                                  self.trainer_scope(job_id, spec, gpus), interfaces,
-                                  spec.permission.token_ttl_seconds)
-            out[rank] = WorkerGrant(token, self._public, url)
+            name = f"{job_id}/rank-{rank}"
+            token, _ = self._mint(name, job_id, "trainer", self.trainer_scope(job_id, spec, gpus),
+                                  interfaces, ttl)
+            modules = {role: self._mint(f"{name}/{module}", job_id, role, Scope(), ifaces, ttl,
+                                        principal=name)[0]
+                       for role, (module, ifaces) in RANK_MODULES.items()}
+            out[rank] = WorkerGrant(token, self._public, url, modules)
         return out
 
     def grant_module(self, job_id: str, module: str, role: str) -> WorkerGrant:

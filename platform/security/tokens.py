@@ -29,10 +29,12 @@ from kuangchao.platform.protocol.interfaces import INTERFACES
 
 ALGORITHM = "EdDSA"
 ISSUER = "kuangchao"
+# Reading the training data: a data reader's interface alone (no trainer carries it).
+DATASET_READ = "dataset_read"
 # The most each role may ever be granted; a token may carry less (least privilege).
 ROLE_INTERFACES: dict[str, frozenset[str]] = {
     "trainer": INTERFACES - {"metrics_read"},
-    "data_loader": frozenset({"checkpoint_read", "heartbeat"}),
+    "data_loader": frozenset({DATASET_READ, "checkpoint_read", "heartbeat"}),
     "monitor": frozenset({"metrics_read", "heartbeat"}),
     "controller": frozenset({"checkpoint_read", "heartbeat", "metrics_read"}),
 }
@@ -197,6 +199,43 @@ def check(claims: Claims, interface: str, group: str | None = None,
                                    f"{group!r}")
     if device is not None and device not in claims.scope.devices:
         raise TokenError("denied", f"{claims.module} may not use device {device}")
+
+
+def check_role(claims: Claims, role: str, interface: str) -> None:
+    """`claims` must be a `role` token granting `interface` (a rank's data reader
+    asks a data_loader token, its metrics endpoint a monitor token).
+
+    Raises:
+        TokenError: ("denied") for a token of another role, or without `interface`.
+    """
+    if claims.role != role:
+        raise TokenError("denied", f"{claims.module} holds a {claims.role} token, and {interface} "
+                                   f"takes a {role} token")
+    check(claims, interface)
+
+
+def check_devices(claims: Claims, devices: Iterable[int], planned: bool = True) -> tuple[int, ...]:
+    """The GPU ids a rank is about to take must be exactly its token's `scope.devices`,
+    none more and none fewer; returns them, sorted. A CPU rank takes none, and its
+    token's scope names none.
+
+    `planned=False`: a node without per-GPU resources, where Ray picks the GPUs as
+    the rank starts, so the plan, and with it the token, could name none. There an
+    empty scope passes whatever Ray picked; a scope that names GPUs must still match.
+
+    Raises:
+        TokenError: ("denied") naming the devices asked and the devices granted.
+    """
+    used = tuple(sorted({int(d) for d in devices}))
+    granted = tuple(sorted(set(claims.scope.devices)))
+    if used == granted or (not planned and not granted):
+        return used
+    raise TokenError("denied", f"{claims.module} may not use GPU(s) {_ids(used)}; its token's "
+                               f"device scope is {_ids(granted)}")
+
+
+def _ids(ids: tuple[int, ...]) -> str:
+    return ", ".join(map(str, ids)) or "none"
 
 
 def within_prefix(prefix: str, path: str) -> PurePosixPath:

@@ -19,7 +19,7 @@ import socket
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,23 @@ from kuangchao.workers.errors import DataError
 STDLIB_SKIP_DIRS = frozenset(
     {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idlelib"}
 )
+
+
+# In a rank, its token holder's check of the data_loader token (raises PermissionError
+# unless it grants dataset_read; workers/runtime/credentials.py). None elsewhere.
+_read_guard: Callable[[str], None] | None = None
+
+
+def set_read_guard(guard: Callable[[str], None] | None) -> None:
+    global _read_guard
+    _read_guard = guard
+
+
+def permit_read(what: str) -> None:
+    """Ask the rank's data_loader token before reading `what` (a path, or batches)."""
+    guard = _read_guard
+    if guard is not None:
+        guard(what)
 
 
 def check_int(value: object, name: str, minimum: int) -> None:
@@ -154,8 +171,10 @@ def load_corpus(path: str | None, max_bytes: int, vocab_size: int,
     Raises:
         DataError: When the path is outside the roots, missing, unreadable or
             empty, or a token is ``>= vocab_size``.
+        PermissionError: In a rank whose data_loader token does not grant dataset_read.
     """
     _check_max_bytes(max_bytes)
+    permit_read(path or "the built-in corpus")
     if path is not None and roots is not None:
         _check_inside(Path(path), roots)
     if path is None:

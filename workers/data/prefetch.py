@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from kuangchao.workers.data.corpus import check_int
+from kuangchao.workers.data.corpus import check_int, permit_read
 
 
 class _Failure:
@@ -41,12 +41,18 @@ class Prefetcher:
             background thread.
         depth: Maximum number of items buffered ahead of the consumer.
 
+    In a rank, the thread runs in the rank's process, so it shares the rank's
+    memory and a token of its own would buy nothing; the rank's data_loader
+    token is asked once here, before the thread starts (not per item).
+
     Raises:
         DataError: When ``depth`` is not a positive integer.
+        PermissionError: In a rank whose data_loader token does not grant dataset_read.
     """
 
     def __init__(self, iterable: Iterable[Any], depth: int = 2) -> None:
         check_int(depth, "prefetch depth", minimum=1)
+        permit_read("batches")
         self._iterator = iter(iterable)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()

@@ -7,19 +7,38 @@ at 80 % of its lifetime and re-reads the revocation mark every few seconds; a
 revoked or expired token takes every right away at once. A refusal raises
 `PermissionError`, is written to the job's events, and is reported to the
 authority, which audits it.
+
+Besides the trainer token, the holder keeps the tokens of the rank's other
+modules: its data reader's (role data_loader, asked before a corpus is read or
+batches are prefetched) and its metrics endpoint's (role monitor, asked before
+the endpoint is served). Both run in the rank's process, as threads, so they
+share its memory: their tokens say what each module is for, and the holder
+checks them where the module starts, but cannot fence one thread off from
+another. They are renewed with the trainer's, and verified (revocation
+included) each time they are asked.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from kuangchao.platform.errors import TokenError
-from kuangchao.platform.security.tokens import Claims, Verifier, check, load_public, within_prefix
+from kuangchao.platform.security.tokens import (
+    DATASET_READ,
+    Claims,
+    Verifier,
+    check,
+    check_devices,
+    check_role,
+    load_public,
+    within_prefix,
+)
 from kuangchao.workers import collectives
 from kuangchao.workers.checkpoint.manager import CheckpointManager
+from kuangchao.workers.data import corpus
 
 # How often the revocation mark is read; a revoked token stops working within this.
 REVOCATION_CHECK_S = 2.0
@@ -34,12 +53,19 @@ class TokenHolder:
         is_revoked: Whether a token id carries a revocation mark (Redis, read-only).
         renew: Trades a valid token for a fresh one (the authority).
         on_deny: Told (interface, resource, reason) of each refusal.
+        modules: The tokens of the rank's other modules, by role (data_loader,
+            monitor). Given, even empty, this process reads data only under a
+            data_loader token; None (tools, tests): data reads are not asked.
     """
 
     def __init__(self, token: str, public_key: bytes | str, is_revoked: Callable[[str], bool],
-                 renew: Callable[[str], str], on_deny: Callable[[str, str, str], None]) -> None:
+                 renew: Callable[[str], str], on_deny: Callable[[str, str, str], None],
+                 modules: dict[str, str] | None = None) -> None:
         pem = public_key.encode() if isinstance(public_key, str) else public_key
         self._verifier = Verifier(load_public(pem), is_revoked)
+        # Asked where a module starts: a Redis outage then must not fail the rank;
+        # the background loop still reads the trainer token's mark.
+        self._module_verifier = Verifier(load_public(pem), self._revoked_if_known)
         self._renew, self._is_revoked, self._on_deny = renew, is_revoked, on_deny
         self.token = token
         try:
@@ -48,6 +74,16 @@ class TokenHolder:
             on_deny("token", "token", str(exc))
             raise
         self.last_error: str | None = None
+        self.modules: dict[str, str] = dict(modules or {})
+        self._module_claims: dict[str, Claims] = {}
+        for role, module_token in self.modules.items():
+            try:
+                self._module_claims[role] = self._module_verifier.verify(module_token)
+            except TokenError:
+                pass  # refused, and reported, when the module asks for it
+        self._guards_reads = modules is not None
+        if self._guards_reads:
+            corpus.set_read_guard(self._permit_read)
         collectives.set_token(self.claims, on_deny=self._collective_denied)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="kc-token")
@@ -56,8 +92,15 @@ class TokenHolder:
     def _collective_denied(self, interface: str, group: str, reason: str) -> None:
         self._on_deny(interface, f"group/{group}", reason)
 
+    def _revoked_if_known(self, token_id: str) -> bool:
+        try:
+            return self._is_revoked(token_id)
+        except Exception:  # Redis away: the token holds till it expires
+            return False
+
     def _loop(self) -> None:
         while not self._stop.wait(min(REVOCATION_CHECK_S, self._lifetime() / 20)):
+            self._renew_modules()
             try:
                 if self.claims.needs_renewal():
                     new = self._renew(self.token)
@@ -71,6 +114,19 @@ class TokenHolder:
                 # The authority or Redis away (a Redis restart drops the job's user until
                 # the authority restores it): try again; the token holds till it expires.
                 self.last_error = f"{type(exc).__name__}: {exc}"
+
+    def _renew_modules(self) -> None:
+        for role, claims in list(self._module_claims.items()):
+            if not claims.needs_renewal():
+                continue
+            try:
+                new = self._renew(self.modules[role])
+                self._module_claims[role] = self._module_verifier.verify(new)
+                self.modules[role] = new
+            except TokenError:  # refused: the module's next ask fails and says why
+                del self._module_claims[role]
+            except Exception:  # the authority away: try again on the next beat
+                pass
 
     def _refused(self, exc: TokenError) -> None:
         if self.last_error == str(exc):
@@ -91,9 +147,39 @@ class TokenHolder:
             self._on_deny(interface, f"path/{path}", str(exc))
             raise
 
+    def permit_module(self, role: str, interface: str, resource: str) -> Claims:
+        """The claims of this rank's `role` token if it verifies (signature, expiry,
+        revocation) and grants `interface`; else reported, and PermissionError."""
+        try:
+            module_token = self.modules.get(role)
+            if module_token is None:
+                raise TokenError("missing", f"{self.claims.module} holds no {role} token")
+            claims = self._module_verifier.verify(module_token)
+            check_role(claims, role, interface)
+            return claims
+        except TokenError as exc:
+            self._on_deny(interface, resource, str(exc))
+            raise
+
+    def _permit_read(self, what: str) -> None:
+        self.permit_module("data_loader", DATASET_READ, f"dataset/{what}")
+
+    def check_devices(self, devices: Iterable[int], planned: bool = True) -> tuple[int, ...]:
+        """The GPU ids this rank is about to take, if its token's device scope is
+        exactly them (`tokens.check_devices`); else reported, and PermissionError."""
+        devices = tuple(devices)
+        try:
+            return check_devices(collectives.valid_claims(), devices, planned)
+        except TokenError as exc:
+            self._on_deny("devices", "devices/" + (",".join(map(str, devices)) or "none"),
+                          str(exc))
+            raise
+
     def stop(self) -> None:
         self._stop.set()
         collectives.set_token(None)
+        if self._guards_reads:
+            corpus.set_read_guard(None)
 
 
 class GuardedCheckpoints(CheckpointManager):

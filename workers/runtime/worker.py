@@ -95,8 +95,9 @@ class TrainWorker:
             self.store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
         self.sink = JobLogSink(self.store, job_id, rank)
         self.node = node or socket.gethostname()
-        self.telemetry = self._serve_metrics(node)
+        # The tokens first: the metrics endpoint starts under the monitor token.
         self.holder = self._hold(grant, authority) if grant is not None else None
+        self.telemetry = self._serve_metrics(node)
         self.generation: Generation | None = None
         self._group_store: Any = None
         self.heartbeat: Heartbeat | None = None
@@ -120,6 +121,13 @@ class TrainWorker:
         """This rank's Prometheus endpoint, registered for the control plane's file_sd."""
         if not telemetry.enabled():
             return None
+        if self.holder is not None:
+            try:  # the endpoint, and `kc debug`'s views behind it, are the monitor's
+                self.holder.permit_module("monitor", "metrics_read", "metrics/endpoint")
+            except PermissionError as exc:  # reported; training goes on without them
+                self.sink.emit(f"worker metrics endpoint not started: {exc}", level="WARNING",
+                               module="telemetry")
+                return None
         tel = WorkerTelemetry(self.job_id, self.rank, node or socket.gethostname())
         try:
             import ray
@@ -155,7 +163,8 @@ class TrainWorker:
                     pass
 
         holder: TokenHolder | None = None
-        holder = TokenHolder(grant["token"], grant["public_key"], revoked, renew, denied)
+        holder = TokenHolder(grant["token"], grant["public_key"], revoked, renew, denied,
+                             modules=grant.get("modules") or {})
         return holder
 
     def describe(self) -> dict[str, Any]:
@@ -164,9 +173,11 @@ class TrainWorker:
         On nodes with per-GPU resources the plan's GPU ids are checked against
         the `kc_gpu_N` resources Ray granted, and the process is limited to
         exactly those GPUs; a mismatch fails the job before any work starts.
+        The GPUs it takes are checked against its token's device scope too.
 
         Raises:
             PlacementMismatch: When Ray granted other GPUs than planned.
+            PermissionError: When the token's device scope is not those GPUs.
         """
         import ray
 
@@ -180,9 +191,17 @@ class TrainWorker:
                     f"rank {self.rank}: planned GPUs {list(self.planned_gpus)} but Ray granted "
                     f"{granted} on {socket.gethostname()}")
             gpu_ids = list(self.planned_gpus)
+            self._check_devices(gpu_ids, planned=True)
             # Before CUDA initialises: this process sees exactly the planned GPUs.
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
+        else:  # a node without per-GPU resources: Ray picked them (CUDA_VISIBLE_DEVICES)
+            self._check_devices(gpu_ids, planned=False)
         return self._where(gpu_ids, ray_ids)
+
+    def _check_devices(self, gpu_ids: list[int], planned: bool) -> None:
+        """Where the rank takes its GPUs: they must be its token's device scope."""
+        if self.holder is not None:
+            self.holder.check_devices(gpu_ids, planned)
 
     def _where(self, gpu_ids: list[int], ray_ids: list[int]) -> dict[str, Any]:
         import ray
@@ -325,6 +344,11 @@ class SpareWorker(TrainWorker):
         TrainWorker.__init__(self, job_id, rank, world_size, settings, None, node, heartbeat,
                              grant, authority)
         self.gpu_ids = list(gpu_ids)
+        if self.holder is not None:
+            # The failed rank's GPUs: planned ones (its token names them), or, on a
+            # node without per-GPU resources, Ray's pick (its token names none).
+            scoped = bool(self.holder.claims.scope.devices)
+            self._check_devices(self.gpu_ids, planned=scoped or not self.gpu_ids)
         if self.gpu_ids:  # before CUDA initialises
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_ids))
         return os.getpid()
