@@ -3,6 +3,11 @@
 Every command takes a job id (looked up in Redis for its `checkpoint.path`),
 a job's checkpoint folder (`{checkpoint.path}/{job_id}`), or one step folder
 (`.../step_00000200`). Bad input exits 2 with an `error:` line, as in `kc`.
+
+The job's code wrote those folders, so nothing is read through a symlink: the
+folder named must not be one, a step folder must lead nowhere outside it and
+hold none, and export reads the DCP metadata with a restricted unpickler
+(workers/checkpoint/paths.py, workers/checkpoint/dcp_reader.py).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from kuangchao.api.cli.render import terminal_safe
 from kuangchao.platform.protocol.checkpoint import (
     MANIFEST,
     read_manifest,
@@ -22,6 +28,7 @@ from kuangchao.platform.protocol.checkpoint import (
     verify,
 )
 from kuangchao.platform.spec.defaults import value
+from kuangchao.workers.checkpoint.paths import anchor, check_step_folder, leads_inside
 from kuangchao.workers.errors import CheckpointError
 
 checkpoint_app = typer.Typer(help="List, verify and export checkpoints.", no_args_is_help=True)
@@ -34,7 +41,8 @@ LIST_HINT = "`kc checkpoint list {target}` shows every checkpoint and whether it
 
 def fail(message: str, code: int = 2) -> NoReturn:
     # The same shape as kc's own `fail` (api/cli/main.py imports this module, so it cannot be imported here).
-    typer.echo(f"error: {message}", err=True)
+    # Terminal-safe: reasons quote file names the job's code chose.
+    typer.echo(f"error: {terminal_safe(message)}", err=True)
     raise typer.Exit(code)
 
 
@@ -59,15 +67,20 @@ def job_checkpoint_dir(job_id: str) -> Path:
 
 
 def resolve(target: str) -> Path:
-    """The folder `target` names: an existing folder as given, else a job's folder."""
+    """The folder `target` names: an existing folder as given, else a job's folder.
+
+    Never a symlink: a job's code may have planted one where its folder should be."""
     path = Path(target).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            fail(f"{path} is a file; pass a checkpoint folder (a job's or one step_* folder) or a job id")
-        return path
-    if os.sep in target or target.startswith((".", "~")):
-        fail(f"{path} does not exist; pass an existing checkpoint folder or a job id")
-    return job_checkpoint_dir(target)
+    if not path.exists():
+        if os.sep in target or target.startswith((".", "~")):
+            fail(f"{path} does not exist; pass an existing checkpoint folder or a job id")
+        path = job_checkpoint_dir(target)
+    elif not path.is_dir():
+        fail(f"{path} is a file; pass a checkpoint folder (a job's or one step_* folder) or a job id")
+    if not leads_inside(path, anchor(path)):
+        fail(f"{path} is a symlink; a job's code can plant one, so kc checkpoint reads no folder "
+             "through one: pass the real folder")
+    return path
 
 
 def is_step_folder(path: Path) -> bool:
@@ -85,18 +98,26 @@ def step_folders(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: step_of(p) or 0)
 
 
-def newest(target: str) -> Path:
-    """The step folder to verify or export: the given one, or the job's newest."""
+def newest(target: str) -> tuple[Path, str]:
+    """The step folder to verify or export (the given one, or the job's newest), and
+    the folder it must stay inside (an `anchor`)."""
     folder = resolve(target)
     found = step_folders(folder)
     if not found:
         fail(f"no checkpoints in {folder}; a job writes its first one after "
              "`checkpoint.interval_steps` steps")
-    return found[-1]
+    return found[-1], anchor(folder)
 
 
-def describe(path: Path) -> dict[str, Any]:
-    """One step folder: step, bytes, creation time, and whether it verifies (and why not)."""
+def describe(path: Path, inside: str) -> dict[str, Any]:
+    """One step folder: step, bytes, creation time, and whether it verifies (and why not).
+
+    A folder leading outside `inside` or holding a symlink is not read at all."""
+    try:
+        check_step_folder(path, inside)
+    except CheckpointError as exc:
+        return {"step": step_of(path), "path": str(path), "bytes": 0, "created_at": None,
+                "verified": False, "reason": exc.message, "format": None}
     reason = None
     try:
         manifest: dict[str, Any] | None = verify(path)
@@ -129,7 +150,7 @@ def _when(ts: float | None) -> str:
 def list_(target: Target, as_json: Json = False) -> None:
     """List a job's checkpoints: step, size, time, and whether each verifies."""
     folder = resolve(target)
-    rows = [describe(p) for p in step_folders(folder)]
+    rows = [describe(p, anchor(folder)) for p in step_folders(folder)]
     if as_json:
         typer.echo(json.dumps(rows))
         return
@@ -142,7 +163,7 @@ def list_(target: Target, as_json: Json = False) -> None:
         typer.echo(f"{step:>8}  {r['bytes']:>14,}  {_when(r['created_at']):<19}  "
                    f"{'yes' if r['verified'] else 'no':<8}  {r['path']}")
         if r["reason"]:
-            typer.echo(f"{'':>10}not verified: {r['reason']}")
+            typer.echo(f"{'':>10}not verified: {terminal_safe(r['reason'])}")
 
 
 @checkpoint_app.command("verify")
@@ -151,7 +172,7 @@ def verify_(target: Target, as_json: Json = False) -> None:
 
     Exit 0 when every file matches the manifest, 2 with the reason when not.
     """
-    row = describe(newest(target))
+    row = describe(*newest(target))
     if as_json:
         typer.echo(json.dumps(row))
         if not row["verified"]:
@@ -180,8 +201,9 @@ def export(target: Target,
         fail(f"unknown --format {fmt!r}; choose one of: {', '.join(FORMATS)}")
     out = out.expanduser()
     _check_writable(out)
-    path = newest(target)
+    path, inside = newest(target)
     try:
+        check_step_folder(path, inside)
         verify(path)
     except CheckpointError as exc:
         fail(f"{exc.message}; not exporting it.\n{LIST_HINT.format(target=target)}; pass the step "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -102,6 +103,9 @@ def memory(job_id: str, timeout: Timeout = 30.0, as_json: Json = False) -> None:
     _done(report, as_json, False)
 
 
+_TRACE = re.compile(r"rank\d{1,6}\.json\.gz")
+
+
 def profile(job_id: str,
             steps: Annotated[int, typer.Option("--steps", min=1, max=500,
                                                help="Optimizer steps to record.")] = 5,
@@ -127,6 +131,8 @@ def profile(job_id: str,
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for name in status["files"]:
+        if not isinstance(name, str) or not _TRACE.fullmatch(name):  # never a path: a file name
+            fail(f"profile {pid}: the server listed {name!r}, not a trace name (rankN.json.gz)", 1)
         data = gzip.decompress(call(c.profile_file, job_id, pid, name))
         path = folder / name.removesuffix(".gz")
         path.write_bytes(data)

@@ -14,6 +14,7 @@ from kuangchao.platform.errors import ClusterError, KuangchaoError, TokenError
 from kuangchao.platform.security.authority import AUTHORITY_NAME
 from kuangchao.platform.security.tokens import Claims, Verifier, check, load_public, within_prefix
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings
+from kuangchao.workers.checkpoint.paths import anchor, check_step_folder, leads_inside
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +78,22 @@ class Credentials:
 
     def within_job(self, path: Path | str) -> Path:
         """`path` if it lies in the job's checkpoint folder, as the controller's token
-        scopes it; a final checkpoint elsewhere (another job's) never counts."""
+        scopes it; a final checkpoint elsewhere (another job's) never counts, nor
+        one reached through a symlink the job's code planted, nor one holding a
+        symlink (CheckpointError: verify would follow it)."""
         claims = self._claims()
+        prefix = claims.scope.checkpoint_prefix
         try:
             check(claims, "checkpoint_read")
-            return Path(within_prefix(claims.scope.checkpoint_prefix, str(path)))
+            full = Path(within_prefix(prefix, str(path)))
         except TokenError as exc:
             raise KuangchaoError(f"the final checkpoint {path} is not this job's: {exc.message}; "
                                  "save it with ctx.checkpoint") from None
+        if not leads_inside(full, anchor(prefix)):
+            raise KuangchaoError(f"the final checkpoint {path} is not this job's: it leads outside "
+                                 f"{prefix} through a symlink; save it with ctx.checkpoint")
+        check_step_folder(full, anchor(prefix))
+        return full
 
     def retire(self, store: Any) -> None:
         """Once the job has ended, revoke its tokens and remove its Redis user.

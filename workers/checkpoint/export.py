@@ -3,6 +3,11 @@
 No model class is needed: the DCP metadata lists every tensor with its shape
 and dtype, so we allocate plain tensors from it and let `dcp.load` fill them
 in this one process. The optimizer state and the rank files are left out.
+
+The job's code wrote the folder, and this runs in a trusted process (`kc
+checkpoint export`), so it reads through `dcp_reader.FolderReader`: the
+metadata unpickled with a restricted unpickler, nothing read from outside the
+folder or through a symlink, no pickled item loaded.
 """
 
 from __future__ import annotations
@@ -15,10 +20,17 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from kuangchao.platform.protocol.checkpoint import read_manifest, verify
+from kuangchao.workers.checkpoint.dcp_reader import (
+    FolderReader,
+    TensorsOnly,
+    failure_message,
+    stored_bytes,
+    tensor_bytes,
+)
 from kuangchao.workers.errors import CheckpointError
 
 FORMATS = ("torch", "safetensors")
@@ -34,20 +46,22 @@ def read_model_tensors(path: str | Path) -> dict[str, torch.Tensor]:
         CheckpointError: The folder has no DCP metadata, or no model tensors.
     """
     path = Path(path)
-    reader = FileSystemReader(str(path))
-    try:
+    with FolderReader(path) as reader:
         metadata = reader.read_metadata()
-    except Exception as exc:  # a missing or corrupt .metadata comes in many exception types
-        raise CheckpointError(f"{path}: cannot read the DCP metadata: {type(exc).__name__}: {exc}") from None
-    state = {fqn: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for fqn, meta in metadata.state_dict_metadata.items()
-             if fqn.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
-    if not state:
-        raise CheckpointError(f"{path}: the checkpoint holds no model tensors (no '{MODEL_PREFIX}*' keys)")
-    with warnings.catch_warnings():
-        # dcp warns that it assumes a single process; that is exactly the intent here.
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        stored = stored_bytes(metadata)
+        metas = {fqn: meta for fqn, meta in metadata.state_dict_metadata.items()
+                 if fqn.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+        if not metas:
+            raise CheckpointError(f"{path}: the checkpoint holds no model tensors "
+                                  f"(no '{MODEL_PREFIX}*' keys)")
+        # What is allocated is bounded by what the shards hold: the metadata is the job's.
+        short = next((f for f, m in metas.items() if tensor_bytes(m) > stored.get(f, 0)), None)
+        if short is not None:
+            raise CheckpointError(f"{path}: {short} is larger in the DCP metadata than in its "
+                                  "shards; the checkpoint is corrupt")
+        state = {fqn: torch.empty(meta.size, dtype=meta.properties.dtype)
+                 for fqn, meta in metas.items()}
+        _load(state, reader, path)
     return {fqn[len(MODEL_PREFIX):]: t for fqn, t in state.items()}
 
 
@@ -98,7 +112,27 @@ def load_model_state(path: str | Path, model: torch.nn.Module) -> dict[str, Any]
     """
     manifest = verify(path)
     state = {"model": model.state_dict()}
-    # no_dist: a load into this one process, even where a process group exists.
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    with FolderReader(path) as reader:
+        _load(state, reader, Path(path))
     model.load_state_dict(state["model"])
     return manifest
+
+
+def _load(state: dict[str, Any], reader: FolderReader, path: Path) -> None:
+    """`dcp.load` into `state` in this process alone, tensors only.
+
+    Raises:
+        CheckpointError: The checkpoint cannot be read into `state`.
+    """
+    with warnings.catch_warnings():
+        # dcp warns that it assumes a single process; that is exactly the intent here.
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        try:
+            # no_dist: a load into this one process, even where a process group exists.
+            dcp.load(state, storage_reader=reader, planner=TensorsOnly(), no_dist=True)
+        except CheckpointError:
+            raise
+        # DCP wraps what failed in a BaseException; a bad shard fails in many ways.
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(f"{path}: cannot load the checkpoint: "
+                                  f"{failure_message(exc)}") from None

@@ -57,6 +57,7 @@ from kuangchao.workers.checkpoint.files import (
     retire_leftovers,
     start_reaper,
 )
+from kuangchao.workers.checkpoint.paths import check_roots
 from kuangchao.workers.checkpoint.state_reader import StateDictReader, read_states, write_states
 from kuangchao.workers.checkpoint.writer import SaveJob, write
 from kuangchao.workers.errors import CheckpointError
@@ -69,12 +70,20 @@ class CheckpointManager:
 
     `save`, `save_async` and `wait` are collective: every rank calls them at
     the same point, with the same steps.
+
+    `roots`: the folders jobs may keep checkpoints in on this node
+    (`settings.checkpoint_roots()`); the job's folder must resolve, symlinks
+    followed, inside one, checked before each save, listing and load. None: no
+    check (tools and tests working on their own folders).
     """
 
     def __init__(self, root: str | Path, job_id: str, rank: int, world_size: int,
                  spec_hash: str, keep_last: int = 3,
-                 on_commit: Callable[[CheckpointInfo], None] | None = None) -> None:
+                 on_commit: Callable[[CheckpointInfo], None] | None = None,
+                 roots: tuple[str, ...] | None = None) -> None:
+        self.root, self.roots = root, roots
         self.dir = protocol.job_dir(root, job_id)
+        self._check_roots()
         self.rank, self.world_size = rank, world_size
         self.spec_hash, self.keep_last = spec_hash, keep_last
         # Called on rank 0 once a checkpoint is committed; for save_async on the writer thread.
@@ -101,12 +110,18 @@ class CheckpointManager:
 
     # -- listing --------------------------------------------------------------
 
+    def _check_roots(self) -> None:
+        if self.roots is not None:
+            check_roots(self.root, self.dir, self.roots)
+
     def list(self) -> list[Path]:
         """Committed checkpoint folders, oldest first (not yet verified)."""
+        self._check_roots()
         return protocol.committed(self.dir)
 
     def latest_verified(self) -> tuple[Path, dict[str, Any]] | None:
         """The newest checkpoint whose manifest verifies, skipping broken ones."""
+        self._check_roots()
         return protocol.latest_verified(self.dir, hold=self._reading_from)
 
     def wait_pruned(self, timeout: float | None = None) -> bool:
@@ -143,6 +158,7 @@ class CheckpointManager:
         """
         t0 = time.perf_counter()
         check_extra(extra)
+        self._check_roots()
         self.wait()
         if self._already_committed(step):
             return self.last_committed  # type: ignore[return-value]
@@ -184,6 +200,7 @@ class CheckpointManager:
         """
         t0 = time.perf_counter()
         check_extra(extra)
+        self._check_roots()
         self.wait()
         if self._already_committed(step):
             return PendingCheckpoint.completed(self.last_committed)  # type: ignore[arg-type]
@@ -327,6 +344,7 @@ class CheckpointManager:
         """Restore model and optimizer; return this rank's saved state."""
         t0 = time.perf_counter()
         path = Path(path)
+        self._check_roots()
         with self._reading_from(path):
             model_sd, optim_sd = read_states(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}

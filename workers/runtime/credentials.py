@@ -38,6 +38,7 @@ from kuangchao.platform.security.tokens import (
 )
 from kuangchao.workers import collectives
 from kuangchao.workers.checkpoint.manager import CheckpointManager
+from kuangchao.workers.checkpoint.paths import anchor, leads_inside
 from kuangchao.workers.data import corpus
 
 # How often the revocation mark is read; a revoked token stops working within this.
@@ -139,10 +140,19 @@ class TokenHolder:
         return max(1.0, self.claims.expires_at - self.claims.issued_at)
 
     def check_path(self, interface: str, path: str | Path) -> Path:
-        """`path` if this token may `interface` (checkpoint_read/write) it; else PermissionError."""
+        """`path` if this token may `interface` (checkpoint_read/write) it; else PermissionError.
+
+        Inside the prefix as written (tokens.within_prefix, pure) and where it leads,
+        symlinks resolved: one planted inside the prefix (to another job's folder,
+        say) is refused, and so is a prefix that is itself a symlink."""
         try:
             check(collectives.valid_claims(), interface)
-            return Path(within_prefix(self.claims.scope.checkpoint_prefix, str(path)))
+            prefix = self.claims.scope.checkpoint_prefix
+            full = Path(within_prefix(prefix, str(path)))
+            if not leads_inside(full, anchor(prefix)):
+                raise TokenError("denied", f"checkpoint path {str(path)!r} leads outside {prefix} "
+                                           "through a symlink")
+            return full
         except TokenError as exc:
             self._on_deny(interface, f"path/{path}", str(exc))
             raise

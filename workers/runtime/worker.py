@@ -24,7 +24,7 @@ from kuangchao.platform.cluster.topology import GPU_RESOURCE_PREFIX
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
 from kuangchao.platform.protocol.generation import Generation
-from kuangchao.platform.settings import Settings
+from kuangchao.platform.settings import Settings, checkpoint_roots
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
 from kuangchao.workers.checkpoint.manager import CheckpointManager
 from kuangchao.workers.elastic.generation import join_generation
@@ -266,8 +266,11 @@ class TrainWorker:
         on_commit = self._record_checkpoint if self.store else None
         args = (spec.checkpoint.path, self.job_id, self.rank, self.world_size, spec.spec_hash(),
                 spec.checkpoint.keep_last)
-        ckpt = (GuardedCheckpoints(*args, on_commit=on_commit, holder=self.holder)
-                if self.holder is not None else CheckpointManager(*args, on_commit=on_commit))
+        # The API checked checkpoint.path against the roots as written; where it leads
+        # (symlinks followed) is checked here, on this node, before each save and load.
+        kw = {"on_commit": on_commit, "roots": checkpoint_roots()}
+        ckpt = (GuardedCheckpoints(*args, **kw, holder=self.holder)
+                if self.holder is not None else CheckpointManager(*args, **kw))
         gen = self.generation
         rng = spec.elastic_range
         replicas = self.world_size // rng.ranks_per_replica

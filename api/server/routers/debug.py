@@ -4,14 +4,16 @@ ranks for a diagnosis (platform/jobs/debugreq.py), and fetch the profiler traces
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, BinaryIO, Literal
 
 from fastapi import APIRouter, Body, Depends, HTTPException
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kuangchao.api.server.dependencies.auth import allowed, require, visible_job
@@ -22,7 +24,9 @@ from kuangchao.platform.jobs import debugreq
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.security.apikeys import Principal
+from kuangchao.platform.settings import checkpoint_roots
 from kuangchao.platform.spec.defaults import value
+from kuangchao.workers.checkpoint.paths import job_folder, leads_inside, open_inside, resolves_under
 
 router = APIRouter(prefix="/v1/jobs", tags=["debug"],
                    responses=errors(401, 403, 404, 409, 413, 422, 503))
@@ -177,15 +181,40 @@ def profile_status(job_id: str, profile_id: str, store: Store, who: Reader) -> d
             responses={200: {"content": {"application/gzip": {
                 "schema": {"type": "string", "format": "binary"}}}}})
 def profile_file(job_id: str, profile_id: str, name: str, store: Store,
-                 who: Reader) -> FileResponse:
+                 who: Reader) -> StreamingResponse:
     job = visible_job(store, who, job_id, "job.read")
     if not _ID.match(profile_id) or not _TRACE.match(name):
         raise HTTPException(404, f"no file {name!r} in profile {profile_id!r}; files are named "
                                  "rankN.json.gz")
     root = Path(str((job.spec.get("checkpoint") or {}).get("path") or "")).expanduser()
     path = root / job_id / "profiles" / profile_id / name
-    if not path.is_file():
+    # The job's ranks wrote that folder: serve nothing a symlink of theirs leads to.
+    folder = job_folder(root, job_id)
+    if not resolves_under(folder, checkpoint_roots()):
+        raise HTTPException(403, f"job {job_id}'s checkpoint folder leads outside the folders "
+                                 "jobs may use here (KC_CHECKPOINT_ROOTS); its profiles are not "
+                                 "served")
+    if not leads_inside(path, folder):
+        raise HTTPException(403, f"{name} of profile {profile_id} leads outside the job's "
+                                 "checkpoint folder (a symlink); it is not served")
+    try:
+        fh = open_inside(path, folder)
+    except PermissionError:
+        raise HTTPException(403, f"{name} of profile {profile_id} is a symlink; it is not "
+                                 "served") from None
+    except OSError:
         raise HTTPException(404, f"{name} of profile {profile_id} is not on this server's disk "
                                  f"(looked in {path.parent}); the trace is written next to the "
-                                 "job's checkpoints, which the API server must be able to read")
-    return FileResponse(path, media_type="application/gzip", filename=f"{job_id}-{name}")
+                                 "job's checkpoints, which the API server must be able to read"
+                            ) from None
+    size = os.fstat(fh.fileno()).st_size
+    return StreamingResponse(_chunks(fh), media_type="application/gzip", headers={
+        "Content-Length": str(size),
+        "Content-Disposition": f'attachment; filename="{job_id}-{name}"'})
+
+
+def _chunks(fh: BinaryIO, size: int = 1 << 20) -> Iterator[bytes]:
+    """The open file's bytes, then it closed: what was opened is what is served."""
+    with fh:
+        while chunk := fh.read(size):
+            yield chunk
