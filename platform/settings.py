@@ -80,12 +80,35 @@ def read_cluster_state() -> dict | None:
         return None
 
 
+def _url_from_file() -> str | None:
+    """The admin Redis URL from `KC_REDIS_URL_FILE`, or None when it is unset.
+
+    Raises:
+        ClusterError: The file is named but cannot be read or is empty.
+    """
+    path = os.environ.get("KC_REDIS_URL_FILE")
+    if not path:
+        return None
+    from kuangchao.platform.errors import ClusterError
+
+    try:
+        url = Path(path).expanduser().read_text().strip()
+    except OSError as exc:
+        raise ClusterError(f"cannot read KC_REDIS_URL_FILE={path} ({exc.strerror}); point it at "
+                           "a file holding the admin Redis URL") from None
+    if not url:
+        raise ClusterError(f"KC_REDIS_URL_FILE={path} is empty; it must hold the admin Redis URL")
+    return url
+
+
 @dataclass(frozen=True)
 class Settings:
     """Connection settings shared by the CLI, API server, actors and workers.
 
     Attributes:
-        redis_url: Redis to use. `KC_REDIS_URL`, else the one `kc up` started.
+        redis_url: Redis to use. `KC_REDIS_URL`, else the file `KC_REDIS_URL_FILE`
+            names (a deployment's head: its raylet, whose environment every
+            worker inherits, holds only the path), else the one `kc up` started.
         redis_prefix: Key prefix (`KC_REDIS_PREFIX`, default `kc:`); tests use
             their own so that runs never see each other's keys.
         ray_address: Ray GCS address (`KC_RAY_ADDRESS`/`RAY_ADDRESS`).
@@ -93,7 +116,11 @@ class Settings:
         quarantine: When a failing node stops getting jobs (`KC_QUARANTINE_*`).
         api_key: The caller's API key (`KC_API_KEY`, else the credentials file).
         signing_key_file: The token authority's Ed25519 private key, PEM
-            (`KC_SIGNING_KEY_FILE`); read on the head node only.
+            (`KC_SIGNING_KEY_FILE`); read by the process that starts the
+            control plane, never by a raylet's workers.
+        signing_key_pem: That key's PEM, read from the file by the starter and
+            handed to the authority actor alone as a creation argument, so that
+            the head node need not hold the file where its workers can read it.
         dev: Local dev mode (`KC_DEV_MODE=1`, set by `kc up`).
         job_acl: Give each job's workers a Redis ACL user of their own
             (`KC_REDIS_JOB_ACL`, default 1; 0 for a Redis without ACLs).
@@ -106,6 +133,7 @@ class Settings:
     quarantine: QuarantinePolicy = field(default_factory=QuarantinePolicy.from_env)
     api_key: str | None = field(default=None, repr=False)
     signing_key_file: str | None = None
+    signing_key_pem: str | None = field(default=None, repr=False)
     dev: bool = False
     job_acl: bool = True
 
@@ -119,7 +147,8 @@ class Settings:
             or f"http://127.0.0.1:{DEFAULT_API_PORT}"
         )
         return cls(
-            redis_url=os.environ.get("KC_REDIS_URL") or state.get("redis_url"),
+            redis_url=os.environ.get("KC_REDIS_URL") or _url_from_file()
+            or state.get("redis_url"),
             redis_prefix=prefix,
             ray_address=os.environ.get("KC_RAY_ADDRESS")
             or os.environ.get("RAY_ADDRESS")
@@ -131,21 +160,3 @@ class Settings:
             dev=dev_mode() or bool(state.get("dev_mode")),
             job_acl=os.environ.get("KC_REDIS_JOB_ACL", "1") != "0",
         )
-
-    def env(self) -> dict[str, str]:
-        """Environment that hands these settings to child processes."""
-        out = {"KC_REDIS_PREFIX": self.redis_prefix, "KC_API_URL": self.api_url}
-        if self.redis_url:
-            out["KC_REDIS_URL"] = self.redis_url
-        if self.ray_address:
-            out["KC_RAY_ADDRESS"] = self.ray_address
-        if self.signing_key_file:
-            out["KC_SIGNING_KEY_FILE"] = self.signing_key_file
-        if self.dev:
-            out["KC_DEV_MODE"] = "1"
-        if not self.job_acl:
-            out["KC_REDIS_JOB_ACL"] = "0"
-        q = self.quarantine
-        out.update({"KC_QUARANTINE_FAILURES": str(q.failures),
-                    "KC_QUARANTINE_WINDOW_S": str(q.window_s), "KC_QUARANTINE_S": str(q.duration_s)})
-        return out

@@ -182,13 +182,12 @@ def topology_probe(size_mb: Annotated[float, typer.Option(help="Payload per tran
     from kuangchao.platform.cluster.probe import measure
     from kuangchao.platform.cluster.registry import nodes_from_ray
     from kuangchao.platform.jobs.store import JobStore
-    from kuangchao.platform.settings import RAY_NAMESPACE
+    from kuangchao.platform.runtime.ray_connect import connect
 
     settings = Settings.from_env()
     try:
         store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
-        ray.init(address=settings.ray_address or "auto", namespace=RAY_NAMESPACE,
-                 log_to_driver=False, logging_level="ERROR")
+        connect(settings.ray_address)
     except KuangchaoError as exc:
         fail(exc.message)
     except ConnectionError as exc:

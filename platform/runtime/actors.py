@@ -11,12 +11,14 @@ node when one is labelled `kc.io/role=head`:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
 import secrets
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -28,6 +30,7 @@ from kuangchao.platform.jobs.claims import LAUNCHING, claim
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability.logjson import use_json_logs
 from kuangchao.platform.runtime.authority_actor import TokenAuthorityActor
+from kuangchao.platform.runtime.ray_connect import CONTROL_RESOURCE
 from kuangchao.platform.scheduling.orphans import RECONCILE_S, OrphanCheck
 from kuangchao.platform.scheduling.scheduler import Scheduler
 from kuangchao.platform.security.authority import AUTHORITY_NAME, load_signing_key
@@ -45,6 +48,10 @@ CONTROL_RESTARTS = 10
 def _control_options(name: str) -> dict[str, Any]:
     opts: dict[str, Any] = {"name": name, "namespace": RAY_NAMESPACE, "lifetime": "detached",
                             "num_cpus": 0, "max_concurrency": 8}
+    if ray.cluster_resources().get(CONTROL_RESOURCE):
+        # A Ray cluster started without kuangchao's head (a plain `ray start`
+        # under `kc train`) has none; there the head affinity alone places them.
+        opts["resources"] = {CONTROL_RESOURCE: 1}
     head = head_node_id(ray.nodes())
     if head:
         # Hard affinity: Ray does not reliably honour a soft one for detached
@@ -155,16 +162,24 @@ def start_control_plane(settings: Settings) -> None:
         ClusterError: Without a usable signing key outside dev mode (checked
             here first, so the message is not lost in an actor's failure).
     """
-    load_signing_key(settings.signing_key_file, settings.dev)
+    load_signing_key(settings.signing_key_file, settings.dev, settings.signing_key_pem)
+    # The key travels to the authority alone, as its creation argument (kept by
+    # Ray's GCS for restarts, shown by no state API), never through a raylet's
+    # environment or a file on the head that every worker there could read.
+    pem = settings.signing_key_pem
+    if pem is None and settings.signing_key_file:
+        pem = Path(settings.signing_key_file).expanduser().read_text()
+    keyless = dataclasses.replace(settings, signing_key_pem=None)
     restart = {"max_restarts": CONTROL_RESTARTS, "max_task_retries": CONTROL_RESTARTS}
     registry = ray.remote(RegistryActor).options(
-        **_control_options(REGISTRY_NAME), **restart, get_if_exists=True).remote(settings)
+        **_control_options(REGISTRY_NAME), **restart, get_if_exists=True).remote(keyless)
     ray.get(registry.snapshot.remote(), timeout=120)
     authority = ray.remote(TokenAuthorityActor).options(
-        **_control_options(AUTHORITY_NAME), **restart, get_if_exists=True).remote(settings)
+        **_control_options(AUTHORITY_NAME), **restart, get_if_exists=True).remote(
+            dataclasses.replace(settings, signing_key_pem=pem))
     ray.get(authority.info.remote(), timeout=120)
     scheduler = ray.remote(SchedulerService).options(
-        **_control_options(SCHEDULER_NAME), **restart, get_if_exists=True).remote(settings)
+        **_control_options(SCHEDULER_NAME), **restart, get_if_exists=True).remote(keyless)
     ray.get(scheduler.info.remote(), timeout=120)
 
 

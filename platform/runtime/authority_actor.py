@@ -49,7 +49,8 @@ class TokenAuthorityActor:
         use_json_logs("authority")
         store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
         key, self.key_source = ((generate_key(), "ephemeral") if ephemeral else
-                                load_signing_key(settings.signing_key_file, settings.dev))
+                                load_signing_key(settings.signing_key_file, settings.dev,
+                                                 settings.signing_key_pem))
         self.authority = TokenAuthority(store, key, AuditLog(store, audit_file()),
                                         settings.redis_url, job_acl=settings.job_acl)
         self.store = store

@@ -114,17 +114,16 @@ def run(opts: BootstrapOptions, settings: Settings, log: Callable[[str], None] =
     Raises:
         ClusterError: Bad configuration, or Ray unreachable.
     """
-    import ray
 
     from kuangchao.platform.runtime.actors import start_control_plane, wait_for_nodes
+    from kuangchao.platform.runtime.ray_connect import connect
 
     check(settings)
     store = JobStore.from_url(settings.redis_url, settings.redis_prefix)  # fails fast, clearly
     log(f"redis      {redact(settings.redis_url)} (prefix {settings.redis_prefix})")
     prepare(store, opts, log)
     try:
-        ray.init(address=settings.ray_address, namespace=RAY_NAMESPACE, log_to_driver=False,
-                 logging_level="ERROR")
+        connect(settings.ray_address)
     except ConnectionError as exc:
         raise ClusterError(f"cannot connect to Ray at {settings.ray_address} ({exc}); check "
                            "--address and that the head is up") from None

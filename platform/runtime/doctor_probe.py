@@ -30,7 +30,6 @@ from kuangchao.platform.runtime.doctor import (
 from kuangchao.platform.settings import (
     DEFAULT_API_PORT,
     DEFAULT_DASHBOARD_PORT,
-    RAY_NAMESPACE,
     Settings,
     kc_home,
     read_cluster_state,
@@ -114,14 +113,15 @@ def ray_facts(address: str | None, timeout_s: float = 60.0) -> tuple[dict[str, A
     """The cluster, and `node_facts` from every live node (with its clock skew)."""
     import ray
 
+    from kuangchao.platform.runtime.ray_connect import connect
+
     address = address or "auto"
     host, _, port = address.rpartition(":")
     if port.isdigit() and not procs.port_open(int(port), host or "127.0.0.1"):
         return {"address": address, "error": f"nothing listens on {address}"}, []
     try:
         if not ray.is_initialized():
-            ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False,
-                     logging_level="ERROR")
+            connect(address)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         return {"address": address, "error": str(exc).splitlines()[0]}, []
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -34,9 +34,10 @@ from kuangchao.platform.execution.controller import JobController
 from kuangchao.platform.jobs.state import JobState, PlacedRank, admit, cancel, fail
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.placement.solver import Infeasible, place, traffic_from_spec
+from kuangchao.platform.runtime.ray_connect import connect
 from kuangchao.platform.scheduling.policies import Snapshot, job_shape
 from kuangchao.platform.security.audit import AuditLog, AuditRecord
-from kuangchao.platform.settings import RAY_NAMESPACE, Settings, audit_file
+from kuangchao.platform.settings import Settings, audit_file
 from kuangchao.platform.spec.jobspec import validate_spec
 
 
@@ -44,8 +45,7 @@ def _connect_ray(settings: Settings) -> None:
     if ray.is_initialized():
         return
     try:
-        ray.init(address=settings.ray_address or "auto", namespace=RAY_NAMESPACE,
-                 log_to_driver=False, logging_level="ERROR")
+        connect(settings.ray_address)
     except ConnectionError as exc:
         raise ClusterError(f"cannot connect to Ray ({exc}); run `kc up`, or set RAY_ADDRESS "
                            "to a running cluster") from None

@@ -26,6 +26,12 @@ from kuangchao.platform.errors import ClusterError
 from kuangchao.platform.jobs.redis_client import connect, redact
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.runtime import procs
+from kuangchao.platform.runtime.ray_connect import (
+    CONTROL_CAPACITY,
+    CONTROL_RESOURCE,
+    RAY_TOKEN_NAME,
+    ray_token_env,
+)
 from kuangchao.platform.settings import (
     DEFAULT_API_PORT,
     DEFAULT_DASHBOARD_PORT,
@@ -39,6 +45,9 @@ from kuangchao.platform.settings import (
 from kuangchao.platform.spec.queues import QueueTable, load_queues
 
 OBJECT_STORE_BYTES = 128 * 1024 * 1024
+# What no raylet's environment may hold, whatever the shell that ran `kc up` had.
+SECRET_ENV = ("KC_REDIS_URL", "KC_REDIS_URL_FILE", "KC_SIGNING_KEY_FILE", "KC_ADMIN_KEY_FILE",
+              "KC_API_KEY", "KC_METRICS_TOKEN_FILE")
 # Every node of a local cluster runs on this one machine, so each of Ray's
 # per-node pollers sees all of it: the dashboard agent's reporter walks every
 # process on every tick, and the head's log monitor lists the session's log
@@ -58,7 +67,6 @@ class UpOptions:
     dashboard_port: int = DEFAULT_DASHBOARD_PORT
     ray_port: int | None = None
     redis_prefix: str | None = None
-    head_cpus: int = 2
     queues: Path | None = None
 
 
@@ -144,6 +152,12 @@ def _bootstrap_secrets(state: dict[str, Any], store: JobStore) -> None:
         path = home / "signing-key.pem"
         _write_private(path, private_pem(generate_key()).decode())
         state.update(signing_key_file=str(path), dev_mode=True)
+    # Ray's own token authentication: every raylet, driver and client of this
+    # stack presents it (RAY_AUTH_TOKEN_PATH), and nothing without it reaches
+    # the GCS or the job API. Kept out of ~/.ray/auth_token, which would turn
+    # token mode on for every other Ray cluster this user starts.
+    state["ray_token_file"] = str(home / RAY_TOKEN_NAME)
+    _write_private(home / RAY_TOKEN_NAME, secrets.token_hex(32) + "\n")
     state["metrics_token_file"] = str(home / "metrics-token")
     _write_private(home / "metrics-token", secrets.token_urlsafe(32) + "\n")
     key = KeyStore(store).bootstrap_admin()
@@ -203,14 +217,19 @@ def _start_redis(state: dict[str, Any], opts: UpOptions) -> None:
 
 
 def _ray_env(state: dict[str, Any], admin: bool = True) -> dict[str, str]:
-    """The environment of what `up` starts. Only the head's processes (the control
-    plane, drivers, the API) get the admin Redis URL; a worker node's raylet, and
-    so every rank on it, does not: ranks get their job's own Redis user."""
+    """The environment of what `up` starts. Only the processes `up` starts itself
+    (the control plane's starter, the API) get the admin Redis URL. No raylet
+    does, the head's included: every worker and driver a raylet spawns inherits
+    its environment, and a rank's code can pin a task to any node. Drivers on
+    this machine find the URL in `$KC_HOME/cluster.json`; ranks get their job's
+    own Redis user."""
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     env.update({k: v for k, v in RAY_QUIET.items() if k not in env})
-    env.pop("KC_REDIS_URL", None)
+    for secret in SECRET_ENV:
+        env.pop(secret, None)
+    env.update(ray_token_env(state))
     if admin:
         env["KC_REDIS_URL"] = state["redis_url"]
     env["KC_REDIS_PREFIX"] = state["redis_prefix"]
@@ -230,12 +249,15 @@ def _ray_start(args: list[str], env: dict[str, str], log_name: str) -> subproces
 
 
 def _start_ray(state: dict[str, Any], topo: ClusterTopology, opts: UpOptions) -> None:
-    env = _ray_env(state)
+    env = _ray_env(state, admin=False)
     port = opts.ray_port or procs.free_port()
     state.update(ray_port=port, ray_address=f"127.0.0.1:{port}",
                  dashboard_url=f"http://127.0.0.1:{opts.dashboard_port}")
+    # The head takes no user work: no CPUs or GPUs for ranks, tasks or drivers
+    # that ask for them, only the control plane's own resource.
     head = _ray_start(["--head", f"--port={port}", f"--temp-dir={state['temp_dir']}",
-                       f"--num-cpus={opts.head_cpus}", "--num-gpus=0",
+                       "--num-cpus=0", "--num-gpus=0",
+                       f"--resources={json.dumps({CONTROL_RESOURCE: CONTROL_CAPACITY})}",
                        f"--labels={LABEL_ROLE}=head", "--dashboard-host=127.0.0.1",
                        f"--dashboard-port={opts.dashboard_port}",
                        f"--ray-client-server-port={procs.free_port()}"], env, "ray-head.log")
@@ -270,10 +292,10 @@ def _start_control_plane(state: dict[str, Any], settings: Settings) -> None:
         "import json,sys,ray;from kuangchao.platform.settings import Settings;"
         "from kuangchao.platform.runtime.actors import start_control_plane, wait_for_nodes;"
         "from kuangchao.platform.errors import KuangchaoError;"
-        "s=Settings(**json.loads(sys.argv[1]));"
+        "s=Settings(**json.loads(sys.stdin.read()));"
         f"ray.init(address=s.ray_address, namespace={RAY_NAMESPACE!r}, log_to_driver=False,"
         "logging_level='ERROR');"
-        "wait_for_nodes(int(sys.argv[2]))\n"
+        "wait_for_nodes(int(sys.argv[1]))\n"
         "try:\n start_control_plane(s)\n"
         "except KuangchaoError as e:\n print(e.message, file=sys.stderr); sys.exit(2)"
     )
@@ -282,7 +304,9 @@ def _start_control_plane(state: dict[str, Any], settings: Settings) -> None:
                        "ray_address": settings.ray_address, "api_url": settings.api_url,
                        "signing_key_file": settings.signing_key_file, "dev": settings.dev,
                        "job_acl": settings.job_acl})
-    out = subprocess.run([sys.executable, "-c", code, args, str(topo_nodes)],
+    # The settings hold the admin Redis URL: through stdin, since any user of
+    # this machine can read a process's command line.
+    out = subprocess.run([sys.executable, "-c", code, str(topo_nodes)], input=args,
                          env=_ray_env(state), capture_output=True, text=True, timeout=300)
     if out.returncode == 2:  # a message for the user, e.g. no usable signing key
         raise ClusterError(f"control plane did not start: {out.stderr.strip()}")

@@ -65,8 +65,10 @@ _KNOWN_SEEDS = {bytes([b]) * 32 for b in range(256)} | {bytes.fromhex(
     "9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")}
 
 
-def load_signing_key(path: str | None, dev: bool) -> tuple[Ed25519PrivateKey, str]:
-    """The authority's key and where it came from.
+def load_signing_key(path: str | None, dev: bool,
+                     pem: str | None = None) -> tuple[Ed25519PrivateKey, str]:
+    """The authority's key and where it came from: `pem` when given (read from
+    `path` by whoever started the control plane), else the file at `path`.
 
     Raises:
         ClusterError: No key outside dev mode, an unreadable key, or a known
@@ -80,7 +82,7 @@ def load_signing_key(path: str | None, dev: bool) -> tuple[Ed25519PrivateKey, st
         raise ClusterError(f"no signing key for the token authority; {make}. Only the local dev "
                            "mode that `kc up` sets may run without one")
     try:
-        key = load_private(Path(path).expanduser().read_bytes())
+        key = load_private(pem.encode() if pem else Path(path).expanduser().read_bytes())
     except (OSError, ValueError, TypeError) as exc:
         raise ClusterError(f"cannot use the signing key {path}: {exc}; {make}") from None
     from cryptography.hazmat.primitives import serialization

@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from kuangchao.api.sdk.client import Client
+from kuangchao.platform.runtime.ray_connect import connect, ray_token_env
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -124,6 +125,9 @@ def shared_stack(tmp_path_factory) -> Iterator[Stack]:
     try:
         assert out.returncode == 0, f"kc up failed:\n{out.stdout}\n{out.stderr}"
         state = json.loads(out.stdout)
+        # The stack's Ray takes its token: `ray job submit`, drivers and the
+        # test's own connection present it as a user's shell would.
+        env.update(ray_token_env(state))
         # In-process helpers (Settings.from_env) must see the same stack.
         os.environ.update({k: env[k] for k in saved if k in env})
         yield Stack(env, state)
@@ -146,12 +150,13 @@ def connect_driver(stack: Stack) -> Iterator[Any]:
     `ray_driver` fixture of tests/conftest.py)."""
     import ray
 
-    ray.init(address=stack.state["ray_address"], namespace="kctest", log_to_driver=False,
-             logging_level="ERROR")
+    connect(stack.state["ray_address"], namespace="kctest")  # with the stack's Ray token
     try:
         yield ray
     finally:
         ray.shutdown()
+        for k in ray_token_env(stack.state):  # stacks of their own have tokens of their own
+            os.environ.pop(k, None)
 
 
 @contextmanager
