@@ -93,7 +93,7 @@ class ClusterCollector:
             zeros += m.zero_samples(m.JOBS_FINISHED, {"queue": queue})
             zeros += m.zero_samples(m.QUEUE_WAIT, {"queue": queue})
         for job in jobs:
-            samples += m.parse_hash(reads["jobs"][job.id])
+            samples += m.own_job_samples(m.parse_hash(reads["jobs"][job.id]), job.id)
             zeros += [z for d in m.JOB_RECORDED for z in m.zero_samples(d, {"job": job.id})]
         yield from recorded_families(m.merge(samples, zeros))
 

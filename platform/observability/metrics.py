@@ -14,8 +14,11 @@ Names start with `kc_` and carry their unit (`_seconds`, `_bytes`, `_total`,
   Prometheus finds those through the file_sd list the control plane writes
   (`platform/observability/scrape_targets.py`).
 
-Per-job series carry the label `job` (the kuangchao job id); Prometheus
-keeps it with `honor_labels: true` (deploy/prometheus/prometheus.yml).
+Per-job series carry the label `job` (the kuangchao job id). On the API's
+series Prometheus keeps it with `honor_labels: true`, and the API serves from a
+job's hash only that job's own series (`own_job_samples`); on a rank's, the
+label comes from service discovery, never from the rank
+(deploy/prometheus/prometheus.yml).
 
 Pure: the store hands recorders their write, and nothing here imports Redis or Ray.
 """
@@ -261,6 +264,23 @@ def parse_hash(raw: Mapping[Any, Any]) -> list[Sample]:
         except (ValueError, TypeError):
             continue
     return out
+
+
+def own_job_samples(samples: list[Sample], job_id: str) -> list[Sample]:
+    """The samples of job `job_id`'s own hash that may be served as its series.
+
+    The hash lives in the job's key space, which its ranks (the job's own
+    code) can write: what they put there is kept only when it is a per-job
+    metric (JOB_RECORDED) with exactly that metric's labels and this job's id,
+    so that no job can forge another's series or a control-plane one. Pure."""
+    allowed: dict[str, set[str]] = {}
+    for d in JOB_RECORDED:
+        names = ((f"{d.name}_bucket", f"{d.name}_sum", f"{d.name}_count")
+                 if d.kind == "histogram" else (d.name,))
+        for name in names:
+            allowed[name] = set(d.labels) | ({"le"} if name.endswith("_bucket") else set())
+    return [s for s in samples if s.labels.get("job") == job_id
+            and allowed.get(s.series) == set(s.labels) and math.isfinite(s.value)]
 
 
 def zero_samples(metric: MetricDef, fixed: Mapping[str, str] | None = None) -> list[Sample]:

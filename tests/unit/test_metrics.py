@@ -195,3 +195,21 @@ def test_the_timed_ddp_hook_averages_and_records(tmp_path):
         # joining its threads, so the reducer goes first.
         ddp = None
         dist.destroy_process_group()
+
+
+def test_a_jobs_hash_serves_only_its_own_per_job_series():
+    """The hash is in the job's key space, which its ranks can write: a rank that
+    records another job's restarts, or a control-plane series, is not served."""
+    fields = {}
+    fields.update(m.increments(m.RESTARTS, 1, {"job": "a", "cause": "node_lost"}))
+    fields.update(m.increments(m.CHECKPOINT_SAVE, 0.5, {"job": "a"}))
+    forged = {json.dumps(["kc_job_restarts_total", {"job": "b", "cause": "node_lost"}]): 7,
+              json.dumps(["kc_store_up", {"job": "a"}]): 0,
+              json.dumps(["kc_job_restarts_total", {"job": "a", "cause": "x", "tenant": "t"}]): 1,
+              json.dumps(["kc_job_resizes_total", {"job": "a"}]): "nan"}
+    kept = m.own_job_samples(m.parse_hash({**fields, **forged}), "a")
+    assert {s.series for s in kept} == {"kc_job_restarts_total", "kc_checkpoint_save_seconds_bucket",
+                                        "kc_checkpoint_save_seconds_sum",
+                                        "kc_checkpoint_save_seconds_count"}
+    assert all(s.labels["job"] == "a" and "tenant" not in s.labels for s in kept)
+    assert m.own_job_samples(m.parse_hash(fields), "b") == []
