@@ -10,6 +10,7 @@ workers gone; the watch brings a killed control-plane actor back.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ import pytest
 
 from kuangchao.api.sdk.client import ApiError, Client
 from kuangchao.platform.runtime import procs
+from kuangchao.platform.runtime.ray_connect import CONTROL_CAPACITY, CONTROL_RESOURCE
 from kuangchao.platform.security.apikeys import new_key
 from kuangchao.platform.security.tokens import generate_key, private_pem
 
@@ -95,20 +97,32 @@ def deployed(tmp_path_factory) -> Iterator[Deployed]:
                "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
         for k in ("KC_API_URL", "KC_DEV_MODE", "RAY_ADDRESS", "KC_RAY_ADDRESS", "KC_API_KEY"):
             env.pop(k, None)
-        head_env = {**env, "KC_REDIS_URL": url}  # the head runs drivers: it holds the admin URL
-        worker_env = {k: v for k, v in env.items() if k not in ("KC_SIGNING_KEY_FILE",
+        # Ray's token authentication, as compose and the chart turn it on: every
+        # raylet, driver and client presents the token.
+        env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": _write_private(
+            home / "ray-token", uuid.uuid4().hex + uuid.uuid4().hex)})
+        env.pop("RAY_AUTH_TOKEN", None)
+        # The control plane's starter and the API hold the admin URL and the keys;
+        # no raylet does, the head's included (its workers and drivers inherit its
+        # environment): drivers read the admin URL from a file, as on the chart's head.
+        admin_env = {**env, "KC_REDIS_URL": url}
+        raylet_env = {k: v for k, v in env.items() if k not in ("KC_SIGNING_KEY_FILE",
                                                                  "KC_ADMIN_KEY_FILE")}
+        head_env = {**raylet_env, "KC_REDIS_URL_FILE": _write_private(home / "redis-url", url)}
+        worker_env = raylet_env
         api_port = procs.free_port()
-        d = Deployed(home, head_env, f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}",
+        d = Deployed(home, admin_env, f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}",
                      f"http://127.0.0.1:{api_port}", key, temp_dir)
         try:
             d.raylet(lambda: [str(BIN / "ray"), "start", "--head", f"--port={port}",
-                              "--num-gpus=0", "--num-cpus=1", f"--temp-dir={temp_dir}",
+                              "--num-gpus=0", "--num-cpus=0",
+                              f"--resources={json.dumps({CONTROL_RESOURCE: CONTROL_CAPACITY})}",
+                              f"--temp-dir={temp_dir}",
                               "--labels=kc.io/role=head", "--dashboard-host=127.0.0.1",
                               f"--dashboard-port={dash}", f"--object-store-memory={STORE}",
                               f"--dashboard-agent-listen-port={procs.free_port()}",
                               f"--ray-client-server-port={procs.free_port()}",
-                              "--disable-usage-stats", "--block"], "head")
+                              "--disable-usage-stats", "--block"], "head", head_env)
             for i in range(2):
                 # One raylet at a time: raylets starting together on one machine race
                 # for local ports and time out (on separate hosts they do not).
@@ -121,7 +135,7 @@ def deployed(tmp_path_factory) -> Iterator[Deployed]:
             d.spawn([str(BIN / "kc"), "control-plane", "start", "--address", d.head,
                      "--wait-nodes", "3", "--watch", "1"], "control-plane")
             d.spawn([sys.executable, "-m", "kuangchao.api.server", "--port", str(api_port)],
-                    "api", {**head_env, "KC_RAY_ADDRESS": d.head})
+                    "api", {**admin_env, "KC_RAY_ADDRESS": d.head})
             wait_for(lambda: _answers(d.client), 240, "the API and the control plane")
             wait_for(lambda: len(d.client.nodes()["nodes"]) == 2, 120, "two registered nodes")
             yield d
