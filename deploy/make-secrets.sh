@@ -12,13 +12,15 @@
 #   admin-api-key           the bootstrap admin API key, kc_<16 hex>_<43 url-safe chars>
 #   metrics-token           the bearer token Prometheus sends to the API's /metrics
 #   grafana-admin-password  Grafana's `admin` password
+#   ray-token               Ray's authentication token (RAY_AUTH_MODE=token): every
+#                           raylet, the API and `ray job submit` present it
 #
 # Refuses to overwrite an existing secret unless --force: replacing them on a
 # running stack rotates every credential at once (see docs/operator-guide.md).
 set -euo pipefail
 
 FILES=(redis-password redis-users.acl signing-key.pem admin-api-key metrics-token
-       grafana-admin-password)
+       grafana-admin-password ray-token)
 
 usage() { echo "usage: $0 [--force] [DIR]" >&2; exit 2; }
 
@@ -74,6 +76,7 @@ openssl genpkey -algorithm ed25519 -out "$tmp/signing-key.pem" 2>/dev/null
 printf 'kc_%s_%s\n' "$(openssl rand -hex 8)" "$(b64url32)" >"$tmp/admin-api-key"
 printf '%s\n' "$(b64url32)" >"$tmp/metrics-token"
 printf '%s\n' "$(b64url32)" >"$tmp/grafana-admin-password"
+openssl rand -hex 32 >"$tmp/ray-token"
 
 for f in "${FILES[@]}"; do
   chmod 0600 "$tmp/$f"

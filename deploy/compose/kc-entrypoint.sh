@@ -14,6 +14,11 @@
 #    off from KC_CONTROL_PLANE_RETRY_S, default 5, to 60 s) whenever it exits
 #    while the head runs, and the container ends with the head, with the
 #    head's exit status.
+#    The command itself (the Ray head's raylet, whose environment every worker
+#    and driver on the head inherits) runs without the secrets: without
+#    KC_REDIS_URL, KC_REDIS_PASSWORD_FILE, KC_SIGNING_KEY_FILE and
+#    KC_ADMIN_KEY_FILE. With KC_REDIS_URL_FILE set, the admin URL is written
+#    there (mode 0600) for `ray job submit` drivers, which read it from the file.
 # 3. Otherwise the command replaces this script.
 set -euo pipefail
 
@@ -56,7 +61,11 @@ main_status() {
 # makes sure the loop below stops starting the control plane and waits.
 trap 'stopping=1; kill -TERM $main $cp 2>/dev/null || true' TERM INT
 
-"$@" &
+if [[ -n ${KC_REDIS_URL_FILE:-} && -n ${KC_REDIS_URL:-} ]]; then
+  mkdir -p "$(dirname "$KC_REDIS_URL_FILE")"
+  (umask 077 && printf '%s\n' "$KC_REDIS_URL" >"$KC_REDIS_URL_FILE")
+fi
+env -u KC_REDIS_URL -u KC_REDIS_PASSWORD_FILE -u KC_SIGNING_KEY_FILE -u KC_ADMIN_KEY_FILE "$@" &
 main=$!
 
 until (exec 3<>"/dev/tcp/${address%:*}/${address##*:}") 2>/dev/null; do

@@ -44,8 +44,10 @@ COMPOSE = yaml.safe_load(COMPOSE_FILE.read_text())
 SERVICES = COMPOSE["services"]
 SECRET_TARGET = "/run/kc-secrets"
 SECRET_FILES = ("redis-password", "redis-users.acl", "signing-key.pem", "admin-api-key",
-                "metrics-token", "grafana-admin-password")
+                "metrics-token", "grafana-admin-password", "ray-token")
 SECRETISH = re.compile(r"PASSWORD|SECRET|TOKEN|CREDENTIAL|(^|_)KEY(_|$)", re.I)
+# Ray's names for its token file (RAY_AUTH_TOKEN_PATH) and mode, not kuangchao's.
+RAY_AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/run/kc-secrets/ray-token"}
 
 
 @functools.cache
@@ -153,7 +155,9 @@ def test_no_plaintext_secret_in_the_compose_files():
         assert not re.fullmatch(r"[A-Za-z0-9+_-]{32,}={0,2}", s), f"{path}: looks like a key"
     for name, svc in SERVICES.items():
         for k, v in env_of(svc).items():
-            if SECRETISH.search(k):
+            if k in RAY_AUTH:
+                assert v == RAY_AUTH[k], f"{name}: {k}={v}"
+            elif SECRETISH.search(k):
                 assert k.endswith("_FILE"), f"{name}: {k} must name a file, not hold the secret"
                 assert v.startswith(SECRET_TARGET + "/"), f"{name}: {k}={v}"
         if name != "secrets-init":
@@ -206,8 +210,9 @@ def test_workers_carry_topology_labels_and_no_credentials():
     for name, svc in found.items():
         cmd = svc["command"]
         assert flag(cmd, "--leaf") and flag(cmd, "--address") == "ray-head:6379" and "--block" in cmd
-        assert not svc.get("secrets") and secret_dir(svc) is None, f"{name} gets secrets"
-        assert not any(SECRETISH.search(k) or "REDIS" in k for k in env_of(svc)), name
+        # Ray's token and nothing else: no Redis credential, no key.
+        assert not svc.get("secrets") and secret_dir(svc) == "ray-worker", f"{name} gets secrets"
+        assert env_of(svc) == RAY_AUTH, name
         assert {"source": "kc-checkpoints", "target": "/var/lib/kuangchao/checkpoints"}.items() <= \
             next(m for m in mounts(svc) if m["source"] == "kc-checkpoints").items()
     for name in ("ray-worker-0", "ray-worker-1"):
@@ -223,19 +228,23 @@ def test_workers_carry_topology_labels_and_no_credentials():
 
 def test_the_head_follows_the_deployment_contract():
     head = SERVICES["ray-head"]
-    assert head["command"] == ["ray", "start", "--head", "--port=6379", "--num-gpus=0",
+    # No CPUs or GPUs for user work; the control plane's own resource instead.
+    assert head["command"] == ["ray", "start", "--head", "--port=6379", "--num-cpus=0",
+                               "--num-gpus=0", '--resources={"kc_control_plane": 10000}',
                                "--labels=kc.io/role=head", "--dashboard-host=0.0.0.0",
                                "--dashboard-port=8265", "--metrics-export-port=8080", "--block"]
     env = env_of(head)
     assert env["KC_CONTROL_PLANE_ARGS"].split() == ["--address", "127.0.0.1:6379", "--watch", "30"]
     for k in ("KC_REDIS_PASSWORD_FILE", "KC_SIGNING_KEY_FILE", "KC_ADMIN_KEY_FILE"):
-        assert k in env
+        assert k in env  # for the bootstrap: kc-entrypoint.sh keeps them from the raylet
+    assert env["KC_REDIS_URL_FILE"].startswith("/tmp/") and RAY_AUTH.items() <= env.items()
     head_ckpt = [m["target"] for m in mounts(head) if m["source"] == "kc-checkpoints"]
     assert head_ckpt == ["/var/lib/kuangchao/checkpoints"]
     api = SERVICES["api"]
     assert api["command"] == ["python", "-m", "kuangchao.api.server", "--host", "0.0.0.0",
                               "--port", "8000"]
     assert {"KC_REDIS_PASSWORD_FILE", "KC_METRICS_TOKEN_FILE"} <= set(env_of(api))
+    assert RAY_AUTH.items() <= env_of(api).items()
     assert env_of(api)["KC_RAY_ADDRESS"] == "ray-head:6379"
     kc_services = [n for n, s in SERVICES.items() if s.get("image") == "${KC_IMAGE:-kuangchao:cpu}"]
     assert set(kc_services) == {"secrets-init", "ray-head", "ray-worker-0", "ray-worker-1", "api"}
@@ -376,6 +385,7 @@ def test_make_secrets_writes_every_secret_privately_and_well_formed(tmp_path):
     assert source == str(out / "signing-key.pem") and "BEGIN PRIVATE KEY" in s["signing-key.pem"]
     for f in ("metrics-token", "grafana-admin-password"):
         assert re.fullmatch(r"[A-Za-z0-9_-]{43}\n", s[f]), f
+    assert re.fullmatch(r"[0-9a-f]{64}\n", s["ray-token"])
     assert password not in run.stdout + run.stderr
 
 

@@ -380,6 +380,30 @@ def test_entrypoint_restarts_the_control_plane_and_ends_with_the_head(tmp_path, 
     assert "exited (7)" in out.stderr
 
 
+def test_the_head_runs_without_the_secrets_and_drivers_get_the_url_from_a_file(tmp_path, fake_gcs):
+    """The raylet's environment is every worker's and driver's on the head: it
+    holds no secret, only the path of the URL file drivers read."""
+    bindir = fake_kc(tmp_path, fail_first=False)
+    (tmp_path / "pw").write_text("feed\n")
+    url_file = tmp_path / "run" / "redis-url"
+    head = f"env > {tmp_path / 'head.env'}; sleep 2"
+    out = entry(["bash", "-c", head],
+                {"PATH": f"{bindir}:{os.environ['PATH']}", "KC_REDIS_PASSWORD_FILE": str(tmp_path / "pw"),
+                 "KC_SIGNING_KEY_FILE": "/run/kc-secrets/signing-key.pem",
+                 "KC_ADMIN_KEY_FILE": "/run/kc-secrets/admin-api-key",
+                 "KC_REDIS_URL_FILE": str(url_file),
+                 "KC_CONTROL_PLANE_ARGS": f"--address {fake_gcs} --watch 30"})
+    assert out.returncode == 0, out.stderr
+    names = {line.partition("=")[0] for line in (tmp_path / "head.env").read_text().splitlines()}
+    assert not names & {"KC_REDIS_URL", "KC_REDIS_PASSWORD_FILE", "KC_SIGNING_KEY_FILE",
+                        "KC_ADMIN_KEY_FILE"}, names
+    assert "KC_REDIS_URL_FILE" in names and "feed" not in (tmp_path / "head.env").read_text()
+    assert url_file.read_text() == "redis://kc-admin:feed@redis:6379/0\n"
+    assert url_file.stat().st_mode & 0o777 == 0o600
+    # The control plane still gets the URL (and the key files) it needs.
+    assert "url=redis://kc-admin:feed@redis:6379/0" in (tmp_path / "kc.log").read_text()
+
+
 def test_entrypoint_ends_with_the_head_while_the_control_plane_keeps_failing(tmp_path, fake_gcs):
     bindir = fake_kc(tmp_path, fail_first=False, fail_always=True)
     out = entry(["bash", "-c", "sleep 2.5; exit 4"],
