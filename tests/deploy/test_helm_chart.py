@@ -228,10 +228,11 @@ def kc_secrets(docs: list[dict]) -> dict[str, str]:
 
 def test_secrets_are_generated_random_and_well_formed(default_docs: list[dict]) -> None:
     first = kc_secrets(default_docs)
-    assert set(first) == {"signing-key.pem", "admin-key", "metrics-token", "password", "users.acl", "url"}
+    assert set(first) == {"signing-key.pem", "admin-key", "metrics-token", "ray-token", "password",
+                          "users.acl", "url"}
     assert all(v.strip() for v in first.values())
     second = kc_secrets(render())
-    for key in ("signing-key.pem", "admin-key", "metrics-token", "password"):
+    for key in ("signing-key.pem", "admin-key", "metrics-token", "ray-token", "password"):
         assert first[key] != second[key], f"{key} is a constant, not generated"
     # The formats the deploy contract asks for.
     key = ser.load_pem_private_key(first["signing-key.pem"].encode(), password=None)
@@ -245,7 +246,8 @@ def test_secrets_are_generated_random_and_well_formed(default_docs: list[dict]) 
 def test_values_yaml_holds_no_secret() -> None:
     text = (CHART / "values.yaml").read_text()
     values = yaml.safe_load(text)
-    assert values["secrets"] == {"existingSecret": "", "signingKey": "", "adminKey": "", "metricsToken": ""}
+    assert values["secrets"] == {"existingSecret": "", "signingKey": "", "adminKey": "", "metricsToken": "",
+                                 "rayToken": ""}
     assert values["redis"]["password"] == "" and values["redis"]["external"]["url"] == ""
     assert "PRIVATE KEY" not in text and not re.search(r"kc_[0-9a-f]{16}_", text)
     # Comments may show the URL's shape (USER:PASSWORD); the values themselves hold none.
@@ -289,7 +291,10 @@ def test_control_plane_sidecar_and_head(default_docs: list[dict]) -> None:
     rc = one(default_docs, "RayCluster")
     assert rc["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
     head_group = rc["spec"]["headGroupSpec"]
-    assert head_group["rayStartParams"] == {"num-gpus": "0", "dashboard-host": "0.0.0.0",
+    # The head takes no user work: no CPUs or GPUs, the control plane's resource.
+    assert head_group["rayStartParams"] == {"num-cpus": "0", "num-gpus": "0",
+                                            "resources": '"{\\"kc_control_plane\\": 10000}"',
+                                            "dashboard-host": "0.0.0.0",
                                             "metrics-export-port": "8080"}
     assert head_group["labels"] == {"kc.io/role": "head"}
     pod = head_group["template"]["spec"]
@@ -297,22 +302,30 @@ def test_control_plane_sidecar_and_head(default_docs: list[dict]) -> None:
     # `args`, not `command`: the image's entrypoint (tini) runs first.
     assert "command" not in head and "command" not in cp
     assert head["name"] == "ray-head" and head["args"][:3] == ["ray", "start", "--head"]
-    assert {"--labels=kc.io/role=head", "--num-gpus=0", "--metrics-export-port=8080", "--block"} <= set(
+    assert {"--labels=kc.io/role=head", "--num-cpus=0", "--num-gpus=0",
+            '--resources={"kc_control_plane": 10000}', "--metrics-export-port=8080", "--block"} <= set(
         head["args"])
     assert "kc control-plane start --address 127.0.0.1:6379 --watch 30" in cp["args"][-1]
     assert pod["shareProcessNamespace"] is True  # a Ray driver looks for the raylet's process
     volumes = {v["name"]: v for v in pod["volumes"]}
-    for container, names in ((head, {"KC_SIGNING_KEY_FILE"}),
-                             (cp, {"KC_SIGNING_KEY_FILE", "KC_ADMIN_KEY_FILE"})):
+    # Secrets as files, never variables: the raylet's environment is every worker's
+    # and driver's on the head, and the pod shares one process namespace.
+    for container, names in ((head, {"KC_REDIS_URL_FILE", "RAY_AUTH_TOKEN_PATH"}),
+                             (cp, {"KC_REDIS_URL_FILE", "RAY_AUTH_TOKEN_PATH", "KC_SIGNING_KEY_FILE",
+                                   "KC_ADMIN_KEY_FILE"})):
         env = env_of(container)
-        assert env["KC_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "kc-kuangchao-redis",
-                                                                    "key": "url"}
+        assert "KC_REDIS_URL" not in env and env["RAY_AUTH_MODE"]["value"] == "token"
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         for name in names:  # the file the variable names is where a Secret item lands
             folder, file = env[name]["value"].rsplit("/", 1)
             items = volumes[mounts[folder]]["secret"]["items"]
             assert [i["path"] for i in items] == [file]
-    assert "KC_ADMIN_KEY_FILE" not in env_of(head)
+        url = volumes[mounts[env["KC_REDIS_URL_FILE"]["value"].rsplit("/", 1)[0]]]["secret"]
+        assert url["secretName"] == "kc-kuangchao-redis" and url["items"][0]["key"] == "url"
+    # The signing key is not in the head container at all: the authority gets it
+    # from the control-plane container, as its creation argument.
+    assert "KC_ADMIN_KEY_FILE" not in env_of(head) and "KC_SIGNING_KEY_FILE" not in env_of(head)
+    assert "signing-key" not in {m["name"] for m in head["volumeMounts"]}
 
 
 def test_api_deployment(default_docs: list[dict], gpu_docs: list[dict]) -> None:
@@ -357,9 +370,10 @@ def test_external_redis_renders_no_redis_and_reaches_api_and_head(gpu_docs: list
                        {"name": "kc-kuangchao-redis", "key": "url"})):
         assert not find(docs, "StatefulSet") and not find(docs, "NetworkPolicy", "-redis")
         pods = pod_specs(docs)
-        for name in ("kc-kuangchao-api", "ray-head"):
-            for c in pods[name]["spec"]["containers"]:
-                assert env_of(c)["KC_REDIS_URL"]["valueFrom"]["secretKeyRef"] == ref, (name, c["name"])
+        for c in pods["kc-kuangchao-api"]["spec"]["containers"]:
+            assert env_of(c)["KC_REDIS_URL"]["valueFrom"]["secretKeyRef"] == ref
+        url = next(v["secret"] for v in pods["ray-head"]["spec"]["volumes"] if v["name"] == "redis-url")
+        assert {"name": url["secretName"], "key": url["items"][0]["key"]} == ref
         # Workers get no admin Redis URL: ranks use the per-job users the authority mints.
         assert all("KC_REDIS_URL" not in env_of(c) for n, p in pods.items() if n.startswith("ray-worker")
                    for c in p["spec"]["containers"])
@@ -529,3 +543,23 @@ def test_every_container_is_unprivileged(default_docs: list[dict], gpu_docs: lis
         if autoscaler:
             assert autoscaler["securityContext"]["allowPrivilegeEscalation"] is False
             assert autoscaler["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_every_ray_process_presents_rays_token(default_docs: list[dict]) -> None:
+    """RAY_AUTH_MODE=token on every container that runs or calls Ray, the token a
+    file from the chart's Secret (key ray-token)."""
+    pods = pod_specs(default_docs)
+    checked = 0
+    for name, pod in pods.items():
+        if not (name.startswith("ray-") or name == "kc-kuangchao-api"):
+            continue
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+        for c in pod["spec"]["containers"]:
+            env = env_of(c)
+            assert env["RAY_AUTH_MODE"]["value"] == "token", (name, c["name"])
+            folder, file = env["RAY_AUTH_TOKEN_PATH"]["value"].rsplit("/", 1)
+            mount = next(m for m in c["volumeMounts"] if m["mountPath"] == folder)
+            item = volumes[mount["name"]]["secret"]["items"]
+            assert item == [{"key": "ray-token", "path": file}] and "RAY_AUTH_TOKEN" not in env
+            checked += 1
+    assert checked >= 4  # head, control plane, a worker group, the API

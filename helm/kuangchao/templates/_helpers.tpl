@@ -120,6 +120,7 @@ nothing in `helm template`/lint), else a fresh one.
 {{- $genAdmin := printf "kc_%s_%s" (randAlphaNum 32 | sha256sum | trunc 16) (randAlphaNum 43) }}
 {{- $_ = set $s "adminKey" (.Values.secrets.adminKey | default (get $old "admin-key" | b64dec) | default $genAdmin) }}
 {{- $_ = set $s "metricsToken" (.Values.secrets.metricsToken | default (get $old "metrics-token" | b64dec) | default (randAlphaNum 48)) }}
+{{- $_ = set $s "rayToken" (.Values.secrets.rayToken | default (get $old "ray-token" | b64dec) | default (randAlphaNum 48)) }}
 {{- $_ = set $s "redisPassword" (.Values.redis.password | default (get $oldRedis "password" | b64dec) | default (randAlphaNum 32)) }}
 {{- $_ = set .Values "__kcSecrets" $s }}
 {{- end }}
@@ -190,8 +191,8 @@ seccompProfile:
 {{- if and .Values.redis.external.url .Values.redis.external.existingSecret }}
 {{- fail "redis.external: set url or existingSecret, not both" }}
 {{- end }}
-{{- if and .Values.secrets.existingSecret (or .Values.secrets.signingKey .Values.secrets.adminKey .Values.secrets.metricsToken) }}
-{{- fail "secrets: with secrets.existingSecret, leave signingKey, adminKey and metricsToken empty (they live in that Secret)" }}
+{{- if and .Values.secrets.existingSecret (or .Values.secrets.signingKey .Values.secrets.adminKey .Values.secrets.metricsToken .Values.secrets.rayToken) }}
+{{- fail "secrets: with secrets.existingSecret, leave signingKey, adminKey, metricsToken and rayToken empty (they live in that Secret)" }}
 {{- end }}
 {{- $seen := dict }}
 {{- range $i, $g := .Values.ray.workerGroups }}
@@ -212,4 +213,33 @@ seccompProfile:
 {{- fail (printf "ray.workerGroups[%d] (%s): nvlink %q names %d GPUs but gpus is %d; list every GPU id once" $i $g.name $g.nvlink (len (splitList "." (replace "_" "." $g.nvlink))) (int $g.gpus)) }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+Ray's token authentication (RAY_AUTH_MODE=token), set on every container that
+runs or talks to Ray: the head, the control-plane container, the workers and
+the API. The chart sets the variables itself, not through KubeRay's
+authOptions, so that the containers KubeRay does not manage (the control
+plane's, the API's) present the same token, whatever the KubeRay version.
+The token is a file (key ray-token of the chart's Secret), not a variable.
+*/}}
+{{- define "kuangchao.rayAuthEnv" -}}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN_PATH
+  value: /etc/kuangchao/ray-auth/ray-token
+{{- end }}
+{{- define "kuangchao.rayAuthMount" -}}
+- name: ray-token
+  mountPath: /etc/kuangchao/ray-auth
+  readOnly: true
+{{- end }}
+{{- define "kuangchao.rayAuthVolume" -}}
+- name: ray-token
+  secret:
+    secretName: {{ include "kuangchao.secretName" . }}
+    defaultMode: 0440
+    items:
+      - key: ray-token
+        path: ray-token
 {{- end }}
