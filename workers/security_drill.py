@@ -14,7 +14,11 @@ What it tries, as the rank's own process and with what the rank was handed:
   tokens for the victim, for its controller, revoke the victim's tokens, with
   no credential and with a made-up one, and renew a token it does not hold;
 - Redis, as the job's own ACL user: the control plane's credential, the API
-  key records, the victim's record and its cancel flag.
+  key records, the victim's record and its cancel flag;
+- the head node, which Ray lets any code pin a task to: read the control
+  plane's secrets from the environment a task there inherits, and run work
+  that asks for a CPU there;
+- the victim's checkpoints, through a symlink planted in its own folder.
 """
 
 from __future__ import annotations
@@ -41,6 +45,62 @@ def _attempt(name: str, fn: Callable[[], Any]) -> dict[str, Any]:
     return {"attack": name, "refused": False, "detail": repr(out)[:300]}
 
 
+# What the head's environment must not hand a task pinned there.
+SECRET_ENV = ("KC_REDIS_URL", "KC_SIGNING_KEY_FILE", "KC_ADMIN_KEY_FILE", "KC_API_KEY",
+              "KC_REDIS_PASSWORD_FILE")
+
+
+def _environ_names() -> list[str]:
+    import os
+
+    return sorted(os.environ)
+
+
+def _on_head(**options: Any) -> Any:
+    """`_environ_names` as a task pinned to the head, hard, with `options`."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from kuangchao.platform.cluster.registry import head_node_id
+
+    head = head_node_id(ray.nodes())
+    if head is None:
+        raise LookupError("no node is labelled the head")
+    return ray.remote(_environ_names).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False), **options).remote()
+
+
+def _head_secrets() -> list[str]:
+    found = [n for n in ray.get(_on_head(num_cpus=0), timeout=120) if n in SECRET_ENV]
+    if not found:
+        raise LookupError("the head's environment holds none of " + ", ".join(SECRET_ENV))
+    return found
+
+
+def _cpu_on_head() -> Any:
+    ref = _on_head(num_cpus=1)
+    try:
+        return ray.get(ref, timeout=10)  # only a head with CPUs for user work answers
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError("no CPU on the head for user work: the task was never scheduled") \
+            from None
+    finally:
+        ray.cancel(ref, force=True)
+
+
+def _through_symlink(ctx: TrainContext, victim: str) -> Any:
+    from kuangchao.platform.protocol import checkpoint as protocol
+
+    link = ctx.checkpoint.dir / "step-00000001-drill"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.unlink(missing_ok=True)
+    link.symlink_to(protocol.job_dir(ctx.checkpoint.root, victim), target_is_directory=True)
+    model = torch.nn.Linear(1, 1)
+    try:
+        return ctx.checkpoint.load(link, model, torch.optim.SGD(model.parameters(), lr=0.0))
+    finally:
+        link.unlink(missing_ok=True)
+
+
 def attacks(ctx: TrainContext, victim: str) -> list[tuple[str, Callable[[], Any]]]:
     authority = ray.get_actor(AUTHORITY_NAME, namespace=RAY_NAMESPACE)
     guess = secrets.token_urlsafe(32)
@@ -64,6 +124,10 @@ def attacks(ctx: TrainContext, victim: str) -> list[tuple[str, Callable[[], Any]
         ("redis: read the API key records", lambda: store.api_key_records()),
         ("redis: read the victim's record", lambda: store.get(victim)),
         ("redis: cancel the victim", lambda: store.request_cancel(victim)),
+        ("head: read the control plane's secrets from a task pinned there", _head_secrets),
+        ("head: run a task that asks for a CPU there", _cpu_on_head),
+        ("checkpoint: load the victim's folder through a symlink in its own",
+         lambda: _through_symlink(ctx, victim)),
     ]
 
 

@@ -1,8 +1,9 @@
 """The code of a job's ranks, against the live stack: a custom entrypoint
 (kuangchao.workers.security_drill) that tries, from inside the Ray cluster and
 with the credentials its ranks were handed, to mint or revoke another job's
-tokens and to read the control plane's secrets or another job's keys. Each
-attempt is refused, audited, and the victim trains on untouched."""
+tokens, to read the control plane's secrets or another job's keys, to take the
+head's secrets or CPUs, and to reach another job's checkpoints through a
+symlink. Each attempt is refused, audited, and the victim trains on untouched."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .conftest import assert_untouched
 pytestmark = pytest.mark.integration
 
 DRILL = "kuangchao.workers.security_drill:train"
-ATTACKS = 9  # workers/security_drill.py tries this many
+ATTACKS = 12  # workers/security_drill.py tries this many
 
 
 def test_a_ranks_code_cannot_mint_revoke_or_read_beyond_its_job(stack, attacker, victim):
@@ -40,6 +41,14 @@ def test_a_ranks_code_cannot_mint_revoke_or_read_beyond_its_job(stack, attacker,
         assert "control plane's alone" in tried[name]["detail"], tried[name]
     assert "NOPERM" in tried["redis: read the control plane's credential"]["detail"].upper() \
         or "permission" in tried["redis: read the control plane's credential"]["detail"].lower()
+    # The head gave a task pinned there no secret and no CPU; the planted
+    # symlink was refused as one, not for want of a checkpoint.
+    assert "holds none of" in tried["head: read the control plane's secrets from a task pinned "
+                                     "there"]["detail"]
+    cpu = tried["head: run a task that asks for a CPU there"]["detail"]
+    assert "TaskUnschedulableError" in cpu or "never scheduled" in cpu, cpu
+    assert "symlink" in tried["checkpoint: load the victim's folder through a symlink in its "
+                              "own"]["detail"]
     refused = wait_for(lambda: [r for r in stack.client.audit(since=t0, action="deny")
                                 if r["action"].startswith("authority.")], 30,
                        "the authority's refusals in the audit trail")
