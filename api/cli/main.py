@@ -228,6 +228,9 @@ def node_join(address: Annotated[str, typer.Option(help="Ray head address, host:
     import socket
 
     from kuangchao.platform.cluster.nodejoin import JoinOptions, join
+    from kuangchao.platform.runtime.ray_connect import use_cluster_token
+
+    use_cluster_token(address)  # joining the local stack: its Ray token (a deployment sets its own)
 
     try:
         node = join(JoinOptions(address=address, name=name or socket.gethostname(), leaf=leaf,

@@ -178,7 +178,7 @@ def port_facts(state: dict[str, Any] | None) -> list[dict[str, Any]]:
         dash = (state.get("dashboard_url") or "").rsplit(":", 1)[-1]
         if dash.isdigit():
             out.append({"what": "Ray dashboard", "port": int(dash), "flag": "--dashboard-port",
-                        "ours": _answers(f"http://127.0.0.1:{dash}/api/version")})
+                        "ours": _answers(f"http://127.0.0.1:{dash}/api/gcs_healthz")})
         return out
     return [{"what": what, "port": port, "flag": flag, "open": procs.port_open(port)}
             for what, port, flag in (("API", DEFAULT_API_PORT, "--api-port"),

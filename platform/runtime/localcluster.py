@@ -282,7 +282,8 @@ def _start_ray(state: dict[str, Any], topo: ClusterTopology, opts: UpOptions) ->
                                f"{kc_home()}/logs/ray-{node.name}.log")
     _log(f"ray        {state['ray_address']} (head + {len(topo.nodes)} node(s), "
          f"{topo.total_gpus} GPUs)")
-    _log(f"dashboard  {state['dashboard_url']}")
+    _log(f"dashboard  {state['dashboard_url']} (Ray's token auth: `export RAY_AUTH_MODE=token "
+         f"RAY_AUTH_TOKEN_PATH={state['ray_token_file']}` before `ray job submit`)")
 
 
 def _start_control_plane(state: dict[str, Any], settings: Settings) -> None:

@@ -80,7 +80,8 @@ def test_a_revoked_token_stops_the_ranks_collectives(stack, ray_driver):
     admin = redis.Redis.from_url(shared_redis_url() or stack.state["redis_url"], decode_responses=True)
     credential = admin.get(stack.env["KC_REDIS_PREFIX"] + "auth:control")
     assert credential
-    assert ray_driver.get(authority.revoke_job.remote(credential, jid, "revoked by the test")) == 2
+    # Two ranks, three tokens each: trainer, data_loader and monitor.
+    assert ray_driver.get(authority.revoke_job.remote(credential, jid, "revoked by the test")) == 6
     job = stack.wait_state(jid, {"FAILED", "SUCCEEDED", "CANCELLED"}, timeout=120)
     # The ranks' own Redis user went with the tokens, so the controller (not the
     # ranks) records why; the audit trail has the revocation.
