@@ -18,7 +18,9 @@ What it tries, as the rank's own process and with what the rank was handed:
 - the head node, which Ray lets any code pin a task to: read the control
   plane's secrets from the environment a task there inherits, and run work
   that asks for a CPU there;
-- the victim's checkpoints, through a symlink planted in its own folder.
+- the victim's checkpoints, through a symlink planted in its own folder;
+- the scheduler and the victim's controller, named actors any code may call:
+  stop the scheduling loop, run the victim's controller a second time.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import torch
 from kuangchao.platform.security.authority import AUTHORITY_NAME
 from kuangchao.platform.settings import RAY_NAMESPACE
 from kuangchao.workers.runtime.context import TrainContext
+
+SCHEDULER = "kc-scheduler"  # platform/runtime/actors.py, not imported: a rank need not load it
 
 
 def _attempt(name: str, fn: Callable[[], Any]) -> dict[str, Any]:
@@ -101,6 +105,16 @@ def _through_symlink(ctx: TrainContext, victim: str) -> Any:
         link.unlink(missing_ok=True)
 
 
+def _victims_controller(victim: str) -> Any:
+    """Run the victim's controller loop a second time (Ray lists named actors to anyone)."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"kc-job-{victim}-")]
+    if not names:
+        raise LookupError(f"no controller of {victim} is listed")
+    controller = ray.get_actor(names[0], namespace=RAY_NAMESPACE)
+    return ray.get(controller.run.remote(), timeout=60)
+
+
 def attacks(ctx: TrainContext, victim: str) -> list[tuple[str, Callable[[], Any]]]:
     authority = ray.get_actor(AUTHORITY_NAME, namespace=RAY_NAMESPACE)
     guess = secrets.token_urlsafe(32)
@@ -128,6 +142,11 @@ def attacks(ctx: TrainContext, victim: str) -> list[tuple[str, Callable[[], Any]
         ("head: run a task that asks for a CPU there", _cpu_on_head),
         ("checkpoint: load the victim's folder through a symlink in its own",
          lambda: _through_symlink(ctx, victim)),
+        ("scheduler: stop the scheduling loop",
+         lambda: ray.get(ray.get_actor(SCHEDULER, namespace=RAY_NAMESPACE).stop.remote(),
+                         timeout=60)),
+        ("controller: run the victim's controller a second time",
+         lambda: _victims_controller(victim)),
     ]
 
 

@@ -76,11 +76,18 @@ class JobControllerActor:
         name = ray.get_runtime_context().get_actor_name() or f"kc-job-{job_id}"
         use_json_logs("controller", job_id=job_id)
         self.controller = JobController(job_id, settings, name=name)
+        self._ran = False
         # What Ray and torch built at import is never garbage: moving it out of
         # the collector's sight keeps full collections short during heartbeat scans.
         gc.freeze()
 
     def run(self) -> str:
+        # Once per process: Ray lets any code call a named actor, and a second
+        # loop over the same job (a rank's code calling `run` again) would
+        # fight the first. Ray's restart of a dead controller is a new process.
+        if self._ran:
+            raise RuntimeError(f"{self.controller.job_id}: this controller already runs its job")
+        self._ran = True
         try:
             return self.controller.run()
         finally:
@@ -118,13 +125,12 @@ class SchedulerService:
         )
         self.cycles = 0
         self.orphans = OrphanCheck(self.store, self.settings, controller_exists)
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="kc-scheduler")
         self._thread.start()
 
     def _loop(self) -> None:
         next_reconcile = 0.0
-        while not self._stop.is_set():
+        while True:
             try:
                 self.scheduler.step()
                 self.cycles += 1
@@ -141,9 +147,8 @@ class SchedulerService:
 
     def info(self) -> dict[str, Any]:
         return {"cycles": self.cycles, "pid": os.getpid(), "redis_prefix": self.settings.redis_prefix}
-
-    def stop(self) -> None:
-        self._stop.set()
+    # No `stop`: any code in the cluster may call this actor, and the loop ends
+    # only with its process.
 
 
 def controller_exists(name: str) -> bool:

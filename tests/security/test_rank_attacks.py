@@ -18,7 +18,7 @@ from .conftest import assert_untouched
 pytestmark = pytest.mark.integration
 
 DRILL = "kuangchao.workers.security_drill:train"
-ATTACKS = 12  # workers/security_drill.py tries this many
+ATTACKS = 14  # workers/security_drill.py tries this many
 
 
 def test_a_ranks_code_cannot_mint_revoke_or_read_beyond_its_job(stack, attacker, victim):
@@ -49,6 +49,8 @@ def test_a_ranks_code_cannot_mint_revoke_or_read_beyond_its_job(stack, attacker,
     assert "TaskUnschedulableError" in cpu or "never scheduled" in cpu, cpu
     assert "symlink" in tried["checkpoint: load the victim's folder through a symlink in its "
                               "own"]["detail"]
+    assert "already runs its job" in tried["controller: run the victim's controller a second "
+                                          "time"]["detail"]
     refused = wait_for(lambda: [r for r in stack.client.audit(since=t0, action="deny")
                                 if r["action"].startswith("authority.")], 30,
                        "the authority's refusals in the audit trail")
