@@ -26,3 +26,15 @@ def job_with_two_checkpoints(tmp_path: Path):
 def truncate_a_shard(step_dir: Path) -> None:
     shard = next(p for p in sorted(step_dir.iterdir()) if p.suffix == ".distcp")
     shard.write_bytes(shard.read_bytes()[:10])
+
+
+def checkpoint_cli(*args: str):
+    """`kc checkpoint ARGS` in-process. A refusal must be a clean exit with a
+    message, never an exception escaping the command."""
+    from typer.testing import CliRunner
+
+    from kuangchao.api.cli.main import app
+
+    result = CliRunner().invoke(app, ["checkpoint", *args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result

@@ -9,22 +9,16 @@ import dataclasses
 import pytest
 
 from kuangchao.platform.errors import TokenError
-from kuangchao.platform.jobs.memory import MemoryStore
-from kuangchao.platform.jobs.state import JobRecord, JobState
-from kuangchao.platform.security.audit import AuditLog
-from kuangchao.platform.security.authority import TokenAuthority
-from kuangchao.platform.security.tokens import generate_key
+from kuangchao.platform.jobs.state import JobState
 from kuangchao.platform.spec.jobspec import JobSpec
+from tests.unit.authority_fakes import live_authority
 
 SPEC = {"permission": {"collectives": ["all_reduce"], "token_ttl_seconds": 600}}
 
 
 @pytest.fixture
 def auth(tmp_path):
-    store = MemoryStore()
-    store.create(JobRecord(id="job-a", name="a", spec=SPEC, state=JobState.RUNNING))
-    return TokenAuthority(store, generate_key(), AuditLog(store, tmp_path / "audit.jsonl"),
-                          admin_url=None, job_acl=False)
+    return live_authority(tmp_path, SPEC)
 
 
 def test_a_live_jobs_issued_token_renews_once(auth):

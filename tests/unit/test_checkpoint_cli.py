@@ -5,23 +5,18 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from kuangchao.api.cli.main import app
 from kuangchao.platform.errors import JobNotFound
 from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.jobs.store import JobStore
-from tests.checkpoint_folders import job_with_two_checkpoints, truncate_a_shard
+from tests.checkpoint_folders import checkpoint_cli, job_with_two_checkpoints, truncate_a_shard
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 
 def kc(*args: str):
-    result = CliRunner().invoke(app, ["checkpoint", *args])
-    # Bad input must end in a clean exit, never an exception escaping the command.
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result
+    return checkpoint_cli(*args)
 
 
 @pytest.fixture

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from kuangchao.api.cli.main import app
 from kuangchao.platform.protocol.checkpoint import MANIFEST, checksum_file
 from kuangchao.platform.security.tokens import Minter, Scope, generate_key, public_pem
 from kuangchao.workers.checkpoint import dcp_reader
@@ -23,16 +21,13 @@ from kuangchao.workers.checkpoint.manager import CheckpointManager
 from kuangchao.workers.checkpoint.paths import check_step_folder, leads_inside
 from kuangchao.workers.errors import CheckpointError
 from kuangchao.workers.runtime.credentials import GuardedCheckpoints, TokenHolder
-from tests.checkpoint_folders import job_with_two_checkpoints
+from tests.checkpoint_folders import checkpoint_cli, job_with_two_checkpoints
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def kc(*args: str):
-    result = CliRunner().invoke(app, ["checkpoint", *args])
-    # A refusal is a clean exit with a message, never an exception escaping the command.
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result
+    return checkpoint_cli(*args)
 
 
 @pytest.fixture

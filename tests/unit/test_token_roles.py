@@ -12,10 +12,7 @@ import numpy as np
 import pytest
 
 from kuangchao.platform.errors import TokenError
-from kuangchao.platform.jobs.memory import MemoryStore
-from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.protocol.interfaces import COLLECTIVES
-from kuangchao.platform.security.audit import AuditLog
 from kuangchao.platform.security.authority import RANK_MODULES, TokenAuthority
 from kuangchao.platform.security.tokens import (
     DATASET_READ,
@@ -34,6 +31,7 @@ from kuangchao.workers.runtime import telemetry
 from kuangchao.workers.runtime.credentials import TokenHolder
 from kuangchao.workers.runtime.telemetry import WorkerTelemetry
 from kuangchao.workers.runtime.worker import TrainWorker
+from tests.unit.authority_fakes import live_authority
 
 SPEC = {"permission": {"collectives": ["all_reduce", "broadcast", "all_gather"],
                        "token_ttl_seconds": 600}}
@@ -99,10 +97,7 @@ def test_only_a_data_loader_reads_the_dataset_and_only_a_monitor_the_metrics():
 
 @pytest.fixture
 def auth(tmp_path):
-    store = MemoryStore()
-    store.create(JobRecord(id="job-a", name="a", spec=SPEC, state=JobState.RUNNING))
-    return TokenAuthority(store, generate_key(), AuditLog(store, tmp_path / "audit.jsonl"),
-                          admin_url=None, job_acl=False)
+    return live_authority(tmp_path, SPEC)
 
 
 def test_each_rank_gets_a_data_loader_and_a_monitor_token_with_its_trainer_token(auth):
