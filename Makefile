@@ -86,9 +86,10 @@ fuzz: install
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy platform/spec/jobspec.py platform/jobs/state.py platform/scheduling/placement.py \
-		platform/scheduling/policies.py platform/cluster/topology.py platform/errors.py platform/scheduling/queues.py \
-		platform/scheduling/placement_score.py platform/scheduling/scheduler.py
+	$(VENV)/bin/mypy platform/spec/jobspec.py platform/jobs/state.py platform/placement/solver.py \
+		platform/scheduling/policies.py platform/cluster/topology.py platform/errors.py platform/spec/queues.py \
+		platform/placement/score.py platform/scheduling/scheduler.py platform/security/admission.py \
+		platform/security/tokens.py
 
 up: install
 	$(KC) up --cluster $(CLUSTER)

@@ -41,7 +41,7 @@ class Picklable:
                 self._init_args = (args, kw)
             init(self, *args, **kw)
 
-        cls.__init__ = recording_init  # type: ignore[misc]
+        cls.__init__ = recording_init  # type: ignore[method-assign]
 
     def __reduce__(self):
         args, kwargs = self.__dict__.get("_init_args", (getattr(self, "args", ()), {}))
