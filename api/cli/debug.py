@@ -25,6 +25,27 @@ Timeout = Annotated[float, typer.Option("--timeout", min=1, max=120,
 ProfileTimeout = Annotated[float, typer.Option("--timeout", min=1, max=3600,
                                                help="Seconds to wait for every rank's trace.")]
 MiB = 1024 * 1024
+# A trace is written by the job's code: unpacked in bounded chunks, never whole
+# in memory, and refused past this (a few steps trace to megabytes).
+MAX_TRACE_BYTES = 1 << 30
+
+
+def _write_trace(raw: bytes, path: Path) -> bool:
+    """Unpack gzip `raw` into `path`; False (and no file) if it is not gzip or too big."""
+    import io
+
+    total = 0
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(raw)) as src, open(path, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                total += len(chunk)
+                if total > MAX_TRACE_BYTES:
+                    raise ValueError("too big")
+                dst.write(chunk)
+    except (OSError, EOFError, ValueError):
+        path.unlink(missing_ok=True)
+        return False
+    return True
 
 
 def _done(report: dict[str, Any], as_json: bool, bad: bool) -> None:
@@ -133,9 +154,10 @@ def profile(job_id: str,
     for name in status["files"]:
         if not isinstance(name, str) or not _TRACE.fullmatch(name):  # never a path: a file name
             fail(f"profile {pid}: the server listed {name!r}, not a trace name (rankN.json.gz)", 1)
-        data = gzip.decompress(call(c.profile_file, job_id, pid, name))
         path = folder / name.removesuffix(".gz")
-        path.write_bytes(data)
+        if not _write_trace(call(c.profile_file, job_id, pid, name), path):
+            fail(f"profile {pid}: {name} unpacks to more than {MAX_TRACE_BYTES // MiB} MiB or is "
+                 "not gzip; a trace of a few steps is far smaller, so it was not written", 1)
         written.append(str(path))
     status["written"] = written
     errors = {r: a["error"] for r, a in status["ranks"].items() if a.get("error")}

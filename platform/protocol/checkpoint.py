@@ -158,11 +158,19 @@ def verify(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}/{MANIFEST} names checksum {algorithm!r}, not one this "
                               f"kuangchao knows {CHECKSUMS}")
     for name, meta in manifest["files"].items():
+        # The folder and its manifest are written by the job's code: a name
+        # must be a file of this folder, and a symlink (to another job's
+        # folder, to /etc) is never read through.
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
+            raise CheckpointError(f"{path}/{MANIFEST} lists {name!r}, which is not a file name "
+                                  "of the folder")
         f = path / name
         try:
             expected_bytes, expected_digest = meta["bytes"], meta[algorithm]
         except (KeyError, TypeError):
             raise CheckpointError(f"{path}/{MANIFEST} is malformed: bad entry for {name}") from None
+        if f.is_symlink():
+            raise CheckpointError(f"{path}: {name} is a symlink; a checkpoint holds plain files")
         if not f.is_file():
             raise CheckpointError(f"{path}: file {name} listed in the manifest is missing")
         size = f.stat().st_size

@@ -211,6 +211,29 @@ def test_a_manifest_naming_a_file_outside_the_folder_is_refused(job):
     assert out.exit_code == 2 and "not a file of the checkpoint folder" in out.stderr
 
 
+def test_verify_itself_reads_no_symlink_and_no_name_outside_the_folder(job, tmp_path):
+    """What a rank's resume verifies: the manifest's names and the files they lead to."""
+    from kuangchao.platform.protocol.checkpoint import verify
+
+    folder, _ = job
+    step = folder / "step_00000002"
+    verify(step)  # the real one verifies
+    shard = next(p for p in sorted(step.iterdir()) if p.suffix == ".distcp")
+    data = shard.read_bytes()
+    (tmp_path / "elsewhere").write_bytes(data)
+    shard.unlink()
+    shard.symlink_to(tmp_path / "elsewhere")  # same bytes, same digest: only the link is wrong
+    with pytest.raises(CheckpointError, match="is a symlink"):
+        verify(step)
+    shard.unlink()
+    shard.write_bytes(data)
+    manifest = json.loads((step / MANIFEST).read_text())
+    manifest["files"]["../step_00000001/.metadata"] = {"bytes": 1, "sha256": "0"}
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="not a file name of the folder"):
+        verify(step)
+
+
 # -- the rank's prefix check ------------------------------------------------------------
 
 @pytest.fixture
@@ -401,3 +424,19 @@ def test_the_api_serves_nothing_of_a_job_folder_that_is_a_symlink(api, tmp_path)
     (tmp_path / "real-job" / "profiles" / "0123456789ab" / "rank0.json.gz").write_text("x")
     job.symlink_to(tmp_path / "real-job")
     assert client.get(URL).status_code == 403
+
+
+def test_a_trace_that_unpacks_past_the_cap_is_not_written(tmp_path, monkeypatch):
+    """`kc profile` unpacks a job-written trace in bounded chunks, not whole in memory."""
+    import gzip
+
+    from kuangchao.api.cli import debug
+
+    monkeypatch.setattr(debug, "MAX_TRACE_BYTES", 4 << 20)
+    small, bomb = gzip.compress(b"{}" * 1000), gzip.compress(b"\0" * (8 << 20))
+    assert len(bomb) < 64 << 10  # megabytes from kilobytes: what a crafted file does
+    assert debug._write_trace(small, tmp_path / "rank0.json")
+    assert (tmp_path / "rank0.json").read_bytes() == b"{}" * 1000
+    assert not debug._write_trace(bomb, tmp_path / "rank1.json")
+    assert not (tmp_path / "rank1.json").exists()
+    assert not debug._write_trace(b"not gzip", tmp_path / "rank2.json")
