@@ -1,8 +1,10 @@
 """A user's own train function, run by kuangchao with `entrypoint: custom_train:train`.
 
 Submit it with the examples folder as the working directory, so every worker
-can import this module:
+can import this module (Ray's token authentication is on: present the token
+`kc up` wrote):
 
+    export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=~/.kuangchao/ray-token
     ray job submit --address http://127.0.0.1:8265 --working-dir examples -- \
         kc train --config custom-entrypoint.yaml
 """
