@@ -29,6 +29,7 @@ from kuangchao.api.cli.render import (
     print_plan,
     print_queues,
     progress_line,
+    terminal_safe,
 )
 from kuangchao.api.sdk.client import Client, load_file
 from kuangchao.platform.errors import KuangchaoError, SpecError
@@ -338,7 +339,11 @@ def train(config: Annotated[Path, typer.Option("--config", help="Job YAML.")], s
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except KuangchaoError as exc:  # a bad setting, read before a command's own handling
+        typer.echo(f"error: {terminal_safe(exc.message)}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,11 @@ def main(app: Any = None) -> None:
     args = parser.parse_args()
     from kuangchao.api.server.edge import max_body_bytes
     from kuangchao.platform.errors import KuangchaoError
+    from kuangchao.platform.settings import Settings
 
     try:  # a bad setting stops the server here, with its message, not at the first request
         max_body_bytes()
+        Settings.from_env()  # KC_REDIS_URL_FILE, when named, must be readable
     except KuangchaoError as exc:
         parser.exit(2, f"error: {exc.message}\n")
     if app is None:

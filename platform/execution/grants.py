@@ -21,9 +21,9 @@ log = logging.getLogger(__name__)
 
 def worker_settings(settings: Settings, grant: dict[str, Any]) -> Settings:
     """What a rank is handed: the job's Redis user instead of the admin's, and no
-    API key or signing-key path."""
+    API key, signing key or its path."""
     return dataclasses.replace(settings, redis_url=grant.get("redis_url") or settings.redis_url,
-                               api_key=None, signing_key_file=None)
+                               api_key=None, signing_key_file=None, signing_key_pem=None)
 
 
 class Credentials:

@@ -71,3 +71,15 @@ def test_place_exits_1_with_reason_when_the_job_cannot_fit(tmp_path):
              str(ROOT / "examples/cluster-2x4.yaml"), "--set", "parallel.data_parallel_size=9",
              tmp_home=tmp_path)
     assert out.returncode == 1 and "needs 9 GPUs, the cluster has 8" in out.stdout
+
+
+def test_an_unreadable_or_empty_redis_url_file_exits_2_naming_it(tmp_path):
+    """KC_REDIS_URL_FILE is read with the settings, before any command's own
+    handling: the message still says which setting to fix, and no traceback."""
+    for path, says in ((tmp_path / "absent", "cannot read KC_REDIS_URL_FILE"),
+                       (tmp_path / "empty", "is empty")):
+        if path.name == "empty":
+            path.write_text("\n")
+        out = kc("list", tmp_home=tmp_path, env_extra={"KC_REDIS_URL_FILE": str(path)})
+        assert out.returncode == 2 and says in out.stderr and str(path) in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
