@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.harness import BenchCluster, log
 from kuangchao.platform.cluster.topology import LABEL_LEAF, LABEL_NODE, NodeInfo, gpu_resource
-from kuangchao.platform.runtime import localcluster, procs
+from kuangchao.platform.runtime import procs, ray_nodes
 
 LEAF = "leaf-0"  # the leaf of every node `local_cluster` starts
 
@@ -112,9 +112,9 @@ def kill_node(node_id: str, with_workers: bool = False) -> float:
 
 def add_node(cluster: BenchCluster, name: str, cpus: int, gpus: int, leaf: str = LEAF,
              timeout_s: float = 120.0) -> tuple[str, float]:
-    """Start one more raylet like `localcluster._start_ray` starts each node.
+    """Start one more raylet like `ray_nodes.start_ray` starts each node.
 
-    Uses `localcluster._ray_start` itself, so the new raylet gets the same
+    Uses `ray_nodes.ray_start` itself, so the new raylet gets the same
     environment (Redis settings for kuangchao's actors), its own dashboard-agent
     port and the same object-store size. The node counts as joined when
     `ray.nodes()` first reports it alive (polled every 20 ms while `ray start`
@@ -133,10 +133,10 @@ def add_node(cluster: BenchCluster, name: str, cpus: int, gpus: int, leaf: str =
     labels = ",".join(f"{k}={v}" for k, v in info.labels().items())
     pinned = json.dumps({gpu_resource(g): 1 for g in range(gpus)})
     state = cluster.state
-    proc = localcluster._ray_start([f"--address={state['ray_address']}", f"--num-cpus={cpus}",
-                                    f"--num-gpus={gpus}", f"--labels={labels}",
-                                    f"--resources={pinned}"],
-                                   localcluster._ray_env(state), f"ray-{name}.log")
+    proc = ray_nodes.ray_start([f"--address={state['ray_address']}", f"--num-cpus={cpus}",
+                                f"--num-gpus={gpus}", f"--labels={labels}",
+                                f"--resources={pinned}"],
+                               ray_nodes.ray_env(state), f"ray-{name}.log")
     # Poll while `ray start` runs: the raylet registers (and schedulers may see
     # it) about a second before the `ray start` process gets round to exiting.
     deadline = time.monotonic() + timeout_s

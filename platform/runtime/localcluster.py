@@ -9,7 +9,6 @@ idempotent.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -21,17 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kuangchao.platform.cluster.topology import LABEL_ROLE, ClusterTopology, gpu_resource, load_topology
+from kuangchao.platform.cluster.topology import load_topology
 from kuangchao.platform.errors import ClusterError
 from kuangchao.platform.jobs.redis_client import connect, redact
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.runtime import procs
 from kuangchao.platform.runtime.ray_connect import (
-    CONTROL_CAPACITY,
-    CONTROL_RESOURCE,
     RAY_TOKEN_NAME,
-    ray_token_env,
 )
+from kuangchao.platform.runtime.ray_nodes import ray_env, start_ray
 from kuangchao.platform.settings import (
     DEFAULT_API_PORT,
     DEFAULT_DASHBOARD_PORT,
@@ -43,21 +40,6 @@ from kuangchao.platform.settings import (
     state_file,
 )
 from kuangchao.platform.spec.queues import QueueTable, load_queues
-
-OBJECT_STORE_BYTES = 128 * 1024 * 1024
-# What no raylet's environment may hold, whatever the shell that ran `kc up` had.
-SECRET_ENV = ("KC_REDIS_URL", "KC_REDIS_URL_FILE", "KC_SIGNING_KEY_FILE", "KC_ADMIN_KEY_FILE",
-              "KC_API_KEY", "KC_METRICS_TOKEN_FILE")
-# Every node of a local cluster runs on this one machine, so each of Ray's
-# per-node pollers sees all of it: the dashboard agent's reporter walks every
-# process on every tick, and the head's log monitor lists the session's log
-# folder ten times a second. Prometheus scrapes every 15 s, so a sample every
-# 15 s loses nothing, and new log files are found within 5 s; measured on an
-# idle 2-node stack, the log monitor then uses 0.16 CPU-s a minute, not 0.74,
-# and each dashboard agent two thirds of what it did. The shell's values win.
-RAY_QUIET = {"REPORTER_UPDATE_INTERVAL_MS": "15000",
-             "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "5"}
-BIN = Path(sys.executable).parent
 
 
 @dataclass(frozen=True)
@@ -92,8 +74,6 @@ def up(opts: UpOptions) -> dict[str, Any]:
         down()  # a stale record from a crashed run: clear it before starting anew
     topo = load_topology(opts.cluster)
     queues = load_queues(opts.queues) if opts.queues else QueueTable()
-    if opts.dashboard_port == 0:
-        opts = dataclasses.replace(opts, dashboard_port=procs.free_port())
     for port, what, flag in ((opts.api_port, "API", "--api-port"),
                              (opts.dashboard_port, "Ray dashboard", "--dashboard-port")):
         if port and procs.port_open(port):
@@ -107,7 +87,7 @@ def up(opts: UpOptions) -> dict[str, Any]:
         store = JobStore.from_url(state["redis_url"], state["redis_prefix"])
         store.set_info("queues", queues.to_json())
         _bootstrap_secrets(state, store)
-        _start_ray(state, topo, opts)
+        start_ray(state, topo, opts)
         _write_state(state)
         settings = _settings(state)
         _start_control_plane(state, settings)
@@ -216,76 +196,6 @@ def _start_redis(state: dict[str, Any], opts: UpOptions) -> None:
     _log(f"redis      redis://127.0.0.1:{port} (embedded Valkey, password in {state_file()})")
 
 
-def _ray_env(state: dict[str, Any], admin: bool = True) -> dict[str, str]:
-    """The environment of what `up` starts. Only the processes `up` starts itself
-    (the control plane's starter, the API) get the admin Redis URL. No raylet
-    does, the head's included: every worker and driver a raylet spawns inherits
-    its environment, and a rank's code can pin a task to any node. Drivers on
-    this machine find the URL in `$KC_HOME/cluster.json`; ranks get their job's
-    own Redis user."""
-    env = dict(os.environ)
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
-    env.update({k: v for k, v in RAY_QUIET.items() if k not in env})
-    for secret in SECRET_ENV:
-        env.pop(secret, None)
-    env.update(ray_token_env(state))
-    if admin:
-        env["KC_REDIS_URL"] = state["redis_url"]
-    env["KC_REDIS_PREFIX"] = state["redis_prefix"]
-    env["KC_HOME"] = str(kc_home())
-    return env
-
-
-def _ray_start(args: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen:
-    log = open(kc_home() / "logs" / log_name, "ab")
-    # Ray's dashboard agent listens on a fixed default port (52365); a second
-    # cluster on the same machine would lose its agent and with it job
-    # submission, so every raylet gets a port of its own.
-    return subprocess.Popen([str(BIN / "ray"), "start", *args, "--disable-usage-stats",
-                             f"--object-store-memory={OBJECT_STORE_BYTES}",
-                             f"--dashboard-agent-listen-port={procs.free_port()}"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
-def _start_ray(state: dict[str, Any], topo: ClusterTopology, opts: UpOptions) -> None:
-    env = _ray_env(state, admin=False)
-    port = opts.ray_port or procs.free_port()
-    state.update(ray_port=port, ray_address=f"127.0.0.1:{port}",
-                 dashboard_url=f"http://127.0.0.1:{opts.dashboard_port}")
-    # The head takes no user work: no CPUs or GPUs for ranks, tasks or drivers
-    # that ask for them, only the control plane's own resource.
-    head = _ray_start(["--head", f"--port={port}", f"--temp-dir={state['temp_dir']}",
-                       "--num-cpus=0", "--num-gpus=0",
-                       f"--resources={json.dumps({CONTROL_RESOURCE: CONTROL_CAPACITY})}",
-                       f"--labels={LABEL_ROLE}=head", "--dashboard-host=127.0.0.1",
-                       f"--dashboard-port={opts.dashboard_port}",
-                       f"--ray-client-server-port={procs.free_port()}"], env, "ray-head.log")
-    if head.wait(timeout=180) != 0:
-        raise ClusterError(f"`ray start --head` failed; see {kc_home()}/logs/ray-head.log")
-    # One raylet at a time: raylets started concurrently on one machine race
-    # for the same local ports and sockets and time out.
-    for node in topo.nodes:
-        labels = ",".join(f"{k}={v}" for k, v in node.labels().items())
-        pinned = json.dumps({gpu_resource(g): 1 for g in range(node.gpus)})
-        # Every node of this cluster writes its worker logs to the head's session
-        # folder, which the head's log monitor already forwards to drivers; a
-        # monitor per node would scan the same files again (and forward them
-        # twice), and on a small machine their polling is a good share of the CPU.
-        proc = _ray_start([f"--address=127.0.0.1:{port}", f"--num-cpus={int(node.cpus)}",
-                           f"--num-gpus={node.gpus}", f"--labels={labels}",
-                           f"--resources={pinned}", "--include-log-monitor=False"],
-                          _ray_env(state, admin=False),
-                          f"ray-{node.name}.log")
-        if proc.wait(timeout=300) != 0:
-            raise ClusterError(f"`ray start` for {node.name} failed; see "
-                               f"{kc_home()}/logs/ray-{node.name}.log")
-    _log(f"ray        {state['ray_address']} (head + {len(topo.nodes)} node(s), "
-         f"{topo.total_gpus} GPUs)")
-    _log(f"dashboard  {state['dashboard_url']} (Ray's token auth: `export RAY_AUTH_MODE=token "
-         f"RAY_AUTH_TOKEN_PATH={state['ray_token_file']}` before `ray job submit`)")
-
-
 def _start_control_plane(state: dict[str, Any], settings: Settings) -> None:
     # A child process connects as the Ray driver so that `kc up` itself keeps no
     # Ray state and can be run again safely.
@@ -308,7 +218,7 @@ def _start_control_plane(state: dict[str, Any], settings: Settings) -> None:
     # The settings hold the admin Redis URL: through stdin, since any user of
     # this machine can read a process's command line.
     out = subprocess.run([sys.executable, "-c", code, str(topo_nodes)], input=args,
-                         env=_ray_env(state), capture_output=True, text=True, timeout=300)
+                         env=ray_env(state), capture_output=True, text=True, timeout=300)
     if out.returncode == 2:  # a message for the user, e.g. no usable signing key
         raise ClusterError(f"control plane did not start: {out.stderr.strip()}")
     if out.returncode != 0:
@@ -319,7 +229,7 @@ def _start_control_plane(state: dict[str, Any], settings: Settings) -> None:
 def _start_api(state: dict[str, Any], settings: Settings, port: int) -> None:
     """Start the API server; with port 0, on a port chosen just before it binds
     (Ray's many processes take ports while the cluster starts)."""
-    env = _ray_env(state)
+    env = ray_env(state)
     env["KC_RAY_ADDRESS"] = state["ray_address"]
     env["KC_METRICS_TOKEN_FILE"] = state["metrics_token_file"]
     # The ranks' scrape targets for Prometheus's file_sd (docs/operator-guide.md).

@@ -3,17 +3,57 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import time
 from pathlib import Path
 
+# Ports below the kernel's ephemeral range and above Ray's worker ports
+# (10002-19999 by default). A port the kernel picks for a bind to 0 is one it
+# also hands to the next outgoing connection on the machine, so between the
+# check and the server's own bind any client socket may take it; in this band
+# only another server can.
+_BAND_LOW = 20000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 right now, for a server to bind soon.
+
+    Never the same port twice in one process, so that several ports picked
+    before any is bound (a Ray head wants four) are distinct."""
+    high = _ephemeral_low()
+    if high - _BAND_LOW > 1000:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(_BAND_LOW, high)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
+    while True:  # an odd port range: fall back on the kernel's choice
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
