@@ -105,12 +105,12 @@ def _start_head(state: dict[str, Any], opts: UpOptions) -> int:
         # The head takes no user work: no CPUs or GPUs for ranks, tasks or
         # drivers that ask for them, only the control plane's own resource.
         head = ray_start(["--head", f"--port={port}", f"--temp-dir={state['temp_dir']}",
-                           "--num-cpus=0", "--num-gpus=0",
-                           f"--resources={json.dumps({CONTROL_RESOURCE: CONTROL_CAPACITY})}",
-                           f"--labels={LABEL_ROLE}=head", "--dashboard-host=127.0.0.1",
-                           f"--dashboard-port={dashboard_port}",
-                           f"--ray-client-server-port={procs.free_port()}"],
-                          ray_env(state, admin=False), log.name)
+                          "--num-cpus=0", "--num-gpus=0",
+                          f"--resources={json.dumps({CONTROL_RESOURCE: CONTROL_CAPACITY})}",
+                          f"--labels={LABEL_ROLE}=head", "--dashboard-host=127.0.0.1",
+                          f"--dashboard-port={dashboard_port}",
+                          f"--ray-client-server-port={procs.free_port()}"],
+                         ray_env(state, admin=False), log.name)
         if head.wait(timeout=180) == 0:
             return port
         if attempt == tries:
@@ -136,10 +136,9 @@ def start_ray(state: dict[str, Any], topo: ClusterTopology, opts: UpOptions) -> 
         # monitor per node would scan the same files again (and forward them
         # twice), and on a small machine their polling is a good share of the CPU.
         proc = ray_start([f"--address=127.0.0.1:{port}", f"--num-cpus={int(node.cpus)}",
-                           f"--num-gpus={node.gpus}", f"--labels={labels}",
-                           f"--resources={pinned}", "--include-log-monitor=False"],
-                          ray_env(state, admin=False),
-                          f"ray-{node.name}.log")
+                          f"--num-gpus={node.gpus}", f"--labels={labels}",
+                          f"--resources={pinned}", "--include-log-monitor=False"],
+                         ray_env(state, admin=False), f"ray-{node.name}.log")
         if proc.wait(timeout=300) != 0:
             log = kc_home() / "logs" / f"ray-{node.name}.log"
             raise ClusterError(f"`ray start` for {node.name} failed; the end of {log}:"
