@@ -32,7 +32,7 @@ tools:
 $(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -c $(LOCK) -e ".[dev]"
+	$(PY) -m pip install -q -c $(LOCK) -e ".[dev,hf]"
 	touch $@
 
 # Resolve pyproject.toml's ranges again, in a fresh venv, and pin the result in
@@ -42,7 +42,7 @@ lock:
 	rm -rf $(LOCK_VENV)
 	$(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/pip install -q "torch==2.13.0"
-	$(LOCK_VENV)/bin/pip install -q -e ".[dev]"
+	$(LOCK_VENV)/bin/pip install -q -e ".[dev,hf]"
 	{ sed -n '1,2p' $(LOCK); \
 	  $(LOCK_VENV)/bin/pip freeze --exclude-editable | sed 's/+cpu$$//'; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK)

@@ -57,6 +57,14 @@ def read_credentials() -> dict[str, str]:
     return dict(parser["default"]) if parser.has_section("default") else {}
 
 
+def audit_roots() -> tuple[str, ...]:
+    """The folders a job's `permission.audit_log` may name (`KC_AUDIT_ROOT`, `:`-separated,
+    default `$KC_HOME/audit`)."""
+    from kuangchao.platform.security.admission import roots_from
+
+    return roots_from(os.environ.get("KC_AUDIT_ROOT"), (str(kc_home() / "audit"),))
+
+
 def audit_file() -> Path:
     """The audit trail's JSONL file (`KC_AUDIT_FILE`, default `$KC_HOME/audit/audit.jsonl`)."""
     return Path(os.environ.get("KC_AUDIT_FILE") or kc_home() / "audit" / "audit.jsonl").expanduser()

@@ -19,7 +19,8 @@ from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.planning import autoplan
 from kuangchao.platform.scheduling.plugins.snapshot import order_key
 from kuangchao.platform.security.admission import check_paths, check_request, limits_from_json
-from kuangchao.platform.settings import checkpoint_roots, data_roots, kc_home
+from kuangchao.platform.settings import audit_roots, checkpoint_roots, data_roots, kc_home
+from kuangchao.platform.spec.model_folder import check_model_folder
 from kuangchao.platform.spec.elastic import samples_seen
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
 from kuangchao.platform.spec.queues import QueueTable
@@ -61,7 +62,12 @@ def check_queue(store: JobStore, spec: JobSpec, role: str | None = None,
     if queue is None:
         raise SpecError([("task.queue", f"{spec.task.queue!r} is not a queue; known queues: "
                                         f"{', '.join(table.names)}")])
-    check_paths(spec.data.path, spec.checkpoint.path, data_roots(), checkpoint_roots())
+    m = spec.model
+    check_paths(spec.data.path, spec.checkpoint.path, data_roots(), checkpoint_roots(),
+                read_paths=(("model.checkpoint" if m.type == "llama" else "model.path", m.hf_folder),
+                            ("data.tokenizer", spec.data.tokenizer)),
+                audit_log=spec.permission.audit_log, audit_roots=audit_roots())
+    check_model_folder(spec)
     if role is not None:
         check_request(role, tenant, spec.task.priority_value, queue.tenants, queue.name,
                       spec.fault_tolerance.max_restarts,

@@ -59,7 +59,7 @@ from kuangchao.platform.cluster.topology import ClusterTopology, NodeInfo
 from kuangchao.platform.errors import SpecError
 from kuangchao.platform.planning.planner import plan
 from kuangchao.platform.planning.shapes import ClusterShape, ModelShape, Plan
-from kuangchao.platform.spec.jobspec import BUILTIN_MODELS, JobSpec, validate_spec
+from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
 from kuangchao.platform.spec.parallel import (
     DEFAULT_COLLECTIVES,
     expand_auto,
@@ -147,7 +147,7 @@ def layout_errors(spec: JobSpec, p: Plan) -> list[tuple[str, str]]:
     if builtin:
         if missing := sorted(trainer_collectives(par) - _allowed(spec, p.pp)):
             errs.append(("permission.collectives", f"the layout needs {', '.join(missing)}"))
-        if spec.model.type not in BUILTIN_MODELS and (p.tp > 1 or p.pp > 1):
+        if not spec.model.is_builtin and (p.tp > 1 or p.pp > 1):
             errs.append(("model.type", "a custom model runs without tensor or pipeline parallelism"))
         if spec.elastic.resize == "live" and par.hybrid:
             errs.append(("elastic.resize", "live resizes need plain data parallelism"))

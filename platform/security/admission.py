@@ -103,16 +103,23 @@ def under(path: str, roots: tuple[str, ...]) -> bool:
 
 
 def check_paths(data_path: str | None, checkpoint_path: str, data_roots: tuple[str, ...],
-                checkpoint_roots: tuple[str, ...]) -> None:
-    """Refuse a data or checkpoint path outside its roots, as written.
+                checkpoint_roots: tuple[str, ...], *, read_paths: tuple[tuple[str, str | None], ...] = (),
+                audit_log: str | None = None, audit_roots: tuple[str, ...] = ()) -> None:
+    """Refuse a data, model, checkpoint or audit path outside its roots, as written.
+
+    `read_paths` are more `(field, path)` pairs the job reads, held to the data roots
+    (a Hugging Face model's folder, a tokenizer). A glob in `data.path` is checked by
+    the folder it starts in.
 
     Raises:
         SpecError: Naming the field, the roots, and the setting that adds one.
     """
+    checks = [("data.path", _glob_base(data_path), data_roots, "KC_DATA_ROOTS"),
+              *((field, raw, data_roots, "KC_DATA_ROOTS") for field, raw in read_paths),
+              ("checkpoint.path", checkpoint_path, checkpoint_roots, "KC_CHECKPOINT_ROOTS"),
+              ("permission.audit_log", audit_log, audit_roots, "KC_AUDIT_ROOT")]
     errors = []
-    for field, raw, roots, setting in (
-            ("data.path", data_path, data_roots, "KC_DATA_ROOTS"),
-            ("checkpoint.path", checkpoint_path, checkpoint_roots, "KC_CHECKPOINT_ROOTS")):
+    for field, raw, roots, setting in checks:
         if raw is None:
             continue
         path = os.path.normpath(os.path.abspath(os.path.expanduser(raw)))
@@ -122,3 +129,11 @@ def check_paths(data_path: str | None, checkpoint_path: str, data_roots: tuple[s
                                   f"operator to add a root ({setting})"))
     if errors:
         raise SpecError(errors)
+
+
+def _glob_base(path: str | None) -> str | None:
+    """The part of a glob before its first wildcard's folder (`/d/*.jsonl` -> `/d`)."""
+    if path is None or not any(c in path for c in "*?["):
+        return path
+    head = path[:min(i for i in (path.find(c) for c in "*?[") if i >= 0)]
+    return os.path.dirname(head) or "."

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kuangchao.platform.errors import SpecError
 from kuangchao.platform.spec.elastic import ElasticRange, range_errors, range_from
+from kuangchao.platform.spec.model import BUILTIN_MODELS, IMPORT_REF, ModelSection, model_errors
 from kuangchao.platform.spec.parallel import (
     DEFAULT_COLLECTIVES,
     ParallelSection,
@@ -28,9 +29,7 @@ from kuangchao.platform.spec.parallel import (
     trainer_collectives,
 )
 
-BUILTIN_MODELS = ("gpt", "llama")
 PRIORITY_NAMES = {"high": 100, "normal": 50, "low": 10}
-_IMPORT_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 
 
@@ -49,24 +48,32 @@ class TaskSection(_Section):
         return PRIORITY_NAMES[self.priority] if isinstance(self.priority, str) else self.priority
 
 
-class ModelSection(_Section):
-    type: str = "gpt"
-    n_layers: int = Field(2, ge=1, le=512)
-    n_heads: int = Field(4, ge=1, le=512)
-    d_model: int = Field(128, ge=8, le=65536)
-    seq_len: int = Field(128, ge=2, le=131072)
-    vocab_size: int = Field(256, ge=2, le=1_000_000)
-    d_ff: int | None = Field(None, ge=1)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+DATA_FORMATS = ("text", "jsonl", "parquet", "chat")
 
 
 class DataSection(_Section):
     corpus: Literal["stdlib"] = "stdlib"
+    # A file, a folder or a glob (`/data/docs/*.jsonl`).
     path: str | None = None
+    # How `path` is read: None keeps the byte/token reader of the built-in models (a
+    # uint16 `.bin`, or text read as bytes); text, jsonl, parquet and chat are tokenized
+    # with the model's tokenizer (a Hugging Face model's, or `data.tokenizer`).
+    format: Literal["text", "jsonl", "parquet", "chat"] | None = None
+    # The text column of jsonl and parquet rows (chat rows carry `messages`).
+    field: str = Field("text", min_length=1, max_length=200)
+    # A tokenizer folder (tokenizer.json); default: the Hugging Face model's folder.
+    tokenizer: str | None = Field(None, min_length=1, max_length=4096)
+    # The share of documents held out for the eval loss (`training.eval_interval`).
+    eval_fraction: float = Field(0.0, ge=0.0, le=0.5)
     max_bytes: int = Field(4_000_000, ge=1024)
     prefetch: int = Field(2, ge=1, le=64)
     # Record every step's global sample indices in Redis (`kc samples`), to audit the sequence.
     record_samples: bool = False
+
+    @property
+    def tokenized(self) -> bool:
+        """Whether the data goes through a tokenizer (and the tokenized cache)."""
+        return self.format is not None
 
 
 class OptimizerSection(_Section):
@@ -88,6 +95,10 @@ class TrainingSection(_Section):
     torch_threads: int = Field(1, ge=1, le=256)
     # Run the model through torch.compile; falls back to eager with a warning where it fails.
     compile: bool = False
+    # Every this many steps, the loss on the held-out split (`data.eval_fraction`).
+    eval_interval: int | None = Field(None, ge=1)
+    # Micro-batches per rank each evaluation averages over.
+    eval_batches: int = Field(4, ge=1, le=10_000)
 
 
 class CheckpointSection(_Section):
@@ -134,11 +145,25 @@ class ElasticSection(_Section):
 
 class PermissionSection(_Section):
     # The collectives the job's capability tokens whitelist; any other is denied.
+    # `allowed_interfaces` (the design documents' name) is read as this field.
     collectives: list[str] = Field(
         default_factory=lambda: list(DEFAULT_COLLECTIVES)
     )
     # Tokens are renewed at 80% of this, so a stolen one is good for at most this long.
     token_ttl_seconds: int = Field(3600, ge=60, le=7 * 86400)
+    # A file that also gets this job's audit records; it must lie under the operator's
+    # audit root (KC_AUDIT_ROOT), which admission checks.
+    audit_log: str | None = Field(None, min_length=1, max_length=4096)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _alias(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "allowed_interfaces" in data:
+            if "collectives" in data:
+                raise ValueError("allowed_interfaces is another name for collectives; give one")
+            data = {**data, "collectives": data["allowed_interfaces"]}
+            del data["allowed_interfaces"]
+        return data
 
     @field_validator("collectives")
     @classmethod
@@ -198,21 +223,14 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
     """Rules that relate two fields; each error names the field to change."""
     errs: list[tuple[str, str]] = []
     m, p = spec.model, spec.parallel
-    if m.type not in BUILTIN_MODELS and not _IMPORT_REF.match(m.type):
-        errs.append((
-            "model.type",
-            f"{m.type!r} is not a built-in model; use one of {', '.join(BUILTIN_MODELS)} "
-            "or a custom factory as 'package.module:function'",
-        ))
-    if m.d_model % m.n_heads:
-        errs.append(("model.d_model", f"{m.d_model} is not divisible by model.n_heads ({m.n_heads})"))
-    if m.type == "llama" and m.d_model % m.n_heads == 0 and (m.d_model // m.n_heads) % 2:
-        errs.append(("model.d_model", f"llama needs an even head size for rotary embeddings; "
-                     f"{m.d_model} / model.n_heads ({m.n_heads}) is odd"))
-    errs.extend(parallel_errors(p, m.n_layers, m.n_heads, builtin_trainer=spec.entrypoint is None))
-    if spec.entrypoint is not None and not _IMPORT_REF.match(spec.entrypoint):
+    errs.extend(model_errors(m))
+    # A Hugging Face model's layers and heads are in its folder: checked at submission.
+    shape = (None, None) if m.is_hf else (m.n_layers, m.n_heads)
+    errs.extend(parallel_errors(p, *shape, builtin_trainer=spec.entrypoint is None))
+    if spec.entrypoint is not None and not IMPORT_REF.match(spec.entrypoint):
         errs.append(("entrypoint", f"{spec.entrypoint!r} is not of the form 'package.module:function'"))
     errs.extend(range_errors(spec.model_dump(mode="json")))
+    errs.extend(_data_errors(spec))
     if ".." in Path(spec.checkpoint.path).parts:
         errs.append(("checkpoint.path", f"{spec.checkpoint.path!r} contains '..'; give a path "
                                         "without it (absolute, or relative to $KC_HOME)"))
@@ -222,11 +240,11 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
         if needed:
             errs.append(("permission.collectives", f"the built-in trainer needs {', '.join(needed)} "
                                                    "for this layout; add them, or run your own entrypoint"))
-        custom = m.type not in BUILTIN_MODELS and _IMPORT_REF.match(m.type)
+        custom = not m.is_builtin and not m.is_hf
         if custom and (p.tensor_parallel_size > 1 or p.pipeline_parallel_size > 1):
             errs.append(("model.type", "tensor and pipeline parallelism cut the built-in models "
-                                       f"({', '.join(BUILTIN_MODELS)}) only; a custom model runs "
-                                       "with data parallelism and ZeRO"))
+                                       f"({', '.join(BUILTIN_MODELS)}) and Hugging Face folders "
+                                       "only; a custom model runs with data parallelism and ZeRO"))
         if spec.fault_tolerance.inject_unsynced_params and (
                 p.tensor_parallel_size > 1 or p.pipeline_parallel_size > 1 or p.zero_stage >= 2):
             errs.append(("fault_tolerance.inject_unsynced_params", "the drill leaves parameters "
@@ -249,6 +267,29 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
             f"{ft.hang_timeout_s} must exceed fault_tolerance.heartbeat_timeout_s "
             f"({ft.heartbeat_timeout_s}); a hang is judged on a live heartbeat",
         ))
+    return errs
+
+
+def _data_errors(spec: JobSpec) -> list[tuple[str, str]]:
+    """The data section against the model: tokenized formats need a tokenizer and a path."""
+    d, m = spec.data, spec.model
+    errs: list[tuple[str, str]] = []
+    if d.format is not None and d.path is None:
+        errs.append(("data.path", f"data.format {d.format} reads files; name a file, a folder or "
+                                  "a glob, or remove data.format to train on the built-in corpus"))
+    if d.tokenizer is not None and not m.is_hf and d.format is None:
+        errs.append(("data.tokenizer", "tokenizes data.format text, jsonl, parquet or chat; set "
+                                       "data.format, or remove data.tokenizer"))
+    if d.format is not None and not m.is_hf and d.tokenizer is None:
+        errs.append(("data.tokenizer", f"data.format {d.format} is tokenized with a tokenizer; a "
+                                       "built-in model has none of its own, so name a tokenizer "
+                                       "folder (tokenizer.json)"))
+    if spec.training.eval_interval is not None and d.eval_fraction == 0:
+        errs.append(("training.eval_interval", "evaluates on the held-out split; set "
+                                               "data.eval_fraction (e.g. 0.05), or remove it"))
+    if d.eval_fraction > 0 and not (d.tokenized or m.is_hf):
+        errs.append(("data.eval_fraction", "holds out documents of a tokenized dataset; set "
+                                           "data.format (and data.tokenizer for a built-in model)"))
     return errs
 
 

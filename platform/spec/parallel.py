@@ -81,24 +81,42 @@ def expand_auto(data: Any) -> Any:
         data = {**data, "parallel": {"auto": True}}
     par, perm = data.get("parallel"), data.get("permission")
     pp = par.get("pipeline_parallel_size", 1) if isinstance(par, dict) else 1
-    if isinstance(pp, int) and pp > 1 and (perm is None or (
-            isinstance(perm, dict) and "collectives" not in perm)):
+    if not (isinstance(pp, int) and pp > 1):
+        return data
+    if perm is None or (isinstance(perm, dict) and "collectives" not in perm
+                        and "allowed_interfaces" not in perm):
         perm = dict(perm or {})
         perm["collectives"] = [*DEFAULT_COLLECTIVES, "recv", "send"]
-        data = {**data, "permission": perm}
+        return {**data, "permission": perm}
+    # The built-in trainer's pipeline passes activations between its own stages: a
+    # pipelined layout brings its send and recv with it, whatever else the list allows
+    # (the design documents' job lists only all_reduce, all_gather and broadcast).
+    if isinstance(perm, dict) and data.get("entrypoint") is None:
+        key = "allowed_interfaces" if "allowed_interfaces" in perm else "collectives"
+        listed = perm.get(key)
+        if isinstance(listed, list) and "collectives" in perm and "allowed_interfaces" in perm:
+            return data  # both given: validation says so
+        if isinstance(listed, list) and not {"send", "recv"} <= set(listed):
+            perm = {**perm, key: [*listed, *sorted({"recv", "send"} - set(listed))]}
+            return {**data, "permission": perm}
     return data
 
 
-def parallel_errors(p: ParallelSection, n_layers: int, n_heads: int,
+def parallel_errors(p: ParallelSection, n_layers: int | None, n_heads: int | None,
                     builtin_trainer: bool) -> list[tuple[str, str]]:
-    """Layouts the worker cannot run, each with the field to change."""
+    """Layouts the worker cannot run, each with the field to change.
+
+    `n_layers` and `n_heads` are None for a model whose shape is in its folder
+    (a Hugging Face model), whose checks run where the folder is read."""
     errs: list[tuple[str, str]] = []
     tp, pp = p.tensor_parallel_size, p.pipeline_parallel_size
-    if n_heads % tp:
+    if n_heads is not None and n_heads % tp:
         errs.append(("parallel.tensor_parallel_size",
                      f"{tp} does not divide model.n_heads ({n_heads})"))
     chunks = pp * p.virtual_stages
-    if n_layers % pp:
+    if n_layers is None:
+        pass
+    elif n_layers % pp:
         errs.append(("parallel.pipeline_parallel_size",
                      f"{pp} does not divide model.n_layers ({n_layers})"))
     elif n_layers % chunks:
