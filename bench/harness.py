@@ -40,7 +40,7 @@ from kuangchao.platform.spec.jobspec import JobSpec, load_spec_document, validat
 from kuangchao.workers.data.sampling import BatchSource, batch_indices, load_corpus
 from kuangchao.workers.models.factory import build_model
 from kuangchao.workers.runtime.context import TrainContext
-from kuangchao.workers.trainer.loop import model_config
+from kuangchao.workers.trainer.job_model import model_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REDIS_URL = os.environ.get("KCBENCH_REDIS_URL", "redis://127.0.0.1:6379/0")

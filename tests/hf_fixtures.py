@@ -20,7 +20,8 @@ from pathlib import Path
 VOCAB = 512
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}<|assistant|>\n{% generation %}{{ m['content'] }}</s>{% endgeneration %}\n"
+    "{% if m['role'] == 'assistant' %}<|assistant|>\n"
+    "{% generation %}{{ m['content'] }}</s>{% endgeneration %}\n"
     "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"

@@ -4,14 +4,16 @@ the caller, and a health check of the environment."""
 from __future__ import annotations
 
 import json
+import math
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from kuangchao.api.cli.common import Json, call, client, fail
+from kuangchao.api.cli.render import print_audit
 from kuangchao.platform.security.apikeys import ROLES
 
 admin_app = typer.Typer(help="Administer the platform (admin keys only).", no_args_is_help=True)
@@ -63,22 +65,29 @@ def key_revoke(key_id: Annotated[str, typer.Argument(help="The key id (`kc admin
 
 
 def audit(job: Annotated[str | None, typer.Option(help="Only records about this job.")] = None,
+          task: Annotated[str | None, typer.Option(
+              help="Only records about the jobs of this task name (task.name) that you "
+                   "may see.")] = None,
           since: Annotated[str | None, typer.Option(
-              help="Only records from this time on: unix seconds, an ISO time, or an age "
-                   "such as 30s, 15m, 2h, 1d.")] = None,
+              help="Only records from this time on: an ISO date or time in UTC "
+                   "(2024-01-01, 2024-01-15T10:23:45), unix seconds, or an age such as "
+                   "30s, 15m, 2h, 1d.")] = None,
           action: Annotated[str | None, typer.Option(
               help="allow or deny; or an action such as job.cancel, or its family (job).")] = None,
           limit: Annotated[int, typer.Option(min=1, help="At most this many (the newest).")] = 1000,
           as_json: Json = False) -> None:
-    """Show the audit trail (operator and admin keys)."""
-    records = call(client().audit, job, parse_since(since) if since else None, action, limit)
+    """Show the audit trail (operator and admin keys).
+
+    One line per record: UTC time | subject | action | ALLOWED or DENIED | reason.
+    """
+    if task is not None and not task.strip():
+        fail("--task is empty; give a job's task name (`kc list` shows them)")
+    start = parse_since(since) if since is not None else None
+    records = call(client().audit, job, start, action, limit, task)
     if as_json:
         typer.echo(json.dumps(records))
         return
-    for r in records:
-        typer.echo(f"{_when(r['ts'])}  {r['decision'].upper():<5} {r['action']:<22} "
-                   f"{r['resource']:<30} {r['principal']}" + (f"  ({r['reason']})" if r['reason']
-                                                                else ""))
+    print_audit(records)
 
 
 def whoami(as_json: Json = False) -> None:
@@ -130,21 +139,28 @@ def doctor(checkpoint_path: Annotated[Path | None, typer.Option(
 
 
 def parse_since(text: str, now: float | None = None) -> float:
-    """Unix seconds from `--since`: a number, an ISO time, or an age like 15m."""
+    """Unix seconds from `--since`: an ISO date or time (UTC unless it names a
+    zone), unix seconds, or an age like 15m."""
     now = time.time() if now is None else now
     t = text.strip()
     age = _age(t)
     if age is not None:
-        return now - age
-    try:
-        return float(t)
-    except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(t).timestamp()
-    except ValueError:
-        fail(f"--since {text!r} is not a time; give unix seconds, an ISO time "
-             "(2026-11-29T10:00) or an age (30s, 15m, 2h, 1d)")
+        ts = now - age
+    else:
+        try:
+            ts = float(t)
+        except ValueError:
+            try:
+                when = datetime.fromisoformat(t)
+            except ValueError:
+                fail(f"--since {text!r} is not a time; give an ISO date or time in UTC "
+                     "(2024-01-01, 2024-01-15T10:23:45), unix seconds, or an age (30s, 15m, "
+                     "2h, 1d)")
+            # A time without a zone is UTC, as `kc audit` prints them.
+            ts = (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+    if not math.isfinite(ts) or ts < 0:
+        fail(f"--since {text!r} is before 1970 or not a number; give a later time")
+    return ts
 
 
 def _when(ts: float | None) -> str:

@@ -26,21 +26,57 @@ def say(text: str) -> None:
     typer.echo(terminal_safe(text))
 
 
+def one_line(text: str) -> str:
+    """`text` terminal-safe and on one line: newlines written as `\\n`, tabs as spaces."""
+    return terminal_safe(text).replace("\n", "\\n").replace("\t", " ")
+
+
+# A rank's token names it `{job}/rank-{N}`, and its data reader and metrics
+# endpoint `{job}/rank-{N}/{module}` (platform/security/authority.py).
+_RANK_MODULE = re.compile(r"^[^/\[\]]+/rank-(\d+)(?:/([A-Za-z_]+))?$")
+_DECISIONS = {"allow": "ALLOWED", "deny": "DENIED"}
+
+
+def audit_subject(rec: dict[str, Any]) -> str:
+    """Who a record is about: `worker-N` (`worker-N/data`) for rank N of a job
+    (or its module), else the principal as it is recorded: an API key's
+    `name[tenant/key id]`, a driver, `token-authority`, `unverified`."""
+    who = str(rec.get("principal") or "-")
+    m = _RANK_MODULE.match(who)
+    if m and (not rec.get("job") or who.startswith(f"{rec['job']}/")):
+        return f"worker-{m.group(1)}" + (f"/{m.group(2)}" if m.group(2) else "")
+    return who
+
+
+def _utc(ts: Any) -> str:
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts))
+    except (OverflowError, OSError, ValueError):
+        return "-"
+
+
+def audit_line(rec: dict[str, Any]) -> str:
+    """One audit record on one line, its time in UTC:
+    `2024-01-15 10:23:45 | worker-3 | all_reduce | DENIED | token expired`."""
+    decision = str(rec.get("decision") or "-")
+    fields = (_utc(rec.get("ts")), audit_subject(rec), str(rec.get("action") or "-"),
+              _DECISIONS.get(decision, decision.upper()), str(rec.get("reason") or "-"))
+    return " | ".join(one_line(f) for f in fields)
+
+
+def print_audit(records: list[dict[str, Any]]) -> None:
+    for rec in records:
+        typer.echo(audit_line(rec))
+
+
 def _ts(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
 def _loss(v: Any) -> str:
     return f"{v:.4f}" if isinstance(v, int | float) else "-"
-
-
-def progress_line(job: dict[str, Any]) -> str:
-    p = job.get("progress") or {}
-    line = (f"{job['id']} {job['state']:<10} step {p.get('step', 0)}/{p.get('total_steps') or '?'}"
-            f" loss {_loss(p.get('loss'))}")
-    if job.get("waiting_for") and job["state"] == "QUEUED":
-        line += f" (waiting: {job['waiting_for']})"
-    return line
 
 
 def print_job(job: dict[str, Any]) -> None:

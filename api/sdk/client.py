@@ -223,7 +223,11 @@ class Client:
         return self._call("DELETE", f"/v1/admin/keys/{key_id}")
 
     def audit(self, job: str | None = None, since: float | None = None,
-              action: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
-        params = {k: v for k, v in {"job": job, "since": since, "action": action,
+              action: str | None = None, limit: int = 1000,
+              task: str | None = None) -> list[dict[str, Any]]:
+        """Audit records, oldest first (operators and admins): about one `job`, or
+        every job of a `task` name the key may see (ApiError 404 when none), from
+        `since` (unix seconds); `action` is allow, deny, an action or its family."""
+        params = {k: v for k, v in {"job": job, "task": task, "since": since, "action": action,
                                     "limit": limit}.items() if v is not None}
         return self._call("GET", "/v1/audit", params=params)["records"]

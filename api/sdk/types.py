@@ -51,6 +51,11 @@ class Progress(View):
     def tokens_per_s(self) -> float | None:
         return self.get("tokens_per_s")
 
+    @property
+    def eval_loss(self) -> float | None:
+        """The held-out split's loss at the last evaluation (`training.eval_interval`)."""
+        return self.get("eval_loss")
+
 
 class Placement(View):
     """Where one rank runs."""

@@ -20,9 +20,9 @@ from kuangchao.platform.planning import autoplan
 from kuangchao.platform.scheduling.plugins.snapshot import order_key
 from kuangchao.platform.security.admission import check_paths, check_request, limits_from_json
 from kuangchao.platform.settings import audit_roots, checkpoint_roots, data_roots, kc_home
-from kuangchao.platform.spec.model_folder import check_model_folder
 from kuangchao.platform.spec.elastic import samples_seen
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
+from kuangchao.platform.spec.model_folder import check_model_folder
 from kuangchao.platform.spec.queues import QueueTable
 from kuangchao.platform.spec.stored import spec_of, stored_form
 
@@ -205,6 +205,11 @@ def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None =
         "loss": prog.get("loss"),
         "initial_loss": prog.get("initial_loss"),
         "tokens_per_s": prog.get("tokens_per_s"),
+        # What `kc train` / `kc submit --wait` show beside the loss, and the held-out loss.
+        "lr": prog.get("lr"),
+        "mem_bytes": prog.get("mem_bytes"),
+        "comm_share": prog.get("comm_share"),
+        "eval_loss": prog.get("eval_loss"),
     }
     rng = spec.elastic_range
     d["min_replicas"], d["max_replicas"] = rng.min_replicas, rng.max_replicas

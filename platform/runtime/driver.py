@@ -126,8 +126,12 @@ def driver_identity() -> tuple[str, str]:
     return owner, os.environ.get("KC_TENANT") or "default"
 
 
-def run_as_driver(doc: dict[str, Any], settings: Settings | None = None) -> dict[str, Any]:
-    """Run the job in `doc` to its end and return its public JSON."""
+def run_as_driver(doc: dict[str, Any], settings: Settings | None = None,
+                  on_submitted: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the job in `doc` to its end and return its public JSON.
+
+    `on_submitted(job_id)` is called once the job is recorded (`kc train`
+    follows its progress from there)."""
     settings = settings or Settings.from_env()
     spec = validate_spec(doc)
     store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
@@ -147,6 +151,8 @@ def run_as_driver(doc: dict[str, Any], settings: Settings | None = None) -> dict
         principal=f"driver:{owner}", action="job.submit", resource=f"job/{job.id}",
         decision="allow", reason=f"kc train, tenant {tenant}", job=job.id))
     print(f"job {job.id} submitted", file=sys.stderr, flush=True)
+    if on_submitted is not None:
+        on_submitted(job.id)
     # `ray job stop` sends SIGTERM, then SIGKILL 3 s later (RAY_JOB_STOP_WAIT_TIME_S):
     # the workers are killed and the job recorded CANCELLED well inside that.
     stop = _stop_handler(settings, job.id)

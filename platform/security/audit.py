@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -82,11 +83,13 @@ class AuditLog:
 
     def read(self, job: str | None = None, since: float | None = None,
              decision: str | None = None, limit: int = 1000,
-             action: str | None = None) -> list[dict[str, Any]]:
+             action: str | None = None,
+             jobs: Collection[str] | None = None) -> list[dict[str, Any]]:
         """The newest matching records, oldest first.
 
         `action` is `allow` or `deny` (the decision), else an action name
-        (`job.cancel`) or its family (`job`).
+        (`job.cancel`) or its family (`job`). `jobs`: only records about one of
+        these jobs (all the jobs of a task name, say); empty matches none.
         """
         if action in ("allow", "deny"):
             decision, action = action, None
@@ -94,6 +97,8 @@ class AuditLog:
         for line in self.store.audit_lines(since):
             rec = json.loads(line)
             if job is not None and rec.get("job") != job:
+                continue
+            if jobs is not None and rec.get("job") not in jobs:
                 continue
             if decision is not None and rec.get("decision") != decision:
                 continue

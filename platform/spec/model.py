@@ -34,6 +34,8 @@ FAMILY_TP_PLANS: dict[str, dict[str, str]] = {
              "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
     for family in PIPELINE_FAMILIES
 }
+# The styles a tensor-parallel plan may use here (workers/parallel/tensor_parallel.py).
+TP_STYLES = ("colwise", "rowwise")
 # The families `type: llama` with a `checkpoint` folder accepts.
 LLAMA_FAMILY = ("llama",)
 
@@ -177,6 +179,12 @@ def hf_config_errors(m: ModelSection, shape: HFShape, tp: int, pp: int,
         if shape.tp_plan is None:
             errs.append(("parallel.tensor_parallel_size", f"{shape.family} models carry no "
                          "tensor-parallel plan (base_model_tp_plan) and kc keeps none for them; "
+                         "use tensor_parallel_size: 1 with ZeRO or a pipeline"))
+        odd = sorted({style for style in (shape.tp_plan or {}).values()
+                      if style not in TP_STYLES and "replicat" not in style})
+        if odd:
+            errs.append(("parallel.tensor_parallel_size", f"the model's tensor-parallel plan uses "
+                         f"{', '.join(odd)}, which kc does not apply (only colwise and rowwise); "
                          "use tensor_parallel_size: 1 with ZeRO or a pipeline"))
         for what, n in (("attention heads", shape.n_heads), ("key/value heads", shape.n_kv_heads)):
             if n % tp:

@@ -21,35 +21,55 @@ import torch.multiprocessing as mp
 
 from kuangchao.platform.spec.jobspec import validate_spec
 from kuangchao.workers.checkpoint.manager import CheckpointManager
-from kuangchao.workers.models.factory import build_model
 from kuangchao.workers.parallel.engine import Engine
-from kuangchao.workers.trainer.loop import model_config
+from kuangchao.workers.trainer.job_model import build_job_model, dims
 
 STEPS = 5
 # A case whose rank failed times its peers out after this long, instead of hanging.
 GROUP_TIMEOUT_S = 60
 
 
-def global_batches(spec, steps: int) -> list[torch.Tensor]:
+def global_batches(spec, steps: int, vocab: int) -> list[torch.Tensor]:
     """Each step's whole batch of token rows, [G, seq_len + 1], the same for every layout."""
     p, m = spec.parallel, spec.model
     rows = p.data_parallel_size * p.micro_batch_size * p.gradient_accumulation_steps
     gen = torch.Generator().manual_seed(1234)
-    return [torch.randint(0, m.vocab_size, (rows, m.seq_len + 1), generator=gen) for _ in range(steps)]
+    return [torch.randint(0, vocab, (rows, m.seq_len + 1), generator=gen) for _ in range(steps)]
+
+
+def _logits_error(spec, engine: Engine, vocab: int) -> dict | None:
+    """This rank's step-0 logits of the first global batch against transformers' own
+    forward of the model folder; None on a rank that holds no logits (an early stage)."""
+    from kuangchao.workers.models.hf import load_hf
+
+    batch = global_batches(spec, 1, vocab)[0]
+    x = batch[:, :-1]
+    with torch.no_grad():
+        if engine.schedule is None:
+            got = engine.wrapped[0](x)
+        else:  # the schedule's loss wants targets; its output is the last stage's logits
+            args = (x,) if engine.holds_first else ()
+            kwargs = {"target": batch[:, 1:], "losses": []} if engine.holds_last else {}
+            got = engine.schedule.eval(*args, **kwargs)
+        if not engine.holds_last:
+            return None
+        want = load_hf(spec.model.hf_folder, pretrained=spec.model.pretrained,
+                       seed=spec.training.seed)(x).logits
+    return {"max_abs": float((got - want).abs().max()), "scale": float(want.abs().max())}
 
 
 def reference(doc: dict, steps: int = STEPS) -> dict:
     """Single-process training on the whole global batch: the losses every layout must match."""
     spec = validate_spec(doc)
     torch.manual_seed(spec.training.seed)
-    model = build_model(model_config(spec))
+    model = build_job_model(spec)
     from kuangchao.workers.parallel.data_parallel import make_optimizer
 
     opt = make_optimizer(model, spec)
     losses, norms = [], []
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if spec.parallel.precision == "bf16" \
         else torch.autocast("cpu", enabled=False)
-    for batch in global_batches(spec, steps):
+    for batch in global_batches(spec, steps, dims(spec, model)[2]):
         with ctx:
             _, loss = model(batch[:, :-1], batch[:, 1:])
         loss.backward()
@@ -66,9 +86,15 @@ def _train_case(rank: int, world: int, case: dict) -> None:
     doc, nodes, ckpt = case["doc"], case.get("nodes") or [], case.get("ckpt") or {}
     spec = validate_spec(doc)
     torch.manual_seed(spec.training.seed)
-    model = build_model(model_config(spec))
+    model = build_job_model(spec)
+    vocab = dims(spec, model)[2]
     engine = Engine(spec, model, rank=rank, world_size=world, device=torch.device("cpu"),
                     node_of=dict(enumerate(nodes)) if nodes else None)
+    if case.get("logits"):
+        err = _logits_error(spec, engine, vocab)
+        if err is not None:
+            with open(f"{case['out']}.logits{rank}", "w") as fh:
+                json.dump(err, fh)
     manager = None
     first = 0
     if ckpt:
@@ -81,7 +107,7 @@ def _train_case(rank: int, world: int, case: dict) -> None:
     d = engine.coords.dp
     per = p.micro_batch_size * p.gradient_accumulation_steps
     losses, norms = [], []
-    for step, batch in enumerate(global_batches(spec, STEPS)):
+    for step, batch in enumerate(global_batches(spec, STEPS, vocab)):
         if step < first:
             continue
         mine = batch[d * per:(d + 1) * per]

@@ -8,7 +8,7 @@ import torch
 from kuangchao.platform.spec.jobspec import validate_spec
 from kuangchao.workers.models.factory import build_model
 from kuangchao.workers.parallel.engine import Engine
-from kuangchao.workers.trainer.loop import model_config
+from kuangchao.workers.trainer.job_model import model_config
 from tests.layouts.layout_run import global_batches, reference
 
 DOC = {"model": {"type": "gpt", "n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16,
@@ -25,7 +25,7 @@ def _train(doc: dict) -> tuple[list[float], list[str], Engine]:
     engine = Engine(spec, build_model(model_config(spec)), rank=0, world_size=1,
                     device=torch.device("cpu"), log=lambda msg, **_: logs.append(msg))
     losses = []
-    for batch in global_batches(spec, STEPS):
+    for batch in global_batches(spec, STEPS, spec.model.vocab_size):
         losses.append(engine.forward_backward([(batch[:, :-1], batch[:, 1:])]))
         engine.clip(spec.optimizer.grad_clip)
         engine.step()

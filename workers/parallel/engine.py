@@ -87,6 +87,8 @@ class Engine:
                  log: Callable[..., None] | None = None, wrap: bool = True) -> None:
         p = self.p = spec.parallel
         self.spec, self.rank, self.world_size, self.device = spec, rank, world_size, device
+        # A Hugging Face model's width is in its folder, not in the spec.
+        self.d_model: int = getattr(model, "d_model", spec.model.d_model)
         self.clock, self.node_of = clock, node_of or {}
         self.microbatches = microbatches or p.gradient_accumulation_steps
         self.log = log or (lambda msg, **kw: warnings.warn(msg, stacklevel=2))
@@ -115,7 +117,8 @@ class Engine:
             if self.tied.duplicate(self.holder) is not None:
                 self.holder.checkpoint_aliases = {"lm_head.weight": "tok_emb.weight"}
         if tp > 1 and self.mesh is not None:
-            apply_tensor_parallel([b for c in self.chunks for b in c.blocks.values()], self.mesh["tp"])
+            apply_tensor_parallel([b for c in self.chunks for b in c.blocks.values()], self.mesh["tp"],
+                                  getattr(model, "tp_plan", None))
         if spec.training.compile:
             self._compile()
         # DDP takes neither DTensor (tensor-parallel) parameters nor a pipeline schedule's
@@ -141,7 +144,7 @@ class Engine:
     def _compile(self) -> None:
         """Compile each block in place (names unchanged); eager where it fails."""
         block = next(iter(self.chunks[0].blocks.values()))
-        probe = torch.zeros(1, 2, self.spec.model.d_model, device=self.device)
+        probe = torch.zeros(1, 2, self.d_model, device=self.device)
         extra = self.chunks[0].rope(2) if self.chunks[0].rotary else ()
         try:
             block.compile()
@@ -332,6 +335,29 @@ class Engine:
                     param.grad.mul_(float("nan"))
         dist.all_reduce(local, group=self.pp_group)  # only the last stage holds a loss
         return float(local)
+
+    def evaluate(self, batches: list[Batch]) -> float:
+        """The mean loss of `batches`, forward only, dropout off (the eval split).
+
+        With a pipeline, `batches` is one schedule's worth of micro-batches."""
+        for module in self.wrapped:
+            module.eval()
+        try:
+            with torch.no_grad(), self.precision.autocast():
+                if self.schedule is None:
+                    return sum(float(lm_loss(self.wrapped[0](x), y)) for x, y in batches) / len(batches)
+                losses: list[torch.Tensor] = []
+                args = (torch.cat([x for x, _ in batches]),) if self.holds_first else ()
+                kwargs: dict[str, Any] = ({"target": torch.cat([y for _, y in batches]),
+                                           "losses": losses} if self.holds_last else {})
+                self.schedule.eval(*args, **kwargs)
+                local = torch.stack(losses).mean().double() if losses else \
+                    torch.zeros((), dtype=torch.float64)
+                dist.all_reduce(local, group=self.pp_group)  # only the last stage holds a loss
+                return float(local)
+        finally:
+            for module in self.wrapped:
+                module.train()
 
     def grad_norm(self) -> float:
         """The global gradient norm, over every stage and shard (the tied head counted once)."""

@@ -78,9 +78,17 @@ class ModelChunk(nn.Module):
         return x
 
 
+IGNORE = -100  # a target the loss does not count (a chat prompt's tokens)
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, in fp32 whatever the autocast dtype."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """Mean next-token cross-entropy over the counted targets, in fp32 whatever the
+    autocast dtype. A micro-batch with no counted target (a long prompt) adds a zero
+    loss, not NaN, which the numeric guard would take for a fault."""
+    flat = targets.flatten()
+    if bool((flat == IGNORE).all()):
+        return logits.float().sum() * 0.0
+    return F.cross_entropy(logits.float().flatten(0, 1), flat, ignore_index=IGNORE)
 
 
 def build_chunks(model: nn.Module, n_chunks: int, indices: list[int],

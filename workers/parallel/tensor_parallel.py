@@ -7,6 +7,11 @@ projection are split by input row, and their outputs are summed over the
 group. That is one all-reduce after attention and one after the MLP in the
 forward pass, and one each in backward. Embeddings, norms and the head stay
 whole on every rank of the group.
+
+A Hugging Face model brings its own plan (its config's `base_model_tp_plan`,
+or the one kc keeps for its family: platform/spec/model.py), by submodule path
+inside a decoder layer. Its attention reshapes with `-1` heads, so it needs no
+head count changed.
 """
 
 from __future__ import annotations
@@ -28,9 +33,20 @@ def block_plan(block: nn.Module) -> dict[str, ColwiseParallel | RowwiseParallel]
     return plan
 
 
-def apply_tensor_parallel(blocks: list[nn.Module], mesh: DeviceMesh) -> None:
-    """Split each block over the 1-D tensor-parallel `mesh`, in place."""
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def apply_tensor_parallel(blocks: list[nn.Module], mesh: DeviceMesh,
+                          plan: dict[str, str] | None = None) -> None:
+    """Split each block over the 1-D tensor-parallel `mesh`, in place.
+
+    `plan`: a Hugging Face model's, submodule path -> "colwise" | "rowwise";
+    None: the built-in models' (`block_plan`)."""
     tp = mesh.size()
+    if plan is not None:
+        for block in blocks:
+            parallelize_module(block, mesh, {path: STYLES[style]() for path, style in plan.items()})
+        return
     for block in blocks:
         heads = block.attn.n_heads
         if heads % tp:

@@ -78,6 +78,7 @@ class TrainContext:
     group_store: Any = None
     telemetry: WorkerTelemetry | None = None
     node: str = ""  # this rank's node (kc.io/node)
+    eval_source: Any = None  # the held-out split's batches (`data.eval_fraction`), if any
     capture: Capture | None = None  # a `kc debug gradient` or `kc profile` in progress
     _captured: set[str] = field(default_factory=set)
     _done: int = 0

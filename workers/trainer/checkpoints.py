@@ -19,6 +19,7 @@ from kuangchao.platform.protocol.checkpoint import CheckpointInfo
 from kuangchao.workers.checkpoint.async_save import PendingCheckpoint
 from kuangchao.workers.errors import CheckpointError
 from kuangchao.workers.runtime.context import TrainContext
+from kuangchao.workers.trainer.job_model import manifest_model
 from kuangchao.workers.trainer.numerics import GradNormGuard, data_position
 from kuangchao.workers.trainer.resume import Position, rank_state
 
@@ -75,7 +76,8 @@ def save_step(ctx: TrainContext, step: int, model: torch.nn.Module, optimizer: t
                 or ctx.preemption_requested())
     state = rank_state(step, pos.skipped, guard)
     extra = {"parallel": spec.parallel.model_dump(),
-             "data_position": data_position(step, pos.skipped)}
+             "data_position": data_position(step, pos.skipped),
+             "model": manifest_model(spec)}  # what `kc checkpoint export --format hf` rebuilds
     with ctx.phase("checkpoint"):
         if sync:
             info = ctx.checkpoint.save(step, model, optimizer, rank_state=state, extra=extra)

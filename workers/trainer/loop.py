@@ -19,27 +19,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kuangchao.platform.settings import data_roots
 from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.workers.collectives import permit
-from kuangchao.workers.data.sampling import BatchSource, Prefetcher, batch_indices, load_corpus
+from kuangchao.workers.data.sampling import BatchSource, Prefetcher, batch_indices
 from kuangchao.workers.elastic.generation import is_collective_failure, mark_ready
 from kuangchao.workers.errors import NumericFault, ResizeNow, TrainingError
-from kuangchao.workers.models.factory import ModelConfig, build_model
 from kuangchao.workers.parallel.engine import Engine
 from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.runtime.telemetry import model_flops_per_token
 from kuangchao.workers.trainer import debug_step
 from kuangchao.workers.trainer import live_resize as resize
 from kuangchao.workers.trainer.checkpoints import save_step, settles_checkpoints
+from kuangchao.workers.trainer.job_data import eval_loss, job_sources
+from kuangchao.workers.trainer.job_model import build_job_model, dims
 from kuangchao.workers.trainer.numerics import GradNormGuard, data_index
 from kuangchao.workers.trainer.resume import Position, restore_latest, roll_back, seed_everything
-
-
-def model_config(spec: JobSpec) -> ModelConfig:
-    m = spec.model
-    return ModelConfig(type=m.type, n_layers=m.n_layers, n_heads=m.n_heads, d_model=m.d_model,
-                       seq_len=m.seq_len, vocab_size=m.vocab_size, dropout=m.dropout, d_ff=m.d_ff)
 
 
 def lr_factor(step: int, spec: JobSpec) -> float:
@@ -102,7 +96,7 @@ def train(ctx: TrainContext) -> dict[str, Any]:
     """
     spec = ctx.spec
     seed_everything(spec.training.seed)
-    whole = build_model(model_config(spec)).to(ctx.device)
+    whole = build_job_model(spec).to(ctx.device)
     n_params = whole.num_params()
     engine = build_engine(ctx, whole)
     model, optimizer = engine.holder, engine.optimizer
@@ -117,14 +111,13 @@ def train(ctx: TrainContext) -> dict[str, Any]:
         pos = restore_latest(ctx, model, optimizer, guard) or Position()
         resize.forget_samples_from(ctx, pos.step)
         ctx.generation_start = pos.step
-    corpus = load_corpus(spec.data.path, spec.data.max_bytes, spec.model.vocab_size,
-                         roots=data_roots())
-    source = BatchSource(corpus, spec.model.seq_len, spec.training.seed)
+    with ctx.phase("data"):
+        source, ctx.eval_source = job_sources(spec, whole)
     if ctx.telemetry is not None:
-        m = spec.model
+        n_layers, d_model, _ = dims(spec, whole)
         ctx.telemetry.attach(model, optimizer)
-        ctx.telemetry.configure(model_flops_per_token(n_params, m.n_layers, m.d_model,
-                                                      m.seq_len), ctx.device)
+        ctx.telemetry.configure(model_flops_per_token(n_params, n_layers, d_model,
+                                                      spec.model.seq_len), ctx.device)
     ctx.log(f"training {n_params:,} parameters from step {pos.step} to {spec.training.steps} on "
             f"{ctx.world_size} rank(s): {engine.describe()}")
     while True:
@@ -227,10 +220,18 @@ def _train_from(ctx: TrainContext, pos: Position, engine: Engine, source: BatchS
                 ctx.telemetry.end_step(done, samples, samples * spec.model.seq_len)
             if ctx.capture is not None and ctx.capture.profiler is not None:
                 debug_step.profiled(ctx, done == t.steps)
-            if done % t.log_interval == 0 or done == t.steps or done == first + 1:
+            evaluated = {}
+            if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
+                with ctx.phase("eval"):
+                    evaluated = {"eval_loss": _global_mean(eval_loss(engine, ctx), ctx)}
+                if ctx.is_chief:
+                    ctx.log(f"step {done} eval loss {evaluated['eval_loss']:.4f}", step=done,
+                            **evaluated)
+            if done % t.log_interval == 0 or done == t.steps or done == first + 1 or evaluated:
                 global_loss = _global_mean(loss_value, ctx)
                 rate = meter.rate()
-                ctx.report(done, loss=global_loss, tokens_per_s=rate)
+                ctx.report(done, loss=global_loss, tokens_per_s=rate, **evaluated,
+                           **_progress_extras(ctx, optimizer))
                 if ctx.is_chief:
                     ctx.log(f"step {done}/{t.steps} loss {global_loss:.4f} tokens/s {rate:.0f}",
                             step=done, loss=global_loss)
@@ -252,6 +253,23 @@ def _train_from(ctx: TrainContext, pos: Position, engine: Engine, source: BatchS
     info = save_step(ctx, t.steps, model, optimizer, pos, guard, sync=True)
     return {"final_loss": final_loss, "steps": t.steps, "checkpoint": info.to_json(),
             "params_sha256": digest, "skipped_batches": pos.skipped}
+
+
+def _progress_extras(ctx: TrainContext, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """What `kc train` and `kc submit --wait` show beside the loss: the learning rate,
+    this rank's memory and the communication share of its last step."""
+    from kuangchao.workers.runtime.telemetry import memory
+
+    mem = memory()
+    out = {"lr": float(optimizer.param_groups[0]["lr"]),
+           "mem_bytes": mem.get("cuda_allocated", mem["rss"])}
+    if ctx.telemetry is not None:
+        from kuangchao.platform.observability import metrics as m
+
+        share = ctx.telemetry.values.get(m.WORKER_COMM_SHARE.name)
+        if share is not None:
+            out["comm_share"] = float(share)
+    return out
 
 
 def params_digest(model: torch.nn.Module) -> str:

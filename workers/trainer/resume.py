@@ -21,7 +21,6 @@ import torch.distributed as dist
 from kuangchao.platform.protocol.checkpoint import verify
 from kuangchao.platform.version import __version__
 from kuangchao.workers.errors import CheckpointError, NumericFault, TrainingError
-from kuangchao.workers.models.factory import build_model
 from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.trainer.numerics import GradNormGuard
 
@@ -94,10 +93,10 @@ def fresh_start(ctx: TrainContext, model: torch.nn.Module,
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from kuangchao.workers.checkpoint.state_reader import saved_optimizer
-    from kuangchao.workers.trainer.loop import model_config
+    from kuangchao.workers.trainer.job_model import build_job_model
 
     seed_everything(ctx.spec.training.seed)
-    initial = build_model(model_config(ctx.spec)).state_dict()
+    initial = build_job_model(ctx.spec).state_dict()
     own = model.state_dict().keys()
     set_model_state_dict(model, {k: v for k, v in initial.items() if k in own},
                          options=StateDictOptions(full_state_dict=True, strict=True))

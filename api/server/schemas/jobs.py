@@ -33,6 +33,11 @@ class ProgressPublic(Public):
     loss: Number | None
     initial_loss: Number | None
     tokens_per_s: Number | None
+    lr: Number | None = Field(None, description="the learning rate of the last logged step")
+    mem_bytes: Number | None = Field(None, description="rank 0's memory: GPU allocated, else resident")
+    comm_share: Number | None = Field(None, description="share of rank 0's last step spent communicating")
+    eval_loss: Number | None = Field(None, description="the loss on the held-out split "
+                                                      "(data.eval_fraction), at the last evaluation")
 
 
 class CheckpointPublic(Passthrough):
@@ -152,6 +157,7 @@ class MetricPointPublic(Passthrough):
     loss: Number | None = Field(None, description="the global batch's mean loss at this step")
     tokens_per_s: Number | None = None
     step_s: Number | None = Field(None, description="the wall time of this one step")
+    eval_loss: Number | None = Field(None, description="the held-out split's loss, at evaluated steps")
 
 
 class MetricPointList(Public):
