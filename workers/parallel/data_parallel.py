@@ -87,6 +87,12 @@ def fully_shard_chunk(chunk: nn.Module, p: ParallelSection, mesh: Any, dtype: to
                       device: torch.device) -> nn.Module:
     """FSDP2 over each block of `chunk`, then the chunk (ZeRO 2 keeps parameters gathered
     between forward and backward, ZeRO 3 reshards them after forward)."""
+    return fully_shard_blocks(chunk, list(chunk.blocks.values()), p, mesh, dtype, device)
+
+
+def fully_shard_blocks(root: nn.Module, blocks: list[nn.Module], p: ParallelSection, mesh: Any,
+                       dtype: torch.dtype | None, device: torch.device) -> nn.Module:
+    """FSDP2 over each of `blocks`, then over `root` (what is left: embeddings, head)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"reshard_after_forward": p.zero_stage == 3}
@@ -97,9 +103,9 @@ def fully_shard_chunk(chunk: nn.Module, p: ParallelSection, mesh: Any, dtype: to
     if p.offload:
         # Page-locking host memory needs an accelerator; on a CPU the state is already there.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    for block in chunk.blocks.values():
+    for block in blocks:
         fully_shard(block, **kwargs)
-    return fully_shard(chunk, **kwargs)
+    return fully_shard(root, **kwargs)
 
 
 def allreduce_grads(holder: nn.Module, dp_group: dist.ProcessGroup | None, dp: int) -> None:

@@ -79,6 +79,9 @@ class TrainContext:
     telemetry: WorkerTelemetry | None = None
     node: str = ""  # this rank's node (kc.io/node)
     eval_source: Any = None  # the held-out split's batches (`data.eval_fraction`), if any
+    # The platform's calls for a user's own function (workers/trainer/own.py), handed in
+    # by the runner that starts it; the methods below delegate to it.
+    kit: Any = None
     capture: Capture | None = None  # a `kc debug gradient` or `kc profile` in progress
     _captured: set[str] = field(default_factory=set)
     _done: int = 0
@@ -93,6 +96,43 @@ class TrainContext:
     @property
     def is_chief(self) -> bool:
         return self.rank == 0
+
+    # -- the platform for your own train function (workers/trainer/own.py) ---------
+
+    def _own(self) -> Any:
+        if self.kit is None:
+            raise RuntimeError("this context was not made by kuangchao's runner; prepare_model, "
+                               "prepare_data and resume work inside a job's train function")
+        return self.kit
+
+    def prepare_model(self, model: Any, tp_plan: dict[str, str] | None = None) -> Any:
+        """The spec's layout on `model` (DDP, ZeRO/FSDP2, tensor parallelism, recompute,
+        compile); returns the module to train. `tp_plan`: module path -> colwise|rowwise,
+        default the Hugging Face model's own."""
+        return self._own().prepare_model(model, tp_plan)
+
+    def prepare_data(self, dataset: Any = None, collate: Any = None) -> Any:
+        """This rank's share of `dataset` (map-style), step by step, in one global order
+        that survives restarts and resizes; `dataset=None`: the job's own data section."""
+        return self._own().prepare_data(dataset, collate)
+
+    def resume(self, model: Any = None, optimizer: Any = None, scheduler: Any = None) -> int:
+        """Restore the newest checkpoint that verifies (model, optimizer, LR schedule, data
+        position, RNG); returns the step to start at (0 when there is none)."""
+        return self._own().resume(model, optimizer, scheduler)
+
+    def check_numerics(self, step: int, loss: Any, grad_norm: float) -> Any:
+        """Before the optimizer steps: raise NumericFault for NaN/Inf or a gradient spike."""
+        return self._own().check_numerics(step, loss, grad_norm)
+
+    def step_done(self, step: int, loss: float | None = None, **metrics: Any) -> bool:
+        """Report, checkpoint on the spec's interval and at the end, and honour a
+        preemption; True when the function should return now."""
+        return self._own().step_done(step, loss, **metrics)
+
+    def save(self, step: int, model: Any = None, optimizer: Any = None, scheduler: Any = None) -> Any:
+        """A checkpoint now, in the format `resume` reads."""
+        return self._own().save(step, model, optimizer, scheduler)
 
     def log(self, message: str, level: str = "INFO", **fields: Any) -> None:
         """A structured line in the job log (`kc logs`), tagged with this rank."""

@@ -45,6 +45,9 @@ _GPU_RESOURCE = re.compile(rf"^{GPU_RESOURCE_PREFIX}(\d+)(_group_.*)?$")
 # function and never imports the trainer, which sits above it (the trainer takes
 # a TrainContext from here); tests/unit/test_architecture.py keeps that order.
 BUILTIN_TRAINER = "kuangchao.workers.trainer.loop:train"
+# A user's function runs through this, which hands its context the platform's calls
+# (ctx.prepare_model, ctx.resume, ...): named for the same reason.
+OWN_FUNCTION_RUNNER = "kuangchao.workers.trainer.own:run_entrypoint"
 
 
 def resolve_entrypoint(ref: str | None) -> Callable[[TrainContext], Any]:
@@ -242,7 +245,10 @@ class TrainWorker:
             try:
                 ctx = self._context(spec)
                 fn = resolve_entrypoint(spec.entrypoint)
-                result = fn(ctx)
+                if spec.entrypoint is None:
+                    result = fn(ctx)
+                else:
+                    result = resolve_entrypoint(OWN_FUNCTION_RUNNER)(ctx, fn)
                 if isinstance(result, dict) and result.get("left") and self.heartbeat is not None:
                     self.heartbeat.stop(delete=False)  # this rank is out of the job
                     self.heartbeat = None

@@ -33,9 +33,13 @@ def build_job_model(spec: JobSpec) -> nn.Module:
 def dims(spec: JobSpec, model: nn.Module) -> tuple[int, int, int]:
     """(layers, width, vocabulary) of the model the job trains."""
     shape = getattr(model, "shape", None)
+    m = spec.model
+    if shape is None and m.is_hf:  # a user's function built it: the folder says
+        from kuangchao.platform.spec.model_folder import folder_field, shape_of
+
+        shape = shape_of(m.hf_folder, folder_field(m))  # type: ignore[arg-type]
     if shape is not None:  # a Hugging Face model: its folder says
         return shape.n_layers, shape.d_model, shape.vocab_size
-    m = spec.model
     return m.n_layers, m.d_model, m.vocab_size
 
 
