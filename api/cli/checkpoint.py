@@ -1,4 +1,4 @@
-"""`kc checkpoint`: list, verify and export a job's checkpoints.
+"""`kc checkpoint`: list, verify, export and convert a job's checkpoints.
 
 Every command takes a job id (looked up in Redis for its `checkpoint.path`),
 a job's checkpoint folder (`{checkpoint.path}/{job_id}`), or one step folder
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -31,7 +32,8 @@ from kuangchao.platform.spec.defaults import value
 from kuangchao.workers.checkpoint.paths import anchor, check_step_folder, leads_inside
 from kuangchao.workers.errors import CheckpointError
 
-checkpoint_app = typer.Typer(help="List, verify and export checkpoints.", no_args_is_help=True)
+checkpoint_app = typer.Typer(help="List, verify, export and convert checkpoints.",
+                              no_args_is_help=True)
 
 Target = Annotated[str, typer.Argument(
     metavar="JOB_ID|PATH", help="A job id, a job's checkpoint folder, or one step folder.")]
@@ -185,29 +187,75 @@ def verify_(target: Target, as_json: Json = False) -> None:
                f"format {row['format']})")
 
 
-@checkpoint_app.command("export")
-def export(target: Target,
-           out: Annotated[Path, typer.Option("--out", help="The file to write.")],
-           fmt: Annotated[str, typer.Option("--format", help="torch or safetensors.")] = "safetensors",
-           as_json: Json = False) -> None:
-    """Write the model weights of a checkpoint (no optimizer) to one file, for inference.
+Tokenizer = Annotated[Path | None, typer.Option(
+    "--tokenizer", help="Folder to copy the tokenizer from (default: the one the checkpoint names).")]
+MaxShard = Annotated[str, typer.Option(
+    "--max-shard-size", help="Largest safetensors file of a Hugging Face folder, e.g. 5GB, 500MB.")]
+EXPORT_FORMATS = ("safetensors", "torch", "hf")
 
-    Takes the newest checkpoint of a job or folder, or the given step folder,
-    and refuses one that does not verify. Keys are the model's state_dict keys.
-    """
-    from kuangchao.workers.checkpoint.export import FORMATS
 
-    if fmt not in FORMATS:
-        fail(f"unknown --format {fmt!r}; choose one of: {', '.join(FORMATS)}")
-    out = out.expanduser()
-    _check_writable(out)
+def _warn(message: str) -> None:
+    typer.echo(f"warning: {terminal_safe(message)}", err=True)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000; ValueError if not a size."""
+    m = _SIZE.match(text)
+    size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]) if m else 0
+    if size <= 0:
+        raise ValueError(f"{text!r} is not a size; write e.g. 5GB, 500MB or 2GiB")
+    return size
+
+
+def _shard_bytes(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        fail(f"--max-shard-size: {exc}")
+
+
+def _verified_step(target: str, doing: str) -> Path:
+    """The step folder `target` stands for, refused (exit 2) unless it verifies."""
     path, inside = newest(target)
     try:
         check_step_folder(path, inside)
         verify(path)
     except CheckpointError as exc:
-        fail(f"{exc.message}; not exporting it.\n{LIST_HINT.format(target=target)}; pass the step "
+        fail(f"{exc.message}; not {doing} it.\n{LIST_HINT.format(target=target)}; pass the step "
              "folder of one that does")
+    return path
+
+
+@checkpoint_app.command("export")
+def export(target: Target,
+           out: Annotated[Path, typer.Option("--out", help=(
+               "The file to write (safetensors, torch), or the folder (hf)."))],
+           fmt: Annotated[str, typer.Option("--format", help=(
+               "safetensors or torch (one file of weights), or hf (a Hugging Face model folder)."
+               ))] = "safetensors",
+           tokenizer: Tokenizer = None,
+           max_shard_size: MaxShard = "5GB",
+           as_json: Json = False) -> None:
+    """Write the model weights of a checkpoint (no optimizer), for inference.
+
+    Takes the newest checkpoint of a job or folder, or the given step folder,
+    and refuses one that does not verify. safetensors/torch: one file, keys as
+    the model's state_dict keys. hf: a folder `AutoModelForCausalLM.from_pretrained`
+    loads (a Hugging Face model's checkpoint, or a built-in llama's).
+    """
+    if fmt not in EXPORT_FORMATS:
+        fail(f"unknown --format {fmt!r}; choose one of: {', '.join(EXPORT_FORMATS)}")
+    out = out.expanduser()
+    if fmt == "hf":
+        _export_hf(target, out, tokenizer, _shard_bytes(max_shard_size), as_json)
+        return
+    _check_writable(out)
+    path = _verified_step(target, "exporting")
     from kuangchao.workers.checkpoint.export import export_model
 
     try:
@@ -221,6 +269,141 @@ def export(target: Target,
         return
     typer.echo(f"exported {result['tensors']} tensors of step {result['step']} to {result['out']} "
                f"({result['bytes']:,} bytes, {fmt})")
+
+
+def _export_hf(target: str, out: Path, tokenizer: Path | None, shard_bytes: int,
+               as_json: bool) -> None:
+    from kuangchao.workers.checkpoint.convert import export_hf
+    from kuangchao.workers.checkpoint.hf_export import check_out_folder
+
+    if tokenizer is not None and not tokenizer.expanduser().is_dir():
+        fail(f"--tokenizer {tokenizer} is not a folder; name the folder holding tokenizer.json "
+             "(or tokenizer.model)")
+    try:
+        check_out_folder(out)
+    except CheckpointError as exc:
+        fail(exc.message)
+    path = _verified_step(target, "exporting")
+    try:
+        result = export_hf(path, out, tokenizer=tokenizer, check=False,
+                           max_shard_bytes=shard_bytes, warn=None if as_json else _warn)
+    except CheckpointError as exc:
+        fail(exc.message)
+    except OSError as exc:
+        fail(f"cannot write {out}: {exc.strerror or exc}; choose another --out")
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    typer.echo(f"exported {result['tensors']} tensors of step {result['step']} to {result['out']} "
+               f"as a Hugging Face folder ({result['bytes']:,} bytes in {result['shards']} "
+               f"safetensors file(s), {result['dtype']}"
+               + (f", tokenizer: {', '.join(result['tokenizer'])})" if result["tokenizer"]
+                  else ", no tokenizer)"))
+
+
+def kind_of(path: Path) -> str | None:
+    """What `path` is: a checkpoint (a step folder, or a job's folder of them), a Hugging
+    Face folder (config.json), a safetensors or torch file; None: none of them."""
+    from kuangchao.workers.checkpoint import convert as conv
+
+    if path.is_dir():
+        if ((path / MANIFEST).exists() or (path / ".metadata").exists()
+                or step_of(path) is not None
+                or any(step_of(p) is not None and p.is_dir() for p in path.iterdir())):
+            return conv.CHECKPOINT
+        if (path / "config.json").is_file():
+            return conv.HF
+        return None
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            return conv.SAFETENSORS
+        if path.suffix in conv.TORCH_SUFFIXES:
+            return conv.TORCH
+    return None
+
+
+def target_for(kind: str, out: Path) -> str:
+    """The target `--to` defaults to: a file's by its suffix, else a folder: the other kind."""
+    from kuangchao.workers.checkpoint import convert as conv
+
+    if out.suffix == ".safetensors":
+        return conv.SAFETENSORS
+    if out.suffix in conv.TORCH_SUFFIXES:
+        return conv.TORCH
+    return conv.CHECKPOINT if kind == conv.HF else conv.HF
+
+
+@checkpoint_app.command("convert")
+def convert(src: Annotated[str, typer.Argument(metavar="SRC", help=(
+                "A checkpoint (job id, job folder or step folder), a Hugging Face folder "
+                "(config.json), or a .safetensors / .pt file."))],
+            out: Annotated[Path, typer.Option("--out", help="The folder or file to write.")],
+            to: Annotated[str | None, typer.Option("--to", help=(
+                "hf, safetensors, torch or checkpoint (default: by --out's suffix, else hf, "
+                "or checkpoint from a Hugging Face folder)."))] = None,
+            config: Annotated[Path | None, typer.Option("--config", help=(
+                "A Hugging Face folder or config.json: the architecture of a file's weights "
+                "(or of a checkpoint that records none)."))] = None,
+            tokenizer: Tokenizer = None,
+            max_shard_size: MaxShard = "5GB",
+            as_json: Json = False) -> None:
+    """Convert between a checkpoint of any layout, a Hugging Face folder, and one weights file.
+
+    A checkpoint goes to hf, safetensors or torch (as export does). A Hugging Face
+    folder goes to a checkpoint (step_00000000 of the job folder --out, model weights
+    only, under kuangchao's names), or to one safetensors or torch file under its own
+    names. A safetensors or torch file goes to hf or a checkpoint (with --config
+    naming the architecture; every tensor is checked against it), or to the other
+    file format.
+    """
+    from kuangchao.workers.checkpoint import convert as conv
+
+    if to is not None and to not in conv.TARGETS:
+        fail(f"unknown --to {to!r}; choose one of: {', '.join(conv.TARGETS)}")
+    shard_bytes = _shard_bytes(max_shard_size)
+    out = out.expanduser()
+    for name, folder in (("--config", config), ("--tokenizer", tokenizer)):
+        if folder is not None and not folder.expanduser().exists():
+            fail(f"{name} {folder} does not exist")
+    if tokenizer is not None and not tokenizer.expanduser().is_dir():
+        fail(f"--tokenizer {tokenizer} is not a folder; name the folder holding tokenizer.json")
+    path = Path(src).expanduser()
+    if path.exists():
+        kind = kind_of(path)
+        if kind is None:
+            fail(f"{path} is neither a checkpoint (a step folder, or a job's folder of them), a "
+                 "Hugging Face folder (with config.json), nor a .safetensors / .pt / .bin file")
+    else:
+        kind = conv.CHECKPOINT  # a job id, or a path that resolve() reports missing
+    to = to or target_for(kind, out)
+    if to not in conv.DIRECTIONS[kind]:
+        fail(f"cannot convert {conv.SOURCE_NAMES[kind]} to {to}; the conversions are: "
+             f"{conv.directions()}")
+    try:
+        if to in conv.FILES:
+            _check_writable(out)
+        elif to == conv.HF:
+            from kuangchao.workers.checkpoint.hf_export import check_out_folder
+
+            check_out_folder(out)
+        else:
+            conv.checkpoint_folder(out)
+    except CheckpointError as exc:
+        fail(exc.message)
+    if kind == conv.CHECKPOINT:
+        path = _verified_step(src, "converting")
+    try:
+        result = conv.convert(path, kind, out, to, config=config, tokenizer=tokenizer,
+                              max_shard_bytes=shard_bytes, warn=None if as_json else _warn)
+    except CheckpointError as exc:
+        fail(exc.message)
+    except OSError as exc:
+        fail(f"cannot write {out}: {exc.strerror or exc}; choose another --out")
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    typer.echo(f"converted {conv.SOURCE_NAMES[kind]} {result['src']} to {to} at {result['out']}: "
+               f"{result['tensors']} tensors, {result['bytes']:,} bytes")
 
 
 def _check_writable(out: Path) -> None:

@@ -114,6 +114,10 @@ def shared_stack(tmp_path_factory) -> Iterator[Stack]:
     env = {**os.environ, "KC_HOME": str(home), "KC_REDIS_PREFIX": f"kctest-{uuid.uuid4().hex[:8]}:",
            "KC_QUARANTINE_FAILURES": "0"}
     env.pop("KC_API_URL", None)
+    # A cluster has its users' train functions installed on every node; here the
+    # examples folder is on every raylet's path (examples/custom_hf_train.py).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "examples"), env.get("PYTHONPATH"))
+                                        if p)
     url = shared_redis_url()
     if url:
         env["KC_REDIS_URL"] = url

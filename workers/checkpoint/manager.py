@@ -341,15 +341,25 @@ class CheckpointManager:
 
     def load(self, path: Path, model: torch.nn.Module,
              optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Restore model and optimizer; return this rank's saved state."""
+        """Restore model and optimizer; return this rank's saved state.
+
+        A checkpoint `kc checkpoint convert` made from weights (its manifest says
+        `converted_from`) holds the model alone: the optimizer starts fresh."""
         t0 = time.perf_counter()
         path = Path(path)
         self._check_roots()
         with self._reading_from(path):
             model_sd, optim_sd = read_states(model, optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=str(path))
-            write_states(model, optimizer, state["model"], state["optim"])
+            if "converted_from" in read_manifest(path):
+                from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+                state = {"model": model_sd}
+                dcp.load(state, checkpoint_id=str(path))
+                set_model_state_dict(model, state["model"])
+            else:
+                state = {"model": model_sd, "optim": optim_sd}
+                dcp.load(state, checkpoint_id=str(path))
+                write_states(model, optimizer, state["model"], state["optim"])
             rank_file = path / f"rank_{self.rank}.pt"
             if not rank_file.exists():  # world size changed: fall back to rank 0's
                 rank_file = path / "rank_0.pt"

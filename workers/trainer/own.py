@@ -43,6 +43,7 @@ from kuangchao.workers.data.rank_data import RankData
 from kuangchao.workers.errors import CheckpointError, NumericFault, TrainingError
 from kuangchao.workers.parallel import prepare
 from kuangchao.workers.runtime.context import TrainContext
+from kuangchao.workers.trainer import live_resize
 from kuangchao.workers.trainer.checkpoints import settles_checkpoints
 from kuangchao.workers.trainer.job_model import manifest_model
 from kuangchao.workers.trainer.numerics import GradNormGuard, data_index, data_position
@@ -75,6 +76,7 @@ class OwnKit:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
+        self.preempted_at: int | None = None  # the step a preemption (or resize) stopped at
 
     # -- the model and the data ------------------------------------------------
 
@@ -123,17 +125,20 @@ class OwnKit:
                     ctx.log(f"skipped checkpoint {path.name}: {exc.message}", level="WARNING")
                     continue
                 state = ctx.checkpoint.load(path, module, opt)
-                set_rng_state(state["rng"])
+                if "rng" in state:  # a converted checkpoint holds weights alone
+                    set_rng_state(state["rng"])
                 self.guard.load_state(state.get("grad_norms"))
                 if sched is not None and state.get("scheduler") is not None:
                     sched.load_state_dict(state["scheduler"])
                 skipped = sorted({*state.get("skipped_batches", []), *self.pos.skipped})
                 self.pos = Position(int(manifest["step"]), skipped)
+                live_resize.forget_samples_from(ctx, self.pos.step)
                 ctx.log(f"restored checkpoint {path} at step {self.pos.step}"
                         + (f"; skipping batches {skipped}" if skipped else ""))
                 ctx.expect_first_step()
                 return self.pos.step
         self.pos = Position(0, self.pos.skipped)
+        live_resize.forget_samples_from(ctx, 0)
         return 0
 
     def save(self, step: int, model: nn.Module | None = None, optimizer: Any = None,
@@ -144,7 +149,7 @@ class OwnKit:
         state["scheduler"] = sched.state_dict() if sched is not None else None
         extra = {"parallel": ctx.spec.parallel.model_dump(),
                  "data_position": data_position(step, self.pos.skipped),
-                 "model": {**manifest_model(ctx.spec), "names": "own"}}
+                 "model": _model_entry(ctx)}
         with ctx.phase("checkpoint"):
             if sync:
                 return ctx.checkpoint.save(step, module, opt, rank_state=state, extra=extra)
@@ -170,6 +175,7 @@ class OwnKit:
         or resized; the checkpoint is saved)."""
         ctx = self.ctx
         spec = ctx.spec
+        live_resize.record_samples(ctx, step - 1, self.pos)  # `data.record_samples`
         self.pos.step = step
         if loss is not None:
             loss = _mean(ctx, float(loss))
@@ -183,9 +189,18 @@ class OwnKit:
             self.save(step, sync=not spec.checkpoint.async_save)
         if ctx.preemption_requested():
             self.save(step)
+            self.preempted_at = step
             ctx.log(f"stopping at step {step} for the scheduler; checkpoint saved")
             return True
         return False
+
+
+def _model_entry(ctx: TrainContext) -> dict[str, Any]:
+    """The manifest's `model`: a Hugging Face model (the spec's folder), saved under its own
+    names; else only that the function built its own (export then needs `--config`)."""
+    if ctx.spec.model.is_hf:
+        return {**manifest_model(ctx.spec), "names": "hf"}
+    return {"kind": "own"}
 
 
 def _mean(ctx: TrainContext, value: float) -> float:
@@ -230,7 +245,11 @@ def run_entrypoint(ctx: TrainContext, fn: Callable[[TrainContext], Any]) -> Any:
     def attempt(ctx: TrainContext) -> Any:
         while True:
             try:
-                return fn(ctx)
+                result = fn(ctx)
+                if kit.preempted_at is not None:  # the controller requeues it, not finishes it
+                    result = {**(result if isinstance(result, dict) else {"result": result}),
+                              "preempted": True, "steps": kit.preempted_at}
+                return result
             except NumericFault as fault:
                 if "numeric_guard" not in declared:
                     raise

@@ -73,7 +73,8 @@ def restore_latest(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.o
                          "message": f"skipped checkpoint {path.name}: {exc.message}"})
             continue
         state = ctx.checkpoint.load(path, model, optimizer)
-        set_rng_state(state["rng"])
+        if "rng" in state:  # a converted checkpoint holds weights alone: the seed's RNG stays
+            set_rng_state(state["rng"])
         guard.load_state(state.get("grad_norms"))
         pos = Position(int(manifest["step"]), list(state.get("skipped_batches") or []))
         ctx.log(f"restored checkpoint {path} at step {pos.step}{_restore_notes(manifest, ctx)}"
