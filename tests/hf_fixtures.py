@@ -96,3 +96,17 @@ def write_datasets(folder: str | Path, n: int = 40) -> dict[str, Path]:
     chat = folder / "chat.jsonl"
     chat.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(texts)))
     return {"text": folder / "text", "jsonl": jsonl, "parquet": parquet, "chat": chat}
+
+
+def tiny_gpt2(folder: str | Path, *, seed: int = 0, vocab: int = VOCAB) -> Path:
+    """A GPT-2 folder: a family the built-in trainer runs whole (no layer cut)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = Path(folder)
+    tiny_tokenizer(folder, vocab)
+    cfg = GPT2Config(vocab_size=vocab, n_positions=256, n_embd=64, n_layer=2, n_head=4,
+                     bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(seed)
+    GPT2LMHeadModel(cfg).save_pretrained(folder)
+    return folder

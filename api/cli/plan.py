@@ -1,8 +1,12 @@
 """`kc plan`: the planner's ranked layouts for a model on a cluster (platform/planning/planner.py).
 
+`--model` takes a job spec, a model YAML, a Hugging Face model folder (its
+config.json), or such a config.json itself; a job spec whose model is a
+Hugging Face folder is planned from that folder.
+
 Runs locally: no API, no cluster. Exit 0 with plans, 1 when no layout fits,
-2 for bad input (a missing or malformed model file, an unknown GPU, a batch
-that no data-parallel size divides).
+2 for bad input (a missing or malformed model file or config.json, an unknown
+GPU, a batch that no data-parallel size divides).
 """
 
 from __future__ import annotations
@@ -19,13 +23,44 @@ from kuangchao.platform.errors import SpecError
 from kuangchao.platform.planning.planner import describe, plan
 from kuangchao.platform.planning.shapes import ClusterShape, ModelShape
 from kuangchao.platform.spec.jobspec import resolve_extends, validate_spec
+from kuangchao.platform.spec.model_folder import CONFIG_LIMIT, folder_field, read_config
+
+
+def _hf_config(path: Path) -> dict[str, Any] | None:
+    """A Hugging Face config: a folder's config.json, or a JSON file with `model_type`
+    (and no `model`, which a job spec would have); None for anything else."""
+    if path.is_dir():
+        return read_config(path, "--model")
+    if path.suffix != ".json" or not path.is_file() or path.stat().st_size > CONFIG_LIMIT:
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # left to the YAML reader, which says what is wrong
+    return doc if isinstance(doc, dict) and "model_type" in doc and "model" not in doc else None
+
+
+def _hf_shape(config: dict[str, Any], where: str, seq_len: int | None) -> ModelShape:
+    try:
+        return ModelShape.from_hf_config(config, seq_len)
+    except ValueError as exc:
+        fail(f"{where}: {exc}")
+
+
+def _is_folder_model(section: dict[str, Any]) -> bool:
+    return section.get("type") == "hf" or bool(section.get("checkpoint") or section.get("path"))
 
 
 def _model(path: Path, seq_len: int | None) -> tuple[ModelShape, dict[str, Any]]:
-    """A job spec (its `model`), or a bare model document; `params: 175e9` for a size only."""
+    """A job spec (its `model`), a bare model document (`params: 175e9` for a size only),
+    or a Hugging Face folder or config.json."""
     try:
+        config = _hf_config(path)
+        if config is not None:
+            return _hf_shape(config, str(path), seq_len), {}
         doc = resolve_extends(path)
-        if isinstance(doc.get("model"), dict) and "params" not in doc["model"]:
+        if isinstance(doc.get("model"), dict) and ("params" not in doc["model"]
+                                                   or _is_folder_model(doc["model"])):
             spec = validate_spec(doc)  # a job spec: its defaults filled in
             par = spec.parallel
             rank_batch = par.micro_batch_size * par.gradient_accumulation_steps
@@ -34,6 +69,11 @@ def _model(path: Path, seq_len: int | None) -> tuple[ModelShape, dict[str, Any]]
             if par.auto:  # as `parallel: auto` decides it (platform/planning/autoplan.py)
                 doc = {"model": doc["model"], "global_batch": par.global_batch,
                        "rank_batch": rank_batch}
+            if spec.model.is_hf:  # planned from the folder, as parallel: auto plans it
+                folder = spec.model.hf_folder
+                config = read_config(folder, folder_field(spec.model))  # type: ignore[arg-type]
+                return _hf_shape(config, f"{folder_field(spec.model)} {folder}",
+                                 seq_len or spec.model.seq_len), doc
     except SpecError as exc:
         fail("; ".join(f"{p or path}: {m}" for p, m in exc.errors))
     section = doc.get("model") if isinstance(doc.get("model"), dict) else doc
@@ -53,8 +93,8 @@ def _model(path: Path, seq_len: int | None) -> tuple[ModelShape, dict[str, Any]]
 
 def plan_command(
         model_file: Annotated[Path, typer.Option("--model", help=(
-            "A job spec, or a model YAML (n_layers, d_model, n_heads, seq_len, vocab_size; "
-            "or params: 175e9)."))],
+            "A job spec, a model YAML (n_layers, d_model, n_heads, seq_len, vocab_size; "
+            "or params: 175e9), or a Hugging Face model folder or its config.json."))],
         gpus: Annotated[int, typer.Option("--gpus", min=1, help="GPUs to use, all of them.")],
         gpu: Annotated[str, typer.Option("--gpu", help=f"One of {', '.join(CATALOG)}.")] = "h100-80gb",
         gpus_per_node: Annotated[int | None, typer.Option(
@@ -87,8 +127,9 @@ def plan_command(
     else:
         n = model.params
         size = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+        kv = f" ({model.kv_heads} key/value)" if model.kv_heads != model.n_heads else ""
         typer.echo(f"{size} parameters ({model.n_layers} layers, d_model "
-                   f"{model.d_model}, {model.n_heads} heads, seq {model.seq_len}) on {gpus} x {gpu} "
+                   f"{model.d_model}, {model.n_heads} heads{kv}, seq {model.seq_len}) on {gpus} x {gpu} "
                    f"({per_node} per node), global batch {global_batch}")
         for i, p in enumerate(plans, 1):
             typer.echo(f"{i:>3}. {describe(p)}")

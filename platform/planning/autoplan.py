@@ -60,6 +60,8 @@ from kuangchao.platform.errors import SpecError
 from kuangchao.platform.planning.planner import plan
 from kuangchao.platform.planning.shapes import ClusterShape, ModelShape, Plan
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
+from kuangchao.platform.spec.model import HFShape, hf_config_errors
+from kuangchao.platform.spec.model_folder import folder_field, read_config
 from kuangchao.platform.spec.parallel import (
     DEFAULT_COLLECTIVES,
     expand_auto,
@@ -135,19 +137,47 @@ def _layout(p: Plan) -> dict[str, Any]:
             "virtual_stages": p.virtual_stages}
 
 
-def layout_errors(spec: JobSpec, p: Plan) -> list[tuple[str, str]]:
-    """Why the worker cannot run plan `p` with the rest of `spec`; empty when it can."""
+def hf_shapes(spec: JobSpec) -> tuple[ModelShape, HFShape]:
+    """A Hugging Face model's shapes (the planner's, the platform's) from its folder's config.json.
+
+    Raises:
+        SpecError: On model.path (model.checkpoint): the folder or its config.json is
+            missing or unreadable, or the config lacks what the shape needs.
+    """
+    m = spec.model
+    folder, field = m.hf_folder, folder_field(m)
+    config = read_config(folder, field)  # type: ignore[arg-type]
+    try:
+        return ModelShape.from_hf_config(config, m.seq_len), HFShape.of(config)
+    except ValueError as exc:
+        raise SpecError([(field, f"{folder}: {exc}")]) from None
+
+
+def layout_errors(spec: JobSpec, p: Plan, hf: HFShape | None = None) -> list[tuple[str, str]]:
+    """Why the worker cannot run plan `p` with the rest of `spec`; empty when it can.
+
+    `hf`: a Hugging Face model's shape (`hf_shapes`), whose layers and heads the
+    layout must split; a spec naming a folder is read here when it is not given."""
     par = spec.parallel.model_copy(update={**_layout(p), "auto": False, "gpus": None,
                                            "gpu": None, "global_batch": None})
     builtin = spec.entrypoint is None
-    errs = parallel_errors(par, spec.model.n_layers, spec.model.n_heads, builtin_trainer=builtin)
+    if spec.model.is_hf and hf is None:
+        hf = hf_shapes(spec)[1]
+    if hf is not None:
+        errs = parallel_errors(par, hf.n_layers, hf.n_heads, builtin_trainer=builtin)
+        # Only what the layout decides: the folder's other complaints are the submission's.
+        errs += [e for e in hf_config_errors(spec.model, hf, p.tp, p.pp, p.pp * p.virtual_stages)
+                 if e[0].startswith("parallel.")]
+    else:
+        errs = parallel_errors(par, spec.model.n_layers, spec.model.n_heads,
+                               builtin_trainer=builtin)
     if p.pp > 1 and p.num_microbatches < p.pp:
         errs.append(("parallel.gradient_accumulation_steps",
                      f"{p.num_microbatches} micro-batches per step cannot fill {p.pp} stages"))
     if builtin:
         if missing := sorted(trainer_collectives(par) - _allowed(spec, p.pp)):
             errs.append(("permission.collectives", f"the layout needs {', '.join(missing)}"))
-        if not spec.model.is_builtin and (p.tp > 1 or p.pp > 1):
+        if not spec.model.is_builtin and not spec.model.is_hf and (p.tp > 1 or p.pp > 1):
             errs.append(("model.type", "a custom model runs without tensor or pipeline parallelism"))
         if spec.elastic.resize == "live" and par.hybrid:
             errs.append(("elastic.resize", "live resizes need plain data parallelism"))
@@ -194,14 +224,18 @@ def resolve(doc: dict[str, Any], cluster: ClusterTopology | None) -> tuple[dict[
     acc = accelerator_for(spec, node)
     shape = cluster_for(spec, node, acc)
     global_batch = default_global_batch(spec, shape.gpus)
-    try:
-        model = ModelShape.from_spec_model(spec.model.model_dump())
-    except ValueError as exc:
-        raise SpecError([("model", str(exc))]) from None
+    hf: HFShape | None = None
+    if spec.model.is_hf:
+        model, hf = hf_shapes(spec)
+    else:
+        try:
+            model = ModelShape.from_spec_model(spec.model.model_dump())
+        except ValueError as exc:
+            raise SpecError([("model", str(exc))]) from None
     ranked = plan(model, shape, acc, global_batch)
     first_errs: list[tuple[str, str]] = []
     for i, p in enumerate(ranked):
-        errs = layout_errors(spec, p)
+        errs = layout_errors(spec, p, hf)
         if not errs:
             out = concrete_doc(doc, spec, p)
             try:
@@ -214,21 +248,23 @@ def resolve(doc: dict[str, Any], cluster: ClusterTopology | None) -> tuple[dict[
                           "candidates": len(ranked), "rank": i + 1}
                 return out, record
         first_errs = first_errs or [(f, m) for f, m in errs]
-    raise SpecError([(FIELD, no_fit_message(model, shape, acc, global_batch, ranked, first_errs))])
+    raise SpecError([(FIELD, no_fit_message(model, shape, acc, global_batch, ranked, first_errs,
+                                            folder_field(spec.model) if hf else None))])
 
 
 def _batch_splits(model: ModelShape, shape: ClusterShape, global_batch: int) -> bool:
     """Whether some (tp, pp) leaves a data-parallel size that divides the global batch."""
     tps = [t for t in (1 << i for i in range(7)) if t <= shape.node_size
-           and shape.node_size % t == 0 and model.n_heads % t == 0 and model.d_model % t == 0
-           and model.ffn % t == 0]
+           and shape.node_size % t == 0 and model.tp_divides(t)]
     return any(shape.gpus % (t * pp) == 0 and global_batch % (shape.gpus // (t * pp)) == 0
                for t in tps for pp in range(1, model.n_layers + 1) if model.n_layers % pp == 0)
 
 
 def no_fit_message(model: ModelShape, shape: ClusterShape, acc: Accelerator, global_batch: int,
-                   ranked: list[Plan], errs: list[tuple[str, str]]) -> str:
-    """Why no layout was taken, and what to change."""
+                   ranked: list[Plan], errs: list[tuple[str, str]],
+                   folder: str | None = None) -> str:
+    """Why no layout was taken, and what to change; `folder`: the field naming a
+    Hugging Face model's folder, whose shape is the folder's to change."""
     on = f"{shape.gpus} x {acc.name}"
     if ranked:
         best = ranked[0]
@@ -250,4 +286,5 @@ def no_fit_message(model: ModelShape, shape: ClusterShape, acc: Accelerator, glo
             "(ZeRO-3 over all of them), before activations; give more GPUs (parallel.gpus), a bigger GPU "
             "(parallel.gpu, e.g. h200-141gb), a smaller micro batch or global batch "
             "(parallel.micro_batch_size, parallel.global_batch), or a smaller model "
-            "(model.n_layers, model.d_model, model.seq_len)")
+            + (f"(a smaller folder in {folder}, or a shorter model.seq_len)" if folder
+               else "(model.n_layers, model.d_model, model.seq_len)"))

@@ -24,8 +24,7 @@ TIE_S = 1e-9
 def _tp_options(model: ModelShape, cluster: ClusterShape) -> list[int]:
     out, t = [], 1
     while t <= cluster.node_size:
-        if cluster.node_size % t == 0 and model.n_heads % t == 0 and model.d_model % t == 0 \
-                and model.ffn % t == 0:
+        if cluster.node_size % t == 0 and model.tp_divides(t):
             out.append(t)
         t *= 2
     return out
@@ -138,7 +137,7 @@ def evaluate(model: ModelShape, cluster: ClusterShape, acc: Accelerator, global_
     _check_args(global_batch, [zero_stage], [] if pp == 1 else [schedule], memory_headroom)
     if tp not in _tp_options(model, cluster):
         raise ValueError(f"tp={tp} must be a power of two dividing the node ({cluster.node_size} GPUs), "
-                         f"n_heads, d_model and d_ff")
+                         f"n_heads, the key/value heads, d_model and d_ff")
     if model.n_layers % pp or cluster.gpus % (tp * pp):
         raise ValueError(f"pp={pp} must divide n_layers ({model.n_layers}) and gpus / tp")
     dp = cluster.gpus // (tp * pp)

@@ -31,13 +31,49 @@ class ModelShape:
     vocab_size: int
     d_ff: int | None = None
     arch: str = "gpt"  # "llama": SwiGLU, untied head, no biases; anything else is GPT-2 style
+    # Grouped-query attention (Hugging Face `num_key_value_heads`); None: one per query head.
+    n_kv_heads: int | None = None
+    # Per-head width when a config sets it apart from d_model / n_heads (`head_dim`).
+    head_dim: int | None = None
+    # Whether the LM head shares the embedding; None: the arch's own (gpt tied, llama not).
+    tied_head: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size"):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"model.{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.d_model % self.n_heads:
+        for name in ("n_kv_heads", "head_dim", "d_ff"):
+            value = getattr(self, name)
+            if value is not None and not value >= 1:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"model.d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"model n_heads {self.n_heads} is not a multiple of the "
+                             f"{self.kv_heads} key/value heads")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries (and of the attention output): n_heads x head size."""
+        return self.n_heads * self.head_dim if self.head_dim is not None else self.d_model
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys and of the values: kv heads x head size."""
+        return self.q_dim // self.n_heads * self.kv_heads
+
+    @property
+    def tied(self) -> bool:
+        return self.arch != "llama" if self.tied_head is None else self.tied_head
+
+    def tp_divides(self, t: int) -> bool:
+        """Whether `t` tensor-parallel ranks split the heads (query and key/value) and widths."""
+        return (self.n_heads % t == 0 and self.kv_heads % t == 0 and self.d_model % t == 0
+                and self.ffn % t == 0)
 
     @property
     def ffn(self) -> int:
@@ -48,28 +84,33 @@ class ModelShape:
 
     @property
     def layer_matmul_params(self) -> int:
+        """q and o (h x q_dim each), k and v (h x kv_dim each), and the MLP's 3 (SwiGLU) or 2."""
         h, f = self.d_model, self.ffn
-        return 4 * h * h + (3 if self.arch == "llama" else 2) * h * f
+        attention = 2 * h * self.q_dim + 2 * h * self.kv_dim  # 4h^2 without GQA or head_dim
+        return attention + (3 if self.arch == "llama" else 2) * h * f
 
     @property
     def layer_params(self) -> int:
         h = self.d_model
         if self.arch == "llama":  # no biases, two RMSNorm scales
             return self.layer_matmul_params + 2 * h
-        return self.layer_matmul_params + 4 * h + self.ffn + h + 4 * h  # qkvo, MLP biases; 2 LayerNorms
+        # q, k, v, o and MLP biases; 2 LayerNorms (weight and bias each)
+        return self.layer_matmul_params + self.q_dim + 2 * self.kv_dim + h + self.ffn + h + 4 * h
 
     @property
     def params(self) -> int:
         """Distinct parameters; for GPT 12Lh^2 + 13Lh + (V + s)h + 2h at d_ff = 4h."""
         h, v = self.d_model, self.vocab_size
-        if self.arch == "llama":  # untied head, final norm, rotary positions (no parameters)
-            return self.n_layers * self.layer_params + 2 * v * h + h
-        return self.n_layers * self.layer_params + (v + self.seq_len) * h + 2 * h  # tied head
+        head = 0 if self.tied else v * h
+        if self.arch == "llama":  # embeddings, final RMSNorm, rotary positions (no parameters)
+            return self.n_layers * self.layer_params + v * h + h + head
+        # learned positions, final LayerNorm
+        return self.n_layers * self.layer_params + (v + self.seq_len) * h + 2 * h + head
 
     def flops_per_token(self, recompute: bool) -> float:
         """Training FLOPs per token; with full recompute the layers run forward twice."""
         passes = 4 if recompute else 3
-        layer = 2 * self.layer_matmul_params + 4 * self.seq_len * self.d_model
+        layer = 2 * self.layer_matmul_params + 4 * self.seq_len * self.q_dim
         return passes * self.n_layers * layer + 6 * self.d_model * self.vocab_size
 
     @classmethod
@@ -104,6 +145,47 @@ class ModelShape:
         return cls(int(d["n_layers"]), int(d["d_model"]), int(d["n_heads"]), int(d["seq_len"]),
                    int(d["vocab_size"]), None if d.get("d_ff") is None else int(d["d_ff"]),
                    str(d.get("type") or "gpt"))
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], seq_len: int | None = None) -> ModelShape:
+        """From a Hugging Face `config.json` (as a dict), read as the platform reads it
+        (`HFShape.of`): layers, heads, key/value heads, width, vocabulary, and
+        `intermediate_size` (`n_inner` for GPT-2), `head_dim` and `tie_word_embeddings`
+        when the config has them (an absent tie: transformers' default, tied for GPT-2 only).
+
+        Families with `intermediate_size` (Llama, Mistral, Qwen, ...) are SwiGLU decoders
+        without biases (`arch` "llama"); others are costed as GPT-2. `seq_len` defaults to
+        2048, or the model's `max_position_embeddings` when that is shorter.
+
+        Raises:
+            ValueError: A key the shape needs is missing or wrong.
+        """
+        from kuangchao.platform.spec.model import HFShape  # pydantic: kept off the pure import
+
+        hf = HFShape.of(dict(config))
+        text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+
+        def positive(*keys: str) -> int | None:
+            for key in keys:
+                value = text.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+            return None
+
+        ffn = positive("intermediate_size", "n_inner")
+        arch = "llama" if text.get("intermediate_size") is not None else "gpt"
+        head_dim = positive("head_dim")
+        if head_dim is not None and head_dim * hf.n_heads == hf.d_model:
+            head_dim = None
+        tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+        if not isinstance(tied, bool):  # absent: transformers' default, per family
+            tied = arch == "gpt"
+        if seq_len is None:
+            limit = hf.max_positions if isinstance(hf.max_positions, int) and hf.max_positions > 0 \
+                else None
+            seq_len = min(2048, limit or 2048)
+        return cls(hf.n_layers, hf.d_model, hf.n_heads, int(seq_len), hf.vocab_size, ffn, arch,
+                   n_kv_heads=hf.n_kv_heads, head_dim=head_dim, tied_head=tied)
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,8 @@ class HFShape:
     max_positions: int | None
     tied: bool
     tp_plan: dict[str, str] | None  # per decoder layer: "self_attn.q_proj" -> "colwise"
+    # Attention limited to this many past tokens (Mistral, Qwen with use_sliding_window).
+    sliding_window: int | None = None
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> HFShape:
@@ -160,7 +162,13 @@ class HFShape:
                    d_model=number("hidden_size", "n_embd"), vocab_size=number("vocab_size"),
                    max_positions=text.get("max_position_embeddings"),
                    tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-                   tp_plan=plan)
+                   tp_plan=plan, sliding_window=_window(family, text))
+
+
+def _window(family: str, text: dict[str, Any]) -> int | None:
+    window = text.get("sliding_window")
+    on = family == "mistral" or bool(text.get("use_sliding_window"))
+    return window if on and isinstance(window, int) and window > 0 else None
 
 
 def hf_config_errors(m: ModelSection, shape: HFShape, tp: int, pp: int,
@@ -172,11 +180,15 @@ def hf_config_errors(m: ModelSection, shape: HFShape, tp: int, pp: int,
     if m.type == "llama" and shape.family not in LLAMA_FAMILY:
         errs.append(("model.checkpoint", f"holds a {shape.family!r} model, not a Llama-family "
                      f"one; use type hf with model.path for it"))
-    if not shape.architecture.endswith("ForCausalLM"):
+    if not shape.architecture.endswith(("ForCausalLM", "LMHeadModel")):
         errs.append(("model.path", f"holds a {shape.architecture or 'model without architectures'}"
                      f", not a causal language model (…ForCausalLM)"))
     if tp > 1:
-        if shape.tp_plan is None:
+        if shape.family not in PIPELINE_FAMILIES:
+            errs.append(("parallel.tensor_parallel_size", f"kc splits the attention and MLP of "
+                         f"{', '.join(PIPELINE_FAMILIES)} models; {shape.family} runs with data "
+                         "parallelism and ZeRO (tensor_parallel_size: 1)"))
+        elif shape.tp_plan is None:
             errs.append(("parallel.tensor_parallel_size", f"{shape.family} models carry no "
                          "tensor-parallel plan (base_model_tp_plan) and kc keeps none for them; "
                          "use tensor_parallel_size: 1 with ZeRO or a pipeline"))
@@ -198,6 +210,10 @@ def hf_config_errors(m: ModelSection, shape: HFShape, tp: int, pp: int,
         if shape.n_layers % chunks:
             errs.append(("parallel.pipeline_parallel_size", f"{chunks} model chunks do not divide "
                          f"the model's {shape.n_layers} decoder layers"))
+    if shape.sliding_window is not None and m.seq_len > shape.sliding_window:
+        errs.append(("model.seq_len", f"{m.seq_len} exceeds the model's sliding_window "
+                     f"({shape.sliding_window}); kc trains with full causal attention, which equals "
+                     "the model's only up to its window: use a seq_len within it"))
     if shape.max_positions is not None and isinstance(shape.max_positions, int) \
             and m.seq_len > shape.max_positions:
         errs.append(("model.seq_len", f"{m.seq_len} exceeds the model's max_position_embeddings "

@@ -71,7 +71,12 @@ def reference(doc: dict, steps: int = STEPS) -> dict:
         else torch.autocast("cpu", enabled=False)
     for batch in global_batches(spec, steps, dims(spec, model)[2]):
         with ctx:
-            _, loss = model(batch[:, :-1], batch[:, 1:])
+            if getattr(model, "opaque", False):  # a whole HF model: logits only
+                from kuangchao.workers.parallel.pipeline import lm_loss
+
+                loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
+            else:
+                _, loss = model(batch[:, :-1], batch[:, 1:])
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                           spec.optimizer.grad_clip)))

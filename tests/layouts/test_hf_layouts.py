@@ -8,7 +8,8 @@ tests/layouts/layout_run.py). Each case checks
 
 * at step 0, the logits the layout computes against `transformers`' own forward
   of the folder (rel 1e-5, fp32): DDP, ZeRO-3, tensor parallelism (the config's
-  `base_model_tp_plan`) and a 2-stage pipeline cut between decoder layers;
+  `base_model_tp_plan`) and a 2-stage pipeline cut between decoder layers; and a
+  GPT-2 folder, a family run whole (not cut), under ZeRO-3;
 * then 5 steps of fine-tuning against single-process training on the same
   global batches, step by step (rel 1e-5, fp32), as test_layouts.py does for the
   built-in models.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hf_fixtures import tiny_llama
+from tests.hf_fixtures import tiny_gpt2, tiny_llama
 from tests.layouts.layout_run import reference
 from tests.layouts.test_layouts import FP32, WORLD, _close, _reference_doc, record, run_layouts
 
@@ -35,6 +36,8 @@ CASES = {
                    "gradient_accumulation_steps": 2},
     "hf-tied-dp2-pp2": {"data_parallel_size": 2, "pipeline_parallel_size": 2,
                         "gradient_accumulation_steps": 2},
+    # GPT-2 is no decoder of the cut layout: it runs whole, under ZeRO-3 per layer.
+    "hf-gpt2-dp4-zero3": {"data_parallel_size": 4, "zero_stage": 3},
 }
 
 
@@ -47,11 +50,12 @@ def _doc(folder: Path, parallel: dict) -> dict:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf-models")
-    return {"untied": tiny_llama(root / "llama"), "tied": tiny_llama(root / "llama-tied", tie=True)}
+    return {"untied": tiny_llama(root / "llama"), "tied": tiny_llama(root / "llama-tied", tie=True),
+            "gpt2": tiny_gpt2(root / "gpt2")}
 
 
 def _folder(name: str, folders: dict[str, Path]) -> Path:
-    return folders["tied" if "tied" in name else "untied"]
+    return folders["tied" if "tied" in name else "gpt2" if "gpt2" in name else "untied"]
 
 
 @pytest.fixture(scope="module")

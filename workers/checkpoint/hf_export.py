@@ -77,7 +77,8 @@ def hf_source(entry: dict[str, Any] | None, where: str) -> tuple[dict[str, Any],
             raise CheckpointError(f"{where}: the manifest's model config is not a config.json "
                                   "(no model_type)")
         # A user's own train function saves the Hugging Face model itself, under its own names.
-        return dict(config), (hf_names.HF if entry.get("names") == "hf" else hf_names.KC)
+        names = {"hf": hf_names.HF, "whole": hf_names.WHOLE}.get(entry.get("names"), hf_names.KC)
+        return dict(config), names
     if kind == "own":
         raise CheckpointError(
             f"{where}: a custom train function's own model; kc does not know its architecture: "

@@ -30,7 +30,13 @@ import torch
 from torch import nn
 
 from kuangchao.platform.errors import SpecError
-from kuangchao.platform.spec.model import TP_STYLES, HFShape, ModelSection, params_error
+from kuangchao.platform.spec.model import (
+    PIPELINE_FAMILIES,
+    TP_STYLES,
+    HFShape,
+    ModelSection,
+    params_error,
+)
 from kuangchao.platform.spec.model_folder import folder_field, read_config
 from kuangchao.workers.errors import ModelConfigError
 from kuangchao.workers.models import config as shared
@@ -115,6 +121,42 @@ class HFCausalLM(nn.Module):
         return shared.count_params(self)
 
 
+class HFWholeLM(nn.Module):
+    """Any other `AutoModelForCausalLM` (GPT-2, Phi, Gemma, OPT ...), run whole: one chunk.
+
+    Data parallelism and ZeRO need no cut, only the repeated layers (FSDP2 shards
+    each, recompute and compile apply per layer): `blocks` names them without
+    registering them twice. Tensor and pipeline parallelism are refused at
+    validation for these families (platform/spec/model.py).
+    """
+
+    opaque = True  # the engine runs it as the single chunk it is
+    rotary = False
+
+    def __init__(self, hf: nn.Module, shape: HFShape, seq_len: int) -> None:
+        super().__init__()
+        from kuangchao.workers.parallel.prepare import find_blocks
+
+        self.shape, self.seq_len = shape, seq_len
+        self.hf = hf
+        # A plain dict is no submodule: the layers keep their one name, under `hf.`.
+        self.blocks = {str(i): b for i, b in enumerate(find_blocks(hf))}
+
+    @property
+    def d_model(self) -> int:
+        return self.shape.d_model
+
+    tp_plan = None
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> logits [B, T, vocab]."""
+        shared.check_input(idx, self.seq_len)
+        return self.hf(input_ids=idx, use_cache=False).logits
+
+    def num_params(self) -> int:
+        return shared.count_params(self)
+
+
 def load_hf(folder: str | Path, *, pretrained: bool, seed: int | None = None) -> nn.Module:
     """The folder's `AutoModelForCausalLM` in fp32 with sdpa attention, read from local files only.
 
@@ -136,7 +178,7 @@ def load_hf(folder: str | Path, *, pretrained: bool, seed: int | None = None) ->
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kw)
 
 
-def build_hf_model(m: ModelSection, seed: int | None = None) -> HFCausalLM:
+def build_hf_model(m: ModelSection, seed: int | None = None) -> HFCausalLM | HFWholeLM:
     """The job's Hugging Face model, checked against its spec.
 
     Raises:
@@ -157,7 +199,13 @@ def build_hf_model(m: ModelSection, seed: int | None = None) -> HFCausalLM:
     except (OSError, ValueError, KeyError) as exc:
         raise ModelConfigError(f"{field}: cannot load the model in {folder}: "
                                f"{str(exc).splitlines()[0][:300]}") from None
-    model = HFCausalLM(hf, shape, m.seq_len)
+    base = getattr(hf, "model", None)
+    # Only families whose base model does nothing between its layers but what HFCausalLM
+    # does (Gemma scales its embeddings, for one) are cut; the others run whole.
+    layered = shape.family in PIPELINE_FAMILIES and all(
+        hasattr(base, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb"))
+    model: HFCausalLM | HFWholeLM = (HFCausalLM(hf, shape, m.seq_len) if layered
+                                     else HFWholeLM(hf, shape, m.seq_len))
     if m.params is not None and (err := params_error(m.params, model.num_params())):
         raise ModelConfigError(f"{err[0]}: {err[1]}")
     return model
@@ -168,7 +216,10 @@ def model_manifest(m: ModelSection, tokenizer: str | None) -> dict[str, Any]:
     if m.is_hf:
         folder = m.hf_folder
         assert folder is not None
-        return {"kind": "hf", "config": read_config(folder, folder_field(m)),
-                "folder": str(folder), "tokenizer": str(tokenizer or folder)}
+        config = read_config(folder, folder_field(m))
+        # The names the built-in trainer saves it under: cut (kc's) or whole (`hf.`).
+        names = "kc" if config.get("model_type") in PIPELINE_FAMILIES else "whole"
+        return {"kind": "hf", "config": config, "folder": str(folder),
+                "tokenizer": str(tokenizer or folder), "names": names}
     return {"kind": "builtin", "type": m.type, "n_layers": m.n_layers, "n_heads": m.n_heads,
             "d_model": m.d_model, "vocab_size": m.vocab_size, "seq_len": m.seq_len, "d_ff": m.d_ff}

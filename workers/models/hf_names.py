@@ -22,8 +22,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-HF, KC, BUILTIN_LLAMA = "hf", "kc", "builtin-llama"
-NAMINGS = (HF, KC, BUILTIN_LLAMA)
+HF, KC, BUILTIN_LLAMA, WHOLE = "hf", "kc", "builtin-llama", "whole"
+NAMINGS = (HF, KC, BUILTIN_LLAMA, WHOLE)
 
 # kc prefix -> HF prefix, for everything outside the decoder layers.
 _TOP = (("tok_emb.", "model.embed_tokens."), ("norm.", "model.norm."), ("lm_head.", "lm_head."))
@@ -63,6 +63,14 @@ def kc_to_hf(name: str) -> str:
             return hf + name[len(kc):]
     raise UnknownTensorName(f"{name!r} is not a tensor of kuangchao's wrapper of a Hugging Face model "
                      "(tok_emb.*, blocks.N.*, norm.*, lm_head.*)")
+
+
+def whole_to_hf(name: str) -> str:
+    """`hf.transformer.h.0.attn.c_attn.weight` -> `transformer.h.0.attn.c_attn.weight`: the
+    built-in trainer runs a family outside the decoder layout whole, under `hf.`."""
+    if not name.startswith("hf."):
+        raise UnknownTensorName(f"{name!r} is not a tensor of a whole Hugging Face model (hf.*)")
+    return name[3:]
 
 
 def hf_to_kc(name: str) -> str:
@@ -118,7 +126,7 @@ def hf_to_builtin_llama(name: str) -> str:
     return hf_to_kc(name)
 
 
-_TO_HF = {HF: lambda n: n, KC: kc_to_hf, BUILTIN_LLAMA: builtin_llama_to_hf}
+_TO_HF = {HF: lambda n: n, KC: kc_to_hf, BUILTIN_LLAMA: builtin_llama_to_hf, WHOLE: whole_to_hf}
 
 
 def naming_of(names: Iterable[str]) -> str | None:

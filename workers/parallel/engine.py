@@ -59,6 +59,7 @@ from kuangchao.workers.parallel.pipeline import (
     make_schedule,
 )
 from kuangchao.workers.parallel.precision import Precision
+from kuangchao.workers.parallel.prepare import recompute_blocks
 from kuangchao.workers.parallel.tensor_parallel import apply_tensor_parallel
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -101,8 +102,14 @@ class Engine:
         v = p.virtual_stages if pp > 1 else 1
         self.n_chunks = pp * v
         self.chunk_ids = self.layout.stage_chunks(self.coords.pp, v)
-        self.chunks = build_chunks(model, self.n_chunks, self.chunk_ids, p.recompute)
-        self.holder = ChunkSet(self.chunks)
+        if getattr(model, "opaque", False):  # a whole Hugging Face model: one chunk, uncut
+            self.chunks = [model]
+            self.holder = model
+            if p.recompute:
+                recompute_blocks(list(model.blocks.values()))
+        else:
+            self.chunks = build_chunks(model, self.n_chunks, self.chunk_ids, p.recompute)
+            self.holder = ChunkSet(self.chunks)
         self.mesh = None
         if self.distributed and (pp > 1 or tp > 1 or self.fsdp):
             from torch.distributed.device_mesh import init_device_mesh
@@ -145,7 +152,7 @@ class Engine:
         """Compile each block in place (names unchanged); eager where it fails."""
         block = next(iter(self.chunks[0].blocks.values()))
         probe = torch.zeros(1, 2, self.d_model, device=self.device)
-        extra = self.chunks[0].rope(2) if self.chunks[0].rotary else ()
+        extra = self.chunks[0].rope(2) if getattr(self.chunks[0], "rotary", False) else ()
         try:
             block.compile()
             with torch.no_grad():

@@ -70,6 +70,12 @@ def _recompute(block: nn.Module) -> None:
     block.forward = recomputed  # type: ignore[method-assign]
 
 
+def recompute_blocks(blocks: list[nn.Module]) -> None:
+    """Recompute each block's activations in backward (names unchanged)."""
+    for block in blocks:
+        _recompute(block)
+
+
 def prepare_model(spec: JobSpec, model: nn.Module, *, world_size: int, device: torch.device,
                   tp_plan: dict[str, str] | None = None) -> nn.Module:
     """Lay `model` out as the spec says, on this rank; returns what to call and train.
@@ -90,8 +96,7 @@ def prepare_model(spec: JobSpec, model: nn.Module, *, world_size: int, device: t
     model = model.to(device)
     blocks = find_blocks(model)
     if p.recompute:
-        for block in blocks:
-            _recompute(block)
+        recompute_blocks(blocks)
     if spec.training.compile:
         for block in blocks:
             block.compile()
