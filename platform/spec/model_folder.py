@@ -97,15 +97,39 @@ def folder_errors(spec: Any) -> list[tuple[str, str]]:
         errs.append((field, f"{folder!r} holds no weights ({', '.join(WEIGHT_FILES[:3])}); "
                             "set model.pretrained: false to train from a seeded random init"))
     tokenizer = spec.data.tokenizer or folder
-    if (spec.data.format is not None or spec.data.path is None) and not has_tokenizer(tokenizer):
-        where = "data.tokenizer" if spec.data.tokenizer else field
+    where = "data.tokenizer" if spec.data.tokenizer else field
+    if not has_tokenizer(tokenizer):
         errs.append((where, f"{tokenizer!r} holds no tokenizer (tokenizer.json); the data is "
                             "tokenized with the model's tokenizer"))
+    elif (vocab := tokenizer_vocab_size(tokenizer)) is not None and vocab > shape.vocab_size:
+        errs.append((where, f"the tokenizer's vocabulary ({vocab:,}) exceeds the model's "
+                            f"embeddings ({shape.vocab_size:,}): its ids past them would index "
+                            "nothing; use the model's own tokenizer, or resize the embeddings"))
     return errs
 
 
+def tokenizer_vocab_size(folder: str | Path) -> int | None:
+    """The ids a `tokenizer.json` can produce (its vocabulary and added tokens), read as
+    JSON; None when there is none, or it is too big or not understood (the ranks check)."""
+    path = Path(folder) / "tokenizer.json"
+    try:
+        if path.stat().st_size > 64 << 20:
+            return None
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    model = doc.get("model") if isinstance(doc, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    ids = [v for v in vocab.values() if isinstance(v, int)] if isinstance(vocab, dict) else []
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        ids = list(range(len(vocab)))
+    added = doc.get("added_tokens") or []
+    ids += [t["id"] for t in added if isinstance(t, dict) and isinstance(t.get("id"), int)]
+    return max(ids) + 1 if ids else None
+
+
 def check_model_folder(spec: Any) -> None:
-    """At submission: refuse a job whose model folder cannot serve it.
+    """At submission: refuse a job whose model folder or data files cannot serve it.
 
     Skipped when the operator set `KC_MODEL_FOLDER_CHECK=start` (the API server
     does not see the model folders); the ranks check it at start either way.
@@ -115,6 +139,8 @@ def check_model_folder(spec: Any) -> None:
     """
     if os.environ.get("KC_MODEL_FOLDER_CHECK", "submit") == "start":
         return
-    errs = folder_errors(spec)
+    from kuangchao.platform.spec.data_files import data_file_errors
+
+    errs = folder_errors(spec) + data_file_errors(spec)
     if errs:
         raise SpecError(errs)

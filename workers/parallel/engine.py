@@ -60,6 +60,7 @@ from kuangchao.workers.parallel.pipeline import (
 )
 from kuangchao.workers.parallel.precision import Precision
 from kuangchao.workers.parallel.prepare import recompute_blocks
+from kuangchao.workers.parallel.summary import describe
 from kuangchao.workers.parallel.tensor_parallel import apply_tensor_parallel
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -259,23 +260,7 @@ class Engine:
 
     def describe(self) -> str:
         """The layout in one line, for the job log."""
-        p, lay = self.p, self.layout
-        parts = [f"dp={lay.dp} tp={lay.tp} pp={lay.pp}"]
-        if lay.pp > 1:
-            parts.append(f"schedule {p.schedule}" + (f" x{p.virtual_stages}" if p.virtual_stages > 1 else ""))
-        dp_kind = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[p.zero_stage]
-        parts.append(dp_kind + (" + manual all-reduce" if self.manual_dp else ""))
-        if p.offload:
-            parts.append("offload")
-        if self.hierarchy is not None:
-            parts.append("hierarchical all-reduce")
-        if p.grad_compression != "none":
-            parts.append(f"{p.grad_compression} compression")
-        if p.precision != "fp32":
-            parts.append(p.precision)
-        if p.recompute:
-            parts.append("recompute")
-        return ", ".join(parts)
+        return describe(self)
 
     # -- one step -------------------------------------------------------------
 
