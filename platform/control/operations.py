@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import secrets
 import time
@@ -39,6 +40,7 @@ def resolve_checkpoint_path(spec: JobSpec) -> JobSpec:
     working directory (the last one a temporary folder); one rule for all keeps
     checkpoints where `kc` and operators can find them.
     """
+    spec = _expand_home(spec)
     path = Path(spec.checkpoint.path).expanduser()
     if path.is_absolute():
         return spec
@@ -46,6 +48,20 @@ def resolve_checkpoint_path(spec: JobSpec) -> JobSpec:
     # find nothing new and cost more than the rest of a submit.
     checkpoint = spec.checkpoint.model_copy(update={"path": str(kc_home() / path)})
     return spec.model_copy(update={"checkpoint": checkpoint})
+
+
+def _expand_home(spec: JobSpec) -> JobSpec:
+    """`~/...` in the model folder, data and tokenizer paths, as the submitting side means
+    it: the ranks read them as written, and transformers does not expand `~`."""
+    def expand(section: Any, *fields: str) -> Any:
+        update = {f: os.path.expanduser(v) for f in fields
+                  if isinstance(v := getattr(section, f), str) and v.startswith("~")}
+        return section.model_copy(update=update) if update else section
+
+    model, data = expand(spec.model, "path", "checkpoint"), expand(spec.data, "path", "tokenizer")
+    if model is spec.model and data is spec.data:
+        return spec
+    return spec.model_copy(update={"model": model, "data": data})
 
 
 def check_queue(store: JobStore, spec: JobSpec, role: str | None = None,
