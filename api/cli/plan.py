@@ -78,7 +78,7 @@ def _model(path: Path, seq_len: int | None) -> tuple[ModelShape, dict[str, Any]]
         fail("; ".join(f"{p or path}: {m}" for p, m in exc.errors))
     section = doc.get("model") if isinstance(doc.get("model"), dict) else doc
     try:
-        if "params" in section:
+        if section.get("params") is not None:  # a dumped job spec's model has params: None
             model = ModelShape.from_param_count(float(section["params"]),
                                                 int(seq_len or section.get("seq_len", 2048)),
                                                 int(section.get("vocab_size", 50257)))

@@ -108,6 +108,7 @@ class ClusterCollector:
         fams = {d.name: _family(d) for d in (m.JOB_INFO, m.JOB_STATE_AGE, m.JOB_RECOVERING,
                                               m.JOB_WORLD_SIZE,
                                               m.JOB_STEP, m.JOB_TOTAL_STEPS, m.JOB_LOSS,
+                                              m.JOB_EVAL_LOSS,
                                               m.CHECKPOINT_AGE, m.HEARTBEAT_AGE, m.HEARTBEAT_UP)}
         for job in jobs:
             state = job.state.value
@@ -122,8 +123,9 @@ class ClusterCollector:
             fams["kc_job_step"].add_metric([job.id], float(progress.get("step") or 0))
             if isinstance(total, int | float):
                 fams["kc_job_total_steps"].add_metric([job.id], float(total))
-            if isinstance(progress.get("loss"), int | float):
-                fams["kc_job_loss"].add_metric([job.id], float(progress["loss"]))
+            for key, name in (("loss", "kc_job_loss"), ("eval_loss", "kc_job_eval_loss")):
+                if isinstance(progress.get(key), int | float):  # eval_loss: once evaluated
+                    fams[name].add_metric([job.id], float(progress[key]))
             if job.state in (JobState.RUNNING, JobState.RECOVERING, JobState.RESIZING):
                 ckpt = reads["checkpoint"][job.id] or {}
                 last = ckpt.get("committed_at") or job.started_at or job.created_at

@@ -86,6 +86,8 @@ JOB_STEP = _m("kc_job_step", "gauge", "Optimizer steps an active job has complet
 JOB_TOTAL_STEPS = _m("kc_job_total_steps", "gauge", "Optimizer steps an active job will run",
                      "job")
 JOB_LOSS = _m("kc_job_loss", "gauge", "Global mean loss at the last logged step", "job")
+JOB_EVAL_LOSS = _m("kc_job_eval_loss", "gauge", "Mean loss on the held-out split at the job's "
+                   "last evaluation (every training.eval_interval steps)", "job")
 CHECKPOINT_AGE = _m("kc_job_checkpoint_age_seconds", "gauge", "Seconds since a running job's "
                     "newest committed checkpoint (since it started, before its first)", "job")
 HEARTBEAT_AGE = _m("kc_rank_heartbeat_age_seconds", "gauge", "Seconds since a rank's last "
@@ -174,9 +176,9 @@ WORKER = (WORKER_STEP, WORKER_STEP_SECONDS, WORKER_TOKENS, WORKER_SAMPLES, WORKE
           WORKER_GRAD_NORM, WORKER_LR, WORKER_COMM_SHARE, WORKER_COMM_SECONDS, WORKER_MEMORY,
           WORKER_MFU, WORKER_PEAK_FLOPS)
 CONTROL_PLANE = (JOBS, JOB_INFO, JOB_STATE_AGE, JOB_RECOVERING, JOB_WORLD_SIZE, JOB_STEP, JOB_TOTAL_STEPS,
-                 JOB_LOSS, CHECKPOINT_AGE, HEARTBEAT_AGE, HEARTBEAT_UP, QUEUE_OLDEST_WAIT,
-                 QUEUE_GPUS, CLUSTER_GPUS, NODES, *CLUSTER_RECORDED, *JOB_RECORDED, API_REQUEST,
-                 API_AUTH_DENIALS, STORE_UP)
+                 JOB_LOSS, JOB_EVAL_LOSS, CHECKPOINT_AGE, HEARTBEAT_AGE, HEARTBEAT_UP,
+                 QUEUE_OLDEST_WAIT, QUEUE_GPUS, CLUSTER_GPUS, NODES, *CLUSTER_RECORDED, *JOB_RECORDED,
+                 API_REQUEST, API_AUTH_DENIALS, STORE_UP)
 ALL = CONTROL_PLANE + WORKER
 
 

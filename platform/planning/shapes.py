@@ -163,7 +163,8 @@ class ModelShape:
         from kuangchao.platform.spec.model import HFShape  # pydantic: kept off the pure import
 
         hf = HFShape.of(dict(config))
-        text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+        sub = config.get("text_config")
+        text: Mapping[str, Any] = sub if isinstance(sub, Mapping) else config
 
         def positive(*keys: str) -> int | None:
             for key in keys:

@@ -31,7 +31,7 @@ from kuangchao.platform.observability.logjson import use_json_logs
 from kuangchao.platform.security.audit import AuditLog, AuditRecord, DenialSampler
 from kuangchao.platform.security.authority import TokenAuthority, load_signing_key
 from kuangchao.platform.security.tokens import generate_key
-from kuangchao.platform.settings import Settings, audit_file
+from kuangchao.platform.settings import Settings, audit_file, audit_roots
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class TokenAuthorityActor:
         key, self.key_source = ((generate_key(), "ephemeral") if ephemeral else
                                 load_signing_key(settings.signing_key_file, settings.dev,
                                                  settings.signing_key_pem))
-        self.authority = TokenAuthority(store, key, AuditLog(store, audit_file()),
+        self.authority = TokenAuthority(store, key, AuditLog(store, audit_file(), audit_roots()),
                                         settings.redis_url, job_acl=settings.job_acl)
         self.store = store
         self._control = store.offer_control_secret(secrets.token_urlsafe(32))

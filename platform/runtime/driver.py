@@ -37,7 +37,7 @@ from kuangchao.platform.placement.solver import Infeasible, place, traffic_from_
 from kuangchao.platform.runtime.ray_connect import connect
 from kuangchao.platform.scheduling.policies import Snapshot, job_shape
 from kuangchao.platform.security.audit import AuditLog, AuditRecord
-from kuangchao.platform.settings import Settings, audit_file
+from kuangchao.platform.settings import Settings, audit_file, audit_roots
 from kuangchao.platform.spec.jobspec import validate_spec
 
 
@@ -147,7 +147,7 @@ def run_as_driver(doc: dict[str, Any], settings: Settings | None = None,
     # `parallel: auto` is planned on the nodes Ray has now (the registry may not run).
     cluster = ClusterTopology("ray", nodes_from_ray(ray.nodes())) if spec.parallel.auto else None
     job = jobs.submit(store, spec, driver="external", owner=owner, tenant=tenant, cluster=cluster)
-    AuditLog(store, audit_file()).record(AuditRecord(
+    AuditLog(store, audit_file(), audit_roots()).record(AuditRecord(
         principal=f"driver:{owner}", action="job.submit", resource=f"job/{job.id}",
         decision="allow", reason=f"kc train, tenant {tenant}", job=job.id))
     print(f"job {job.id} submitted", file=sys.stderr, flush=True)

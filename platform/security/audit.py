@@ -5,6 +5,14 @@ action on which resource, the decision and why. Records go to a Redis stream
 (capped, newest kept) for `kc audit` and `GET /v1/audit`, and to a JSONL file
 that outlives Redis. A record that cannot reach one sink still reaches the
 other; a failure to audit is logged, never silently dropped.
+
+A record about a job (`job` set) whose spec names `permission.audit_log` is
+also appended there, the same JSON line, by the trusted processes that keep
+the trail (the API, the token authority, a `kc train` driver: each passes the
+audit roots), never by a rank (platform/security/job_audit.py: under the audit
+roots, checked again at each write, no symlinks followed). That copy is
+written after the main trail, and a failure to write it is a warning: the
+main record is never lost to it.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-log = logging.getLogger(__name__)
+from kuangchao.platform.security.job_audit import JobAuditFiles
 
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,14 +52,23 @@ class AuditLog:
         store: The job store (its `append_audit` and `audit_lines`), or None for
             the file alone.
         path: The JSONL file, or None for the stream alone.
+        job_roots: The audit roots (`platform.settings.audit_roots()`): a job's
+            records are also copied to its `permission.audit_log` under them,
+            found in `store`'s job record. None: no per-job copies.
+        job_files: Those copies' writer, given instead of `job_roots` (tests).
     """
 
-    def __init__(self, store: Any, path: Path | None) -> None:
+    def __init__(self, store: Any, path: Path | None, job_roots: tuple[str, ...] | None = None,
+                 job_files: JobAuditFiles | None = None) -> None:
         self.store, self.path = store, path
         self._lock = threading.Lock()
         self._file: Any = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+        if job_files is None and job_roots is not None and store is not None:
+            job_files = JobAuditFiles(store, job_roots)
+        self.job_files = job_files
+        self._job_errors: dict[str, str] = {}  # job -> its last warning, said once
 
     def record(self, rec: AuditRecord) -> None:
         line = json.dumps(rec.to_json(), sort_keys=True)
@@ -65,6 +83,27 @@ class AuditLog:
                 self.store.append_audit(line)
             except Exception as exc:  # Redis away: the file still has it
                 log.error("audit stream not written: %s; record: %s", exc, line)
+        if rec.job and self.job_files is not None:
+            self._copy_to_job(rec.job, line)
+
+    def _copy_to_job(self, job: str, line: str) -> None:
+        """The job's own audit file; a failure is a warning (once per job and cause)."""
+        try:
+            self.job_files.append(job, line + "\n", skip=self.path)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 -- never lose the main record to it
+            why = str(exc)
+            with self._lock:
+                said = self._job_errors.get(job) == why
+                self._job_errors[job] = why
+                if len(self._job_errors) > 1024:
+                    self._job_errors.pop(next(iter(self._job_errors)))
+            if not said:
+                log.warning("job %s's audit file (permission.audit_log) not written: %s; "
+                            "the main trail has the record", job, why)
+        else:
+            if self._job_errors:
+                with self._lock:
+                    self._job_errors.pop(job, None)
 
     def _write(self, line: str) -> None:
         # One handle kept open (opening per record cost more than the write);

@@ -67,3 +67,29 @@ def test_kc_plan_on_an_auto_spec_takes_its_global_batch_by_the_same_rule(tmp_pat
     _, rec = autoplan.resolve(doc, cluster(4))
     assert (first["dp"], first["micro_batch"], first["num_microbatches"]) == (
         rec["dp"], rec["micro_batch"], rec["num_microbatches"])
+
+
+def test_a_hugging_face_folder_or_its_config_json_is_planned_from_the_config(tmp_path):
+    import yaml
+
+    from tests.unit.test_autoplan import hf_folder
+
+    folder = hf_folder(tmp_path)
+    text = kc("plan", "--model", folder, "--gpus", "8", "--gpu", "h100-80gb", "--top", "2",
+              tmp_home=tmp_path)
+    assert text.returncode == 0, text.stderr
+    assert "2.74M parameters (4 layers, d_model 256, 8 heads (2 key/value), seq 512)" in text.stdout
+    as_json = kc("plan", "--model", f"{folder}/config.json", "--gpus", "8", "--gpu", "h100-80gb",
+                 "--seq-len", "128", "--json", tmp_home=tmp_path)
+    assert as_json.returncode == 0, as_json.stderr
+    assert {p["tp"] for p in json.loads(as_json.stdout)} <= {1, 2}  # 2 key/value heads
+    spec = tmp_path / "job.yaml"  # a job spec naming the folder is planned from it too
+    spec.write_text(yaml.safe_dump({"model": {"type": "llama", "checkpoint": folder,
+                                              "params": 2.7e6}}))
+    job = kc("plan", "--model", str(spec), "--gpus", "8", "--gpu", "h100-80gb", "--top", "1",
+             tmp_home=tmp_path)
+    assert job.returncode == 0, job.stderr
+    assert "2.74M parameters (4 layers" in job.stdout and "seq 128" in job.stdout
+    missing = kc("plan", "--model", str(tmp_path), "--gpus", "8", tmp_home=tmp_path)
+    assert missing.returncode == 2 and "config.json" in missing.stderr
+    assert "Traceback" not in missing.stderr

@@ -308,3 +308,82 @@ def test_rank_zero_reports_the_median_seconds_per_step(monkeypatch):
     assert store.reports[-1]["step_s"] == 0.5
     ctx.report(8, step_s=9.0)  # a train function's own figure wins
     assert store.reports[-1]["step_s"] == 9.0
+
+
+def hf_folder(tmp_path, **config) -> str:
+    """A model folder holding only a tiny Llama config.json (the planner reads nothing else)."""
+    import json
+
+    from tests.unit.test_planner import HF_LLAMA
+
+    folder = tmp_path / "llama-tiny"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**HF_LLAMA, **config}))
+    return str(folder)
+
+
+def test_an_hf_folder_is_planned_from_its_config(tmp_path):
+    import json
+
+    folder = hf_folder(tmp_path)
+    model = {"type": "hf", "path": folder, "seq_len": 128}
+    out, rec = autoplan.resolve(auto_doc(model, gpus=8, micro_batch_size=1), cluster(8))
+    spec = validate_spec(out)
+    assert spec.model.hf_folder == folder and spec.world_size == 8
+    shape = ModelShape.from_hf_config(json.loads((tmp_path / "llama-tiny/config.json").read_text()),
+                                      128)
+    ranked = plan(shape, ClusterShape(8, 8), autoplan.CATALOG["cpu"], 8)
+    assert rec["candidates"] == len(ranked)
+    assert rec == {**ranked[rec["rank"] - 1].to_json(), **{k: rec[k] for k in (
+        "gpu", "gpus", "gpus_per_node", "global_batch", "candidates", "rank")}}
+    assert {p.tp for p in ranked} <= {1, 2}  # 2 key/value heads
+    # The design documents' form: type llama with a checkpoint folder.
+    out2, rec2 = autoplan.resolve(auto_doc({"type": "llama", "checkpoint": folder, "seq_len": 128},
+                                           gpus=8, micro_batch_size=1), cluster(8))
+    assert layout(out2) == layout(out) and rec2["candidates"] == rec["candidates"]
+
+
+def test_an_hf_folder_keeps_to_the_layouts_the_model_takes(tmp_path):
+    spec = validate_spec(auto_doc({"type": "hf", "path": hf_folder(tmp_path)}, gpus=8))
+    hf = autoplan.hf_shapes(spec)[1]
+
+    def fields(p: Plan) -> set[str]:
+        return {f for f, _ in autoplan.layout_errors(spec, p, hf)}
+
+    assert fields(_plan(tp=4, dp=2)) == {"parallel.tensor_parallel_size"}  # 2 kv heads
+    assert fields(_plan(tp=2, dp=4)) == set()  # no "custom model" refusal for a folder
+    assert "parallel.pipeline_parallel_size" in fields(
+        _plan(pp=8, schedule="1f1b", micro_batch=1, num_microbatches=8))  # 8 stages, 4 layers
+    assert fields(_plan(pp=2, dp=4, schedule="1f1b", micro_batch=1, num_microbatches=2)) == set()
+    assert autoplan.layout_errors(spec, _plan(tp=4, dp=2)) == autoplan.layout_errors(
+        spec, _plan(tp=4, dp=2), hf)  # read from the folder when not given
+    # A family kc cannot cut into pipeline stages.
+    other = validate_spec(auto_doc({"type": "hf", "path": hf_folder(
+        tmp_path, model_type="phi", architectures=["PhiForCausalLM"])}, gpus=8))
+    assert "parallel.pipeline_parallel_size" in {f for f, _ in autoplan.layout_errors(
+        other, _plan(pp=2, dp=4, schedule="1f1b", micro_batch=1, num_microbatches=2))}
+
+
+def test_an_hf_layout_the_model_cannot_take_gives_way(tmp_path, monkeypatch):
+    folder = hf_folder(tmp_path)
+    bad = _plan(tp=8, micro_batch=8)  # 8 does not divide 2 key/value heads
+    good = _plan(tp=2, dp=4, micro_batch=2, predicted_step_s=0.02)
+    monkeypatch.setattr(autoplan, "plan", lambda *a, **k: [bad, good])
+    out, rec = autoplan.resolve(auto_doc({"type": "hf", "path": folder}, gpus=8), cluster(8))
+    assert rec["rank"] == 2 and layout(out)[:3] == (4, 2, 1)
+
+
+def test_a_missing_hf_folder_is_the_folder_error(tmp_path):
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(SpecError) as info:
+        autoplan.resolve(auto_doc({"type": "hf", "path": missing}, gpus=2), C4X8)
+    [(field, msg)] = info.value.errors
+    assert field == "model.path" and "is not a folder" in msg
+    with pytest.raises(SpecError) as info:
+        autoplan.resolve(auto_doc({"type": "llama", "checkpoint": missing}, gpus=2), C4X8)
+    assert info.value.errors[0][0] == "model.checkpoint"
+    broken = hf_folder(tmp_path, num_attention_heads=None)
+    with pytest.raises(SpecError) as info:
+        autoplan.resolve(auto_doc({"type": "hf", "path": broken}, gpus=2), C4X8)
+    [(field, msg)] = info.value.errors
+    assert field == "model.path" and "num_attention_heads" in msg

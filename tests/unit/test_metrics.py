@@ -213,3 +213,20 @@ def test_a_jobs_hash_serves_only_its_own_per_job_series():
                                         "kc_checkpoint_save_seconds_count"}
     assert all(s.labels["job"] == "a" and "tenant" not in s.labels for s in kept)
     assert m.own_job_samples(m.parse_hash(fields), "b") == []
+
+
+def test_the_job_gauges_serve_train_and_eval_loss_from_the_jobs_progress():
+    from kuangchao.api.server.cluster_metrics import ClusterCollector
+
+    store = MemoryStore()
+    for job_id in ("ev", "tr"):
+        store.create(JobRecord(id=job_id, name=job_id, spec={}, state=JobState.RUNNING,
+                               created_at=1.0, world_size=1))
+    store.set_progress("ev", {"step": 20, "loss": 2.5, "eval_loss": 2.75})
+    store.set_progress("tr", {"step": 3, "loss": 3.0, "eval_loss": None})  # not evaluated yet
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(ClusterCollector(store))
+    text = generate_latest(reg).decode()
+    assert "# HELP kc_job_eval_loss Mean loss on the held-out split" in text
+    assert 'kc_job_eval_loss{job="ev"} 2.75' in text and 'kc_job_loss{job="ev"} 2.5' in text
+    assert 'kc_job_loss{job="tr"} 3.0' in text and 'kc_job_eval_loss{job="tr"}' not in text

@@ -240,3 +240,60 @@ def test_invalid_inputs_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="unknown schedule"):
         plan(MID, ClusterShape(64, 8), H100, 512, schedules=("zb-v",))
     assert plan(MID, ClusterShape(64, 8), H100, 512, top=3, zero_stages=(1,))[0].zero_stage == 1
+
+
+# A tiny Llama config.json as a Hugging Face folder holds it: grouped-query attention
+# (8 query heads, 2 key/value heads), SwiGLU of width 512, an untied head.
+HF_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 4,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256,
+            "intermediate_size": 512, "vocab_size": 1000, "max_position_embeddings": 512,
+            "tie_word_embeddings": False}
+
+
+def test_an_hf_config_gives_the_shape_and_the_parameter_count_from_its_architecture():
+    shape = ModelShape.from_hf_config(HF_LLAMA, 128)
+    assert (shape.n_layers, shape.n_heads, shape.kv_heads, shape.d_model, shape.ffn,
+            shape.vocab_size, shape.seq_len, shape.arch, shape.tied) == (
+        4, 8, 2, 256, 512, 1000, 128, "llama", False)
+    h, kv = 256, 256 // 8 * 2
+    layer = 2 * h * h + 2 * h * kv + 3 * h * 512 + 2 * h  # q, o; k, v; gate, up, down; 2 norms
+    assert shape.params == 4 * layer + 1000 * h + h + 1000 * h  # embeddings, final norm, head
+    tied = ModelShape.from_hf_config({**HF_LLAMA, "tie_word_embeddings": True}, 128)
+    assert shape.params - tied.params == 1000 * h
+    # seq_len: given, else 2048 capped by the model's max_position_embeddings
+    assert ModelShape.from_hf_config(HF_LLAMA).seq_len == 512
+    assert ModelShape.from_hf_config({**HF_LLAMA, "max_position_embeddings": 8192}).seq_len == 2048
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        ModelShape.from_hf_config({k: v for k, v in HF_LLAMA.items() if k != "num_hidden_layers"})
+
+
+def test_the_built_in_shapes_keep_their_counts_without_kv_heads():
+    for arch in ("gpt", "llama"):
+        plain = ModelShape(3, 64, 4, 32, 101, None, arch)
+        same = ModelShape(3, 64, 4, 32, 101, None, arch, n_kv_heads=4, head_dim=None)
+        assert plain.params == same.params and plain.kv_dim == plain.d_model
+        assert plain.flops_per_token(False) == same.flops_per_token(False)
+
+
+def test_hf_param_count_matches_transformers():
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    for cfg in (HF_LLAMA, {**HF_LLAMA, "tie_word_embeddings": True}):
+        built = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+        assert ModelShape.from_hf_config(cfg).params == sum(p.numel() for p in built.parameters())
+    gpt2 = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=100, n_positions=64)
+    built = transformers.GPT2LMHeadModel(gpt2)
+    shape = ModelShape.from_hf_config(json.loads(gpt2.to_json_string()), 64)
+    assert shape.arch == "gpt" and shape.tied
+    assert shape.params == sum(p.numel() for p in built.parameters())
+
+
+def test_tensor_parallelism_divides_the_key_value_heads_too():
+    shape = ModelShape.from_hf_config(HF_LLAMA, 128)
+    plans = plan(shape, ClusterShape(8, 8), A100_80, 64)
+    assert plans and {p.tp for p in plans} <= {1, 2}  # 2 key/value heads: no tp=4 or tp=8
+    with pytest.raises(ValueError, match="key/value heads"):
+        evaluate(shape, ClusterShape(8, 8), A100_80, 64, tp=4, pp=1, micro_batch=1)
+    with pytest.raises(ValueError, match="key/value heads"):
+        ModelShape(2, 64, 4, 32, 100, n_kv_heads=3)

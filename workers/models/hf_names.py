@@ -45,7 +45,7 @@ BUILTIN_ROPE_THETA = 10000.0
 BUILTIN_NORM_EPS = 1e-5
 
 
-class UnknownTensorName(ValueError):
+class _UnknownTensorName(ValueError):
     """A tensor name that the mapping asked for does not know."""
 
 
@@ -61,7 +61,7 @@ def kc_to_hf(name: str) -> str:
     for kc, hf in _TOP:
         if name.startswith(kc):
             return hf + name[len(kc):]
-    raise UnknownTensorName(f"{name!r} is not a tensor of kuangchao's wrapper of a Hugging Face model "
+    raise _UnknownTensorName(f"{name!r} is not a tensor of kuangchao's wrapper of a Hugging Face model "
                      "(tok_emb.*, blocks.N.*, norm.*, lm_head.*)")
 
 
@@ -69,7 +69,7 @@ def whole_to_hf(name: str) -> str:
     """`hf.transformer.h.0.attn.c_attn.weight` -> `transformer.h.0.attn.c_attn.weight`: the
     built-in trainer runs a family outside the decoder layout whole, under `hf.`."""
     if not name.startswith("hf."):
-        raise UnknownTensorName(f"{name!r} is not a tensor of a whole Hugging Face model (hf.*)")
+        raise _UnknownTensorName(f"{name!r} is not a tensor of a whole Hugging Face model (hf.*)")
     return name[3:]
 
 
@@ -85,7 +85,7 @@ def hf_to_kc(name: str) -> str:
     for kc, hf in _TOP:
         if name.startswith(hf):
             return kc + name[len(hf):]
-    raise UnknownTensorName(f"{name!r} is not a tensor kuangchao's wrapper of a Hugging Face model holds "
+    raise _UnknownTensorName(f"{name!r} is not a tensor kuangchao's wrapper of a Hugging Face model holds "
                      "(model.embed_tokens.*, model.layers.N.*, model.norm.*, lm_head.*)")
 
 
@@ -106,7 +106,7 @@ def builtin_llama_to_hf(name: str) -> str:
     if m:
         rel = _swap_block_path(m.group(2), BUILTIN_LLAMA_BLOCK)
         if rel is None:
-            raise UnknownTensorName(f"{name!r} is not a tensor of kuangchao's built-in Llama")
+            raise _UnknownTensorName(f"{name!r} is not a tensor of kuangchao's built-in Llama")
         return f"model.layers.{m.group(1)}.{rel}"
     return kc_to_hf(name)
 
@@ -121,7 +121,7 @@ def hf_to_builtin_llama(name: str) -> str:
     if m:
         rel = _swap_block_path(m.group(2), _HF_LLAMA_BLOCK)
         if rel is None:
-            raise UnknownTensorName(f"{name!r} has no place in kuangchao's built-in Llama")
+            raise _UnknownTensorName(f"{name!r} has no place in kuangchao's built-in Llama")
         return f"blocks.{m.group(1)}.{rel}"
     return hf_to_kc(name)
 
@@ -165,7 +165,7 @@ def to_hf_names(names: Iterable[str], naming: str) -> dict[str, str]:
         raise ValueError(f"unknown naming {naming!r}; known: {', '.join(NAMINGS)}")
     out = {n: _TO_HF[naming](n) for n in names}
     if len(set(out.values())) != len(out):
-        raise UnknownTensorName("two tensors map to the same Hugging Face name")
+        raise _UnknownTensorName("two tensors map to the same Hugging Face name")
     return out
 
 

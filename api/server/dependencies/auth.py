@@ -24,14 +24,14 @@ from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.security.apikeys import Principal, authenticate, key_id_of
 from kuangchao.platform.security.audit import AuditLog, AuditRecord, DenialSampler
 from kuangchao.platform.security.keystore import KeyStore
-from kuangchao.platform.settings import audit_file
+from kuangchao.platform.settings import audit_file, audit_roots
 
 ANONYMOUS = "anonymous"
 
 
 @lru_cache(maxsize=4)
 def _trail(store: JobStore) -> AuditLog:
-    return AuditLog(store, audit_file())
+    return AuditLog(store, audit_file(), audit_roots())
 
 
 async def audit_log(store: Store) -> AuditLog:

@@ -111,6 +111,7 @@ export function mount(main, ctx, {id}) {
       progressBar(step, p.total_steps),
       dl([
         ["Loss", `${fmtNum(p.loss, 5)} (initial ${fmtNum(p.initial_loss, 5)})`],
+        ["Eval loss", typeof p.eval_loss === "number" ? `${fmtNum(p.eval_loss, 5)} (held-out split)` : null],
         ["Throughput", typeof p.tokens_per_s === "number" ? `${fmtNum(p.tokens_per_s)} tokens/s` : "-"],
         ["Measured step time", typeof job.measured_step_s === "number"
           ? `${fmtNum(job.measured_step_s)} s/step` : "-"],
