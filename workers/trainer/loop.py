@@ -61,7 +61,8 @@ def _batches(source: BatchSource, spec: JobSpec, ctx: TrainContext,
             yield source.get(idx)
 
 
-def _global_mean(value: float, ctx: TrainContext) -> float:
+def global_mean(value: float, ctx: TrainContext) -> float:
+    """`value` averaged over every rank (one all-reduce; the token decides)."""
     if ctx.world_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64)
@@ -223,12 +224,12 @@ def _train_from(ctx: TrainContext, pos: Position, engine: Engine, source: BatchS
             evaluated = {}
             if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
                 with ctx.phase("eval"):
-                    evaluated = {"eval_loss": _global_mean(eval_loss(engine, ctx), ctx)}
+                    evaluated = {"eval_loss": global_mean(eval_loss(engine, ctx), ctx)}
                 if ctx.is_chief:
                     ctx.log(f"step {done} eval loss {evaluated['eval_loss']:.4f}", step=done,
                             **evaluated)
             if done % t.log_interval == 0 or done == t.steps or done == first + 1 or evaluated:
-                global_loss = _global_mean(loss_value, ctx)
+                global_loss = global_mean(loss_value, ctx)
                 rate = meter.rate()
                 ctx.report(done, loss=global_loss, tokens_per_s=rate, **evaluated,
                            **_progress_extras(ctx, optimizer))
@@ -248,7 +249,7 @@ def _train_from(ctx: TrainContext, pos: Position, engine: Engine, source: BatchS
                 info = save_step(ctx, done, model, optimizer, pos, guard, sync=True)
                 ctx.log(f"preempted at step {done}; checkpoint saved, yielding the GPUs")
                 return {"preempted": True, "steps": done, "checkpoint": info.to_json()}
-    final_loss = _global_mean(loss_value, ctx)
+    final_loss = global_mean(loss_value, ctx)
     digest = check_replicas_in_sync(engine, ctx)
     info = save_step(ctx, t.steps, model, optimizer, pos, guard, sync=True)
     return {"final_loss": final_loss, "steps": t.steps, "checkpoint": info.to_json(),

@@ -46,6 +46,7 @@ from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.trainer import live_resize
 from kuangchao.workers.trainer.checkpoints import settles_checkpoints
 from kuangchao.workers.trainer.job_model import manifest_model
+from kuangchao.workers.trainer.loop import global_mean
 from kuangchao.workers.trainer.numerics import GradNormGuard, data_index, data_position
 from kuangchao.workers.trainer.resume import Position, _agree, _record, rank_state, set_rng_state
 
@@ -178,7 +179,7 @@ class OwnKit:
         live_resize.record_samples(ctx, step - 1, self.pos)  # `data.record_samples`
         self.pos.step = step
         if loss is not None:
-            loss = _mean(ctx, float(loss))
+            loss = global_mean(float(loss), ctx)
             ctx.report(step, loss=loss, **metrics)
         else:
             ctx.report(step, **metrics)
@@ -201,20 +202,6 @@ def _model_entry(ctx: TrainContext) -> dict[str, Any]:
     if ctx.spec.model.is_hf:
         return {**manifest_model(ctx.spec), "names": "hf"}
     return {"kind": "own"}
-
-
-def _mean(ctx: TrainContext, value: float) -> float:
-    if ctx.world_size == 1:
-        return value
-    import torch.distributed as dist
-
-    from kuangchao.workers.collectives import permit
-
-    t = torch.tensor([value], dtype=torch.float64)
-    permit("all_reduce")
-    with ctx.collective("all_reduce (mean loss)"):
-        dist.all_reduce(t)
-    return float(t.item()) / ctx.world_size
 
 
 def _agreed_norm(ctx: TrainContext, norm: float) -> float:
