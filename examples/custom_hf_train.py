@@ -19,6 +19,8 @@ What each call gives you (Ray Train's counterpart in brackets):
                              step to start at  [ray.train.get_checkpoint + your loading]
 - ctx.check_numerics(...)    NaN/Inf and gradient spikes, before the optimizer step;
                              with @supports("numeric_guard") the job rolls back in place
+- @supports("live_resize")   with elastic.resize: live, a resize keeps the survivors'
+                             processes and state; the function runs again in the new group
 - ctx.step_done(step, loss)  progress, checkpoints on the spec's interval and at the
                              end, preemption and resize requests  [ray.train.report]
 """
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from kuangchao.workers.trainer.own import supports
 
 
-@supports("numeric_guard")
+@supports("numeric_guard", "live_resize")
 def train(ctx):
     from transformers import AutoModelForCausalLM
 

@@ -8,8 +8,8 @@ stack's data root (tests/hf_fixtures.py).
 - A rank SIGKILLed mid fine-tune: the job resumes at the exact sample and ends
   at the uninterrupted run's loss.
 - examples/custom_hf_train.py (prepare_model, prepare_data, resume) survives a
-  SIGKILL with the exact final loss, and resizes 2 -> 1 -> 2 with no sample lost
-  or repeated (`data.record_samples`).
+  SIGKILL with the exact final loss, and resizes 2 -> 1 -> 2 live (it declares
+  `live_resize`) with no sample lost or repeated (`data.record_samples`).
 """
 
 from __future__ import annotations
@@ -98,10 +98,10 @@ def test_a_sigkilled_rank_resumes_fine_tuning_at_the_exact_sample(stack, files):
     check_sample_record(stack, own_victim["id"], STEPS, 4)
 
 
-def test_your_own_train_function_resizes_without_losing_a_sample(stack, files):
+def test_your_own_train_function_resizes_live_without_losing_a_sample(stack, files):
     client = stack.client
     job = client.submit(own(stack, "own-elastic", files, ELASTIC_STEPS, min_replicas=1,
-                            max_replicas=2))
+                            max_replicas=2, resize="live"))
 
     def at(replicas: int, after: int):
         j = client.get(job["id"])
@@ -115,5 +115,6 @@ def test_your_own_train_function_resizes_without_losing_a_sample(stack, files):
     wait_for(lambda: at(2, shrunk["progress"]["step"]), 600, "the job back at 2 replicas")
     done = finished(stack, job["id"])
     assert [(e["from"], e["to"]) for e in done["resize_log"]] == [(2, 1), (1, 2)]
-    assert {e["path"] for e in done["resize_log"]} == {"restart"}
+    # Declared @supports("live_resize"): the survivors kept their processes and state.
+    assert {e["path"] for e in done["resize_log"]} == {"live"} and done["restarts"] == 0
     assert check_sample_record(stack, job["id"], ELASTIC_STEPS, 4) == {1, 2}

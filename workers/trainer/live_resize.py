@@ -12,6 +12,8 @@ trainer's state (resume.py's `Position`, numerics.py's guard) over a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kuangchao.workers.data.sampling import batch_indices
@@ -42,6 +44,20 @@ def rejoin(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Opt
     Returns:
         Where to continue, or None when this rank is not in the next generation.
     """
+    joined = join_next(ctx, pos)
+    if joined is None:
+        return None
+    return finish_rejoin(ctx, model, optimizer, guard, pos, joined)
+
+
+def join_next(ctx: TrainContext, pos: Position) -> tuple[int, int, int] | None:
+    """Leave the old group and join the next generation, state untouched.
+
+    Returns the old layout (data-parallel size, accumulation, first step) for
+    `finish_rejoin`, or None when this rank is not in the next generation. A
+    user's own function re-runs between the two (workers/trainer/own.py): its
+    model is built and wrapped again on the new group before the state moves.
+    """
     old = (ctx.dp_size, ctx.accum_steps, ctx.generation_start)
     with ctx.phase("rejoin"):
         ctx.checkpoint.settle(grace_s=min(30.0, ctx.spec.fault_tolerance.stop_grace_s))
@@ -59,26 +75,35 @@ def rejoin(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Opt
         ctx.regroup(new_rank, gen.world_size, gen.accum, gen.gen)
         ctx.generation_start = pos.step  # provisional; sync_state may move it on
         ctx.group_store = kv
-        pos = sync_state(ctx, model, optimizer, guard, pos, old_layout=old)
-        ctx.generation_start = pos.step
-        mark_ready(kv, new_rank)
     ctx.log(f"rank {was} is rank {new_rank} of {gen.world_size} in generation {gen.gen} "
-            f"({gen.cause}); continuing at step {pos.step} with {gen.accum} micro-batch(es) "
-            "per step")
+            f"({gen.cause}) with {gen.accum} micro-batch(es) per step")
+    return old
+
+
+def finish_rejoin(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  guard: GradNormGuard, pos: Position | None, old: tuple[int, int, int] | None,
+                  scheduler: Any = None) -> Position:
+    """Take the newest state in the new group (`pos`/`old` None: a rank that just joined),
+    then tell the controller this rank is ready."""
+    with ctx.phase("rejoin"):
+        pos = sync_state(ctx, model, optimizer, guard, pos, old_layout=old, scheduler=scheduler)
+        ctx.generation_start = pos.step
+        mark_ready(ctx.group_store, ctx.rank)
+    ctx.log(f"continuing at step {pos.step} in generation {ctx.generation}")
     ctx.expect_first_step("resize")
     return pos
 
 
 def sync_state(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                guard: GradNormGuard, pos: Position | None,
-               old_layout: tuple[int, int, int] | None = None) -> Position:
+               old_layout: tuple[int, int, int] | None = None, scheduler: Any = None) -> Position:
     """Agree on the newest state in the group and send it to every rank that lacks it.
 
     Collective over the new group. `pos` is None on a rank without state (it
     just joined). When a survivor was one step behind (the old group broke
     while its all-reduce was still running elsewhere), it takes the newer state.
     `old_layout` (data-parallel size, accumulation, first step) describes the
-    generation that just ended, on survivors.
+    generation that just ended, on survivors. A user's LR `scheduler` moves too.
     """
     steps = gather_steps(None if pos is None else pos.step)
     src, needed = state_source(steps)
@@ -88,13 +113,16 @@ def sync_state(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim
             assert pos is not None
             mine = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "step": pos.step, "skipped": list(pos.skipped), "grad_norms": guard.state(),
-                    "rng": rng_state()}
+                    "rng": rng_state(),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None}
         got = broadcast_state(mine, src, ctx.device)
         if ctx.rank != src:
             model.load_state_dict(got["model"])
             optimizer.load_state_dict(got["optimizer"])
             guard.load_state(got["grad_norms"])
             set_rng_state(got["rng"])
+            if scheduler is not None and got.get("scheduler") is not None:
+                scheduler.load_state_dict(got["scheduler"])
             pos = Position(int(got["step"]), list(got["skipped"]))
     assert pos is not None
     if old_layout is not None and ctx.rank == src and pos.step - 1 >= old_layout[2]:

@@ -19,11 +19,17 @@ brackets):
   final checkpoint, and the scheduler's preemption or resize request (True:
   stop, the checkpoint is saved).
 
-A function declares what else it supports with `@supports("numeric_guard")`:
-a numeric fault then rolls the job back in place (the function runs again, its
-`resume` restores the last good checkpoint and `prepare_data` skips the batch),
-as the built-in trainer does. Undeclared, the fault fails the attempt and the
-controller restarts it from the checkpoint.
+A function declares what else it supports with `@supports(...)`:
+
+- `numeric_guard`: a numeric fault rolls the job back in place (the function
+  runs again, its `resume` restores the last good checkpoint and `prepare_data`
+  skips the batch), as the built-in trainer does. Undeclared, the fault fails
+  the attempt and the controller restarts it from the checkpoint.
+- `live_resize` (with `elastic.resize: live`): a resize or a lost peer keeps the
+  survivors' processes; each carries its model, optimizer and LR schedule in
+  memory into the next process group, runs the function again there, and its
+  `resume` takes that state up (a rank that just joined receives it from them).
+  Undeclared, resizes go by a checkpoint and a restart (`resize: restart`).
 
 The worker starts every user function through `run_entrypoint` (it names it as
 it names the built-in trainer), which hands the context this kit.
@@ -31,6 +37,7 @@ it names the built-in trainer), which hands the context this kit.
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +47,8 @@ from torch import nn
 
 from kuangchao.platform.protocol.checkpoint import verify
 from kuangchao.workers.data.rank_data import RankData
-from kuangchao.workers.errors import CheckpointError, NumericFault, TrainingError
+from kuangchao.workers.elastic.generation import is_collective_failure
+from kuangchao.workers.errors import CheckpointError, NumericFault, ResizeNow, TrainingError
 from kuangchao.workers.parallel import prepare
 from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.trainer import live_resize
@@ -50,12 +58,13 @@ from kuangchao.workers.trainer.loop import global_mean
 from kuangchao.workers.trainer.numerics import GradNormGuard, data_index, data_position
 from kuangchao.workers.trainer.resume import Position, _agree, _record, rank_state, set_rng_state
 
-FEATURES = frozenset({"numeric_guard"})
+FEATURES = frozenset({"numeric_guard", "live_resize"})
 SUPPORTS_ATTR = "kc_supports"
 
 
 def supports(*features: str) -> Callable[[Callable], Callable]:
-    """Declare what the platform may do around this train function (`numeric_guard`)."""
+    """Declare what the platform may do around this train function: `numeric_guard`
+    (roll back in place), `live_resize` (resize with `elastic.resize: live`)."""
     unknown = sorted(set(features) - FEATURES)
     if unknown:
         raise ValueError(f"supports: {', '.join(unknown)} unknown; choose from {', '.join(sorted(FEATURES))}")
@@ -78,6 +87,9 @@ class OwnKit:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.preempted_at: int | None = None  # the step a preemption (or resize) stopped at
+        # A live resize between two runs of the function: the survivor's state and the old
+        # layout, taken up by the next `resume` once the function built its model again.
+        self.carried: tuple[nn.Module, Any, Any, Position, tuple[int, int, int]] | None = None
 
     # -- the model and the data ------------------------------------------------
 
@@ -117,6 +129,8 @@ class OwnKit:
                scheduler: Any = None) -> int:
         ctx = self.ctx
         module, opt, sched = self._states(model, optimizer, scheduler)
+        if self.carried is not None or ctx.joining:
+            return self._take_live_state(module, opt, sched)
         ctx.checkpoint.wait()
         with ctx.phase("restore"):
             for path in reversed(ctx.checkpoint.list()):
@@ -141,6 +155,37 @@ class OwnKit:
         self.pos = Position(0, self.pos.skipped)
         live_resize.forget_samples_from(ctx, 0)
         return 0
+
+    def _take_live_state(self, module: nn.Module, opt: Any, sched: Any) -> int:
+        """After a live resize: a survivor loads what it carried into the model it just
+        built, then every rank of the new group agrees on the newest state (a rank that
+        just joined receives it)."""
+        ctx = self.ctx
+        carried, self.carried = self.carried, None
+        pos, old = None, None
+        if carried is not None:
+            old_module, old_opt, old_sched, pos, old = carried
+            module.load_state_dict(old_module.state_dict())
+            opt.load_state_dict(old_opt.state_dict())
+            if sched is not None and old_sched is not None:
+                sched.load_state_dict(old_sched.state_dict())
+        ctx.joining = False
+        self.pos = live_resize.finish_rejoin(ctx, module, opt, self.guard, pos, old, sched)
+        return self.pos.step
+
+    def rejoin(self) -> bool:
+        """A resize or a lost peer: join the next generation carrying this rank's state.
+        False when this rank is not in it."""
+        assert self.model is not None and self.optimizer is not None
+        module = prepare.unwrap(self.model)
+        self.model = None  # the DDP wrapper's hooks belong to the group going away
+        gc.collect()
+        old = live_resize.join_next(self.ctx, self.pos)
+        if old is None:
+            return False
+        self.carried = (module, self.optimizer, self.scheduler, self.pos, old)
+        self.optimizer = self.scheduler = None
+        return True
 
     def save(self, step: int, model: nn.Module | None = None, optimizer: Any = None,
              scheduler: Any = None, sync: bool = True) -> Any:
@@ -188,7 +233,13 @@ class OwnKit:
             return True
         if step % spec.checkpoint.interval_steps == 0:
             self.save(step, sync=not spec.checkpoint.async_save)
-        if ctx.preemption_requested():
+        if ctx.live_resize:  # one collective for both; a resize moves this rank in place
+            preempt, gen = ctx.control()
+            if gen:
+                raise ResizeNow(gen)
+        else:
+            preempt = ctx.preemption_requested()
+        if preempt:
             self.save(step)
             self.preempted_at = step
             ctx.log(f"stopping at step {step} for the scheduler; checkpoint saved")
@@ -227,6 +278,13 @@ def run_entrypoint(ctx: TrainContext, fn: Callable[[TrainContext], Any]) -> Any:
     kit = OwnKit(ctx)
     ctx.kit = kit
     declared = getattr(fn, SUPPORTS_ATTR, frozenset())
+    if ctx.live_resize and ctx.spec.parallel.hybrid:
+        raise TrainingError("elastic.resize: live keeps plain data-parallel replicas only; with "
+                            "tensor or pipeline parallelism or ZeRO use resize: restart")
+    if ctx.live_resize and "live_resize" not in declared:
+        raise TrainingError("elastic.resize: live needs a train function that declares "
+                            "@supports('live_resize') (and calls ctx.step_done every step); "
+                            "declare it, or use resize: restart")
 
     @settles_checkpoints
     def attempt(ctx: TrainContext) -> Any:
@@ -247,4 +305,14 @@ def run_entrypoint(ctx: TrainContext, fn: Callable[[TrainContext], Any]) -> Any:
                 kit.pos.skipped = sorted({*kit.pos.skipped, fault.data_index})
                 ctx.log(f"{message}; running the train function again from its last checkpoint",
                         level="WARNING")
+            except Exception as exc:
+                # A resize, or a peer lost mid-collective: this rank keeps its state in memory,
+                # joins the next group, and runs the function again to take it up there.
+                if not (ctx.live_resize and (isinstance(exc, ResizeNow) or is_collective_failure(exc))):
+                    raise
+                if not isinstance(exc, ResizeNow):
+                    ctx.log(f"process group broke at step {kit.pos.step}: {str(exc).splitlines()[0]}; "
+                            "waiting for the controller to re-form it", level="WARNING")
+                if not kit.rejoin():
+                    return {"left": True, "steps": kit.pos.step}
     return attempt(ctx)
