@@ -213,7 +213,7 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
         if needed:
             errs.append(("permission.collectives", f"the built-in trainer needs {', '.join(needed)} "
                                                    "for this layout; add them, or run your own entrypoint"))
-        custom = not m.is_builtin and not m.is_hf
+        custom = not m.is_hf and IMPORT_REF.match(m.type)  # a user factory
         if custom and (p.tensor_parallel_size > 1 or p.pipeline_parallel_size > 1):
             errs.append(("model.type", "tensor and pipeline parallelism cut the built-in models "
                                        f"({', '.join(BUILTIN_MODELS)}) and Hugging Face folders "

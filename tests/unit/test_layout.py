@@ -96,9 +96,15 @@ def test_a_pipeline_gets_send_and_recv_unless_collectives_are_listed():
                           "parallel": {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2}})
     assert {"send", "recv"} <= set(spec.permission.collectives)
     assert "send" not in validate_spec({}).permission.collectives  # least privilege
-    errs = _errors({"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2},
-                   permission={"collectives": ["all_reduce", "broadcast", "all_gather"]})
-    assert "recv, send" in errs["permission.collectives"]
+    # A listed whitelist: the built-in trainer's pipeline still brings its own send/recv,
+    # a custom entrypoint gets exactly the list.
+    listed = {"collectives": ["all_reduce", "broadcast", "all_gather"]}
+    par = {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2}
+    spec = validate_spec({"model": {"n_layers": 4}, "parallel": par, "permission": listed})
+    assert spec.permission.collectives == ["all_gather", "all_reduce", "broadcast", "recv", "send"]
+    custom = validate_spec({"model": {"n_layers": 4}, "parallel": par, "permission": listed,
+                            "entrypoint": "pkg.mod:fn"})
+    assert custom.permission.collectives == ["all_gather", "all_reduce", "broadcast"]
     assert trainer_collectives(ParallelSection(zero_stage=3)) >= {"reduce_scatter", "all_gather"}
 
 

@@ -56,5 +56,5 @@ def test_installed_versions_are_the_locked_ones():
 def test_make_install_uses_the_lock():
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^LOCK := constraints\.txt$", makefile, re.M)
-    assert re.search(r"pip install -q -c \$\(LOCK\) -e \"\.\[dev\]\"", makefile)
+    assert re.search(r"pip install -q -c \$\(LOCK\) -e \"\.\[dev,hf\]\"", makefile)
     assert re.search(r"^\$\(VENV\)/\.installed: pyproject\.toml \$\(LOCK\)$", makefile, re.M)
