@@ -125,6 +125,20 @@ class BenchCluster:
         return self.state["ray_address"]
 
 
+def settle(timeout_s: float = 30.0) -> None:
+    """Wait until the previous run released its Ray resources and the CPUs are quiet."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    total = ray.cluster_resources()
+    while time.monotonic() < deadline:
+        free = ray.available_resources()
+        if all(free.get(k, 0) >= total.get(k, 0) for k in ("CPU", "GPU")):
+            break
+        time.sleep(0.5)
+    wait_for_quiet()
+
+
 def _topology_yaml(nodes: int, gpus: int, cpus: int) -> str:
     lines = ["name: bench", "nodes:"]
     for i in range(nodes):

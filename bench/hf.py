@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when 
 import yaml  # noqa: E402
 
 from bench import harness  # noqa: E402
-from bench.harness import REDIS_URL, REPO_ROOT, log, median, wait_for_quiet  # noqa: E402
+from bench.harness import REDIS_URL, REPO_ROOT, log, median  # noqa: E402
 
 KC = str(Path(sys.executable).parent / "kc")
 STEP_CLUSTER = REPO_ROOT / "examples" / "cluster-2x4.yaml"  # `kc up`'s default topology
@@ -182,20 +182,6 @@ def kc_stack(cluster: Path) -> Iterator[Stack]:
             log(f"logs kept in {root}/home/logs")
         else:
             shutil.rmtree(root, ignore_errors=True)
-
-
-@contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def submit(stack: Stack, doc: dict[str, Any], name: str, *sets: str) -> tuple[str, float]:
@@ -350,20 +336,6 @@ def run_ray_train(stack: Stack, files: StepFiles, steps: int, name: str) -> dict
     return {"step_s": median(diffs), "all_steps_s": median(every), "wall_s": time.time() - t0}
 
 
-def _settle(timeout_s: float = 60.0) -> None:
-    """Wait for the previous run's processes to free their CPUs (Ray's view and the machine's)."""
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    total = ray.cluster_resources()
-    while time.monotonic() < deadline:
-        free = ray.available_resources()
-        if all(free.get(k, 0) >= total.get(k, 0) for k in ("CPU", "GPU")):
-            break
-        time.sleep(0.5)
-    wait_for_quiet()
-
-
 def step_time(args: argparse.Namespace) -> None:
     import ray
 
@@ -372,7 +344,7 @@ def step_time(args: argparse.Namespace) -> None:
     with kc_stack(STEP_CLUSTER) as stack:
         files = step_files(stack)
         token_env = ray_token_env(stack.state)
-        with _environ({"KC_HOME": str(stack.home), **token_env}):
+        with harness._env(KC_HOME=str(stack.home), **token_env):
             os.environ.pop("RAY_AUTH_TOKEN", None)
             # Ray Train's workers import bench.hf_rt: the repository on their path.
             connect(stack.state["ray_address"], namespace="kcbench-hf",
@@ -382,7 +354,7 @@ def step_time(args: argparse.Namespace) -> None:
                 for i in range(args.repeats):
                     order = ("kuangchao", "ray-train") if i % 2 == 0 else ("ray-train", "kuangchao")
                     for who in order:
-                        _settle()
+                        harness.settle(60.0)
                         if who == "kuangchao":
                             r = run_kc(stack, files, args.steps, f"bench-hf-{i}")
                             ours.append(r)

@@ -55,13 +55,13 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
 
+from bench import harness  # noqa: E402
 from bench.harness import (  # noqa: E402
     connect,
     emit,
     local_cluster,
     log,
     median,
-    wait_for_quiet,
 )
 from bench.recovery_common import FAULT_TOLERANCE, RANK, Recovery  # noqa: E402
 from bench.recovery_kc import kc_hang, kc_mttr  # noqa: E402
@@ -89,20 +89,6 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 # -- orchestration -----------------------------------------------------------------------
-
-def _settle(timeout_s: float = 30.0) -> None:
-    """Wait until the previous run released its resources and the CPUs are quiet."""
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    total = ray.cluster_resources()
-    while time.monotonic() < deadline:
-        free = ray.available_resources()
-        if all(free.get(k, 0) >= total.get(k, 0) for k in ("CPU", "GPU")):
-            break
-        time.sleep(0.5)
-    wait_for_quiet()
-
 
 @dataclass
 class Results:
@@ -210,23 +196,23 @@ def main() -> None:
     with contextlib.redirect_stdout(sys.stderr), local_cluster(nodes=2, gpus=4, cpus=4) as cluster:
         connect(cluster)
         with res.phase("Ray ActorDiedError latency"):
-            _settle()
+            harness.settle()
             detect_ray = ray_actor_died_ms(args.detect_samples)
             log("ActorDiedError after SIGKILL (ms): " + ", ".join(f"{x:.0f}" for x in detect_ray))
         with res.phase("kuangchao MTTR"):
-            _settle()
+            harness.settle()
             ours, detect_ours = kc_mttr(cluster, targets, steps, every, args.detect_kills)
             log("kuangchao SIGKILL -> marked failed (ms): " + ", ".join(f"{x:.0f}" for x in detect_ours))
         with res.phase("Ray Train MTTR"):
-            _settle()
+            harness.settle()
             theirs = ray_mttr(cluster, targets, steps, every)
         if not args.skip_hang:
             hang_ours = hang_ray = None
             with res.phase("kuangchao hang"):
-                _settle()
+                harness.settle()
                 hang_ours = kc_hang(cluster, targets[0], every, args.hang_wait)
             with res.phase("Ray Train hang"):
-                _settle()
+                harness.settle()
                 hang_ray = ray_hang(cluster, targets[0], every, args.hang_wait)
             if "kuangchao hang" not in res.failed and "Ray Train hang" not in res.failed:
                 if hang_ray is None:
