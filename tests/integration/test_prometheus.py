@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from kuangchao.platform.runtime import procs
+from kuangchao.workers.models.tiny_hf import tiny_tokenizer, write_datasets
 
 from .conftest import ROOT, wait_for
 
@@ -179,7 +180,15 @@ def test_dashboards_and_alerts_evaluate_over_live_series(stack, prom):
     wait_for(lambda: prom.value("kc_store_up") == 1.0, 60, "the control-plane series")
     wait_for(lambda: prom.value('count(kc_placement_solve_seconds_count)') == 1.0, 60,
              "the zero series of the recorded histograms")
-    doc = stack.job_doc(training={"steps": 100_000, "seed": 3, "log_interval": 5})
+    doc = stack.job_doc(training={"steps": 100_000, "seed": 3, "log_interval": 5,
+                                  "eval_interval": 5, "eval_batches": 1})
+    # Tokenized text with a held-out split, so the eval-loss series exists too.
+    data = Path(stack.env["KC_HOME"]) / "data" / "prom-e2e"
+    tiny_tokenizer(data / "tokenizer")
+    write_datasets(data, n=12)
+    doc["data"] = {"path": str(data / "docs.jsonl"), "format": "jsonl",
+                   "tokenizer": str(data / "tokenizer"), "eval_fraction": 0.2}
+    doc["model"]["vocab_size"] = 512
     doc["task"]["name"] = "prom-e2e"
     doc["checkpoint"]["interval_steps"] = 10
     doc["fault_tolerance"] = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5}
