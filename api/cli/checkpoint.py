@@ -16,6 +16,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -258,12 +259,7 @@ def export(target: Target,
     path = _verified_step(target, "exporting")
     from kuangchao.workers.checkpoint.export import export_model
 
-    try:
-        result = export_model(path, out, fmt, check=False)  # just verified
-    except CheckpointError as exc:
-        fail(exc.message)
-    except OSError as exc:
-        fail(f"cannot write {out}: {exc.strerror or exc}; choose another --out")
+    result = written(lambda: export_model(path, out, fmt, check=False), out)  # just verified
     if as_json:
         typer.echo(json.dumps(result))
         return
@@ -284,13 +280,9 @@ def _export_hf(target: str, out: Path, tokenizer: Path | None, shard_bytes: int,
     except CheckpointError as exc:
         fail(exc.message)
     path = _verified_step(target, "exporting")
-    try:
-        result = export_hf(path, out, tokenizer=tokenizer, check=False,
-                           max_shard_bytes=shard_bytes, warn=None if as_json else _warn)
-    except CheckpointError as exc:
-        fail(exc.message)
-    except OSError as exc:
-        fail(f"cannot write {out}: {exc.strerror or exc}; choose another --out")
+    result = written(lambda: export_hf(path, out, tokenizer=tokenizer, check=False,
+                                       max_shard_bytes=shard_bytes, warn=None if as_json else _warn),
+                     out)
     if as_json:
         typer.echo(json.dumps(result))
         return
@@ -301,109 +293,14 @@ def _export_hf(target: str, out: Path, tokenizer: Path | None, shard_bytes: int,
                   else ", no tokenizer)"))
 
 
-def kind_of(path: Path) -> str | None:
-    """What `path` is: a checkpoint (a step folder, or a job's folder of them), a Hugging
-    Face folder (config.json), a safetensors or torch file; None: none of them."""
-    from kuangchao.workers.checkpoint import convert as conv
-
-    if path.is_dir():
-        if ((path / MANIFEST).exists() or (path / ".metadata").exists()
-                or step_of(path) is not None
-                or any(step_of(p) is not None and p.is_dir() for p in path.iterdir())):
-            return conv.CHECKPOINT
-        if (path / "config.json").is_file():
-            return conv.HF
-        return None
-    if path.is_file():
-        if path.suffix == ".safetensors":
-            return conv.SAFETENSORS
-        if path.suffix in conv.TORCH_SUFFIXES:
-            return conv.TORCH
-    return None
-
-
-def target_for(kind: str, out: Path) -> str:
-    """The target `--to` defaults to: a file's by its suffix, else a folder: the other kind."""
-    from kuangchao.workers.checkpoint import convert as conv
-
-    if out.suffix == ".safetensors":
-        return conv.SAFETENSORS
-    if out.suffix in conv.TORCH_SUFFIXES:
-        return conv.TORCH
-    return conv.CHECKPOINT if kind == conv.HF else conv.HF
-
-
-@checkpoint_app.command("convert")
-def convert(src: Annotated[str, typer.Argument(metavar="SRC", help=(
-                "A checkpoint (job id, job folder or step folder), a Hugging Face folder "
-                "(config.json), or a .safetensors / .pt file."))],
-            out: Annotated[Path, typer.Option("--out", help="The folder or file to write.")],
-            to: Annotated[str | None, typer.Option("--to", help=(
-                "hf, safetensors, torch or checkpoint (default: by --out's suffix, else hf, "
-                "or checkpoint from a Hugging Face folder)."))] = None,
-            config: Annotated[Path | None, typer.Option("--config", help=(
-                "A Hugging Face folder or config.json: the architecture of a file's weights "
-                "(or of a checkpoint that records none)."))] = None,
-            tokenizer: Tokenizer = None,
-            max_shard_size: MaxShard = "5GB",
-            as_json: Json = False) -> None:
-    """Convert between a checkpoint of any layout, a Hugging Face folder, and one weights file.
-
-    A checkpoint goes to hf, safetensors or torch (as export does). A Hugging Face
-    folder goes to a checkpoint (step_00000000 of the job folder --out, model weights
-    only, under kuangchao's names), or to one safetensors or torch file under its own
-    names. A safetensors or torch file goes to hf or a checkpoint (with --config
-    naming the architecture; every tensor is checked against it), or to the other
-    file format.
-    """
-    from kuangchao.workers.checkpoint import convert as conv
-
-    if to is not None and to not in conv.TARGETS:
-        fail(f"unknown --to {to!r}; choose one of: {', '.join(conv.TARGETS)}")
-    shard_bytes = _shard_bytes(max_shard_size)
-    out = out.expanduser()
-    for name, folder in (("--config", config), ("--tokenizer", tokenizer)):
-        if folder is not None and not folder.expanduser().exists():
-            fail(f"{name} {folder} does not exist")
-    if tokenizer is not None and not tokenizer.expanduser().is_dir():
-        fail(f"--tokenizer {tokenizer} is not a folder; name the folder holding tokenizer.json")
-    path = Path(src).expanduser()
-    if path.exists():
-        kind = kind_of(path)
-        if kind is None:
-            fail(f"{path} is neither a checkpoint (a step folder, or a job's folder of them), a "
-                 "Hugging Face folder (with config.json), nor a .safetensors / .pt / .bin file")
-    else:
-        kind = conv.CHECKPOINT  # a job id, or a path that resolve() reports missing
-    to = to or target_for(kind, out)
-    if to not in conv.DIRECTIONS[kind]:
-        fail(f"cannot convert {conv.SOURCE_NAMES[kind]} to {to}; the conversions are: "
-             f"{conv.directions()}")
+def written(write: Callable[[], dict[str, Any]], out: Path) -> dict[str, Any]:
+    """Run `write`; what it refuses or cannot write ends kc with exit 2 and the reason."""
     try:
-        if to in conv.FILES:
-            _check_writable(out)
-        elif to == conv.HF:
-            from kuangchao.workers.checkpoint.hf_export import check_out_folder
-
-            check_out_folder(out)
-        else:
-            conv.checkpoint_folder(out)
-    except CheckpointError as exc:
-        fail(exc.message)
-    if kind == conv.CHECKPOINT:
-        path = _verified_step(src, "converting")
-    try:
-        result = conv.convert(path, kind, out, to, config=config, tokenizer=tokenizer,
-                              max_shard_bytes=shard_bytes, warn=None if as_json else _warn)
+        return write()
     except CheckpointError as exc:
         fail(exc.message)
     except OSError as exc:
         fail(f"cannot write {out}: {exc.strerror or exc}; choose another --out")
-    if as_json:
-        typer.echo(json.dumps(result))
-        return
-    typer.echo(f"converted {conv.SOURCE_NAMES[kind]} {result['src']} to {to} at {result['out']}: "
-               f"{result['tensors']} tensors, {result['bytes']:,} bytes")
 
 
 def _check_writable(out: Path) -> None:
@@ -417,3 +314,7 @@ def _check_writable(out: Path) -> None:
         fail(f"--out {out}: folder {parent} does not exist; create it or choose another --out")
     if not os.access(parent, os.W_OK | os.X_OK):
         fail(f"--out {out}: folder {parent} is not writable; choose another --out")
+
+
+# `kc checkpoint convert` lives in its own module; importing it registers the command.
+from kuangchao.api.cli import checkpoint_convert  # noqa: E402,F401

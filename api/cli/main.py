@@ -7,9 +7,7 @@ unknown job, unreachable service), with a message saying what to change.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,8 +19,8 @@ from kuangchao.api.cli.checkpoint import checkpoint_app
 from kuangchao.api.cli.common import Json, call, client, fail
 from kuangchao.api.cli.debug import debug_app, profile
 from kuangchao.api.cli.deploy import control_plane_app
+from kuangchao.api.cli.following import TrainProgress, follow
 from kuangchao.api.cli.plan import plan_command
-from kuangchao.api.cli.progress import ProgressView
 from kuangchao.api.cli.render import (
     print_events,
     print_job,
@@ -33,7 +31,7 @@ from kuangchao.api.cli.render import (
     print_queues,
     terminal_safe,
 )
-from kuangchao.api.sdk.client import Client, load_file
+from kuangchao.api.sdk.client import load_file
 from kuangchao.platform.errors import KuangchaoError, SpecError
 from kuangchao.platform.settings import DEFAULT_API_PORT, DEFAULT_DASHBOARD_PORT, Settings
 from kuangchao.platform.spec.jobspec import validate_spec
@@ -66,29 +64,6 @@ def load_job_doc(path: Path, sets: list[str] | None) -> dict[str, Any]:
         return validate_spec(load_file(path, sets or [])).model_dump(mode="json")
     except SpecError as exc:
         fail(f"{path}:\n" + "\n".join(f"  {p or '.'}: {m}" for p, m in exc.errors))
-
-
-def progress_view(out: Any) -> ProgressView:
-    """A live line when `out` is a terminal, else plain lines."""
-    live = out.isatty()
-    return ProgressView(live, shutil.get_terminal_size((80, 24)).columns if live else 80)
-
-
-def follow(c: Client, job_id: str, as_json: bool) -> dict[str, Any]:
-    """Poll a job until it ends, showing its progress (on stderr with --json)."""
-    out = sys.stderr if as_json else sys.stdout
-    view = progress_view(out)
-
-    def show(job: dict[str, Any]) -> None:
-        text = view.frame(job)
-        if text:
-            out.write(text)
-            out.flush()
-
-    job = call(c.wait, job_id, on_update=show)
-    out.write(view.end())
-    out.flush()
-    return job
 
 
 @app.command()
@@ -340,54 +315,6 @@ def down() -> None:
     typer.echo("kuangchao stopped" if localcluster.down() else "nothing to stop")
 
 
-class _TrainProgress:
-    """Follows the job `kc train` drives, from the job store, on a thread of its
-    own: the driver's thread runs the job controller. Best effort: a failed
-    read skips a frame, never the job."""
-
-    def __init__(self, out: Any, poll_s: float = 1.0) -> None:
-        self.out, self.poll_s = out, poll_s
-        self.view = progress_view(out)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, job_id: str) -> None:
-        self._thread = threading.Thread(target=self._run, args=(job_id,), daemon=True,
-                                        name="kc-train-progress")
-        self._thread.start()
-
-    def _run(self, job_id: str) -> None:
-        from kuangchao.platform.control import operations as jobs
-        from kuangchao.platform.jobs.store import JobStore
-
-        try:
-            s = Settings.from_env()
-            store = JobStore.from_url(s.redis_url, s.redis_prefix)
-        except Exception:
-            return
-        while not self._stop.is_set():
-            try:
-                self._write(self.view.frame(jobs.job_view(store, store.get(job_id))))
-            except Exception:
-                pass
-            self._stop.wait(self.poll_s)
-
-    def _write(self, text: str) -> None:
-        if text:
-            self.out.write(text)
-            self.out.flush()
-
-    def stop(self, final: dict[str, Any] | None = None) -> None:
-        """Stop polling; draw the job as it ended (`final`), then end the line."""
-        self._stop.set()
-        if self._thread is None:
-            return
-        self._thread.join(timeout=2)
-        if final is not None:
-            self._write(self.view.frame(final))
-        self._write(self.view.end())
-
-
 @app.command()
 def train(config: Annotated[Path, typer.Option("--config", help="Job YAML.")], set_: Sets = None,
           as_json: Json = False) -> None:
@@ -396,7 +323,7 @@ def train(config: Annotated[Path, typer.Option("--config", help="Job YAML.")], s
     from kuangchao.platform.runtime.driver import run_as_driver
 
     doc = load_job_doc(config, set_)
-    progress = _TrainProgress(sys.stderr if as_json else sys.stdout)
+    progress = TrainProgress(sys.stderr if as_json else sys.stdout)
     job = None
     try:
         try:
