@@ -86,9 +86,10 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     autocast dtype. A micro-batch with no counted target (a long prompt) adds a zero
     loss, not NaN, which the numeric guard would take for a fault."""
     flat = targets.flatten()
-    if bool((flat == IGNORE).all()):
-        return logits.float().sum() * 0.0
-    return F.cross_entropy(logits.float().flatten(0, 1), flat, ignore_index=IGNORE)
+    # Summed and divided by the count on the device: no host sync to test for the
+    # all-masked case, which comes out 0 / 1.
+    total = F.cross_entropy(logits.float().flatten(0, 1), flat, ignore_index=IGNORE, reduction="sum")
+    return total / (flat != IGNORE).sum().clamp(min=1)
 
 
 def build_chunks(model: nn.Module, n_chunks: int, indices: list[int],
