@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -155,8 +156,12 @@ def run_as_driver(doc: dict[str, Any], settings: Settings | None = None,
         on_submitted(job.id)
     # `ray job stop` sends SIGTERM, then SIGKILL 3 s later (RAY_JOB_STOP_WAIT_TIME_S):
     # the workers are killed and the job recorded CANCELLED well inside that.
+    # Python lets only the main thread install signal handlers: an SDK user (or a
+    # benchmark) driving the job from another thread keeps the process's own
+    # handlers, and stops the job through the API or `kc cancel` instead.
     stop = _stop_handler(settings, job.id)
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = ({s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+                if threading.current_thread() is threading.main_thread() else {})
     try:
         while True:  # a recovered or preempted job comes back to the queue: place it again
             if managed:

@@ -62,3 +62,36 @@ def test_kc_up_and_down_twice_leave_no_process_behind(tmp_path):
     assert not procs.alive(state["redis_pid"]) and not procs.alive(state["api_pid"])
     again = kc("down", env=env)
     assert again.returncode == 0 and "nothing to stop" in again.stdout
+
+
+# An SDK user's (or a benchmark's) driver thread: signal handlers can be installed only
+# on the main thread, so run_as_driver must not try there, and the job still runs.
+_DRIVE_FROM_A_THREAD = """
+import json, sys, threading, yaml
+from kuangchao.platform.runtime.driver import run_as_driver
+doc = yaml.safe_load(open("examples/tiny-gpt.yaml"))
+doc["task"]["name"] = "driven-from-a-thread"
+doc["training"]["steps"] = 6
+doc["model"]["d_model"] = 32
+doc.setdefault("data", {})["max_bytes"] = 200000
+out = {}
+def drive():
+    try:
+        out["job"] = run_as_driver(doc)
+    except BaseException as exc:
+        out["error"] = repr(exc)
+t = threading.Thread(target=drive)
+t.start()
+t.join()
+print(json.dumps(out))
+"""
+
+
+def test_run_as_driver_works_from_a_thread_other_than_main(stack):
+    out = __import__("subprocess").run([sys.executable, "-c", _DRIVE_FROM_A_THREAD], cwd=ROOT,
+                                       env=stack.env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "error" not in result, result.get("error")
+    assert result["job"]["state"] == "SUCCEEDED", result["job"]
+    assert result["job"]["progress"]["step"] == 6
