@@ -36,6 +36,9 @@ class ElasticRange:
     global_batch: int
     ranks_per_replica: int = 1
     gpus_per_rank: int = 1
+    # HSDP's sharding group (`parallel.shard_group_size`): the replica count stays a
+    # multiple of it, so the data-parallel ranks split into whole groups at every size.
+    replica_multiple: int = 1
 
     @property
     def elastic(self) -> bool:
@@ -46,7 +49,7 @@ class ElasticRange:
         return self.ranks_per_replica * self.gpus_per_rank
 
     def admissible(self, n: int) -> bool:
-        return (self.min_replicas <= n <= self.max_replicas
+        return (self.min_replicas <= n <= self.max_replicas and n % self.replica_multiple == 0
                 and self.global_batch % (self.micro_batch_size * n) == 0)
 
     def sizes(self, upto: int | None = None) -> list[int]:
@@ -88,10 +91,12 @@ def range_from(par: Callable[[str], Any], el: Callable[[str], Any]) -> ElasticRa
     lo, hi = el("min_replicas"), el("max_replicas")
     lo = int(lo) if lo is not None else (dp if hi is None else 1)
     hi = int(hi) if hi is not None else max(dp, lo)
+    group = par("shard_group_size")
     return ElasticRange(
         min_replicas=lo, max_replicas=hi, micro_batch_size=micro, global_batch=micro * accum * dp,
         ranks_per_replica=int(par("tensor_parallel_size")) * int(par("pipeline_parallel_size")),
-        gpus_per_rank=int(par("gpus_per_rank")))
+        gpus_per_rank=int(par("gpus_per_rank")),
+        replica_multiple=int(group) if group and int(par("zero_stage")) >= 2 else 1)
 
 
 def range_errors(spec_doc: dict[str, Any]) -> list[tuple[str, str]]:
@@ -105,7 +110,11 @@ def range_errors(spec_doc: dict[str, Any]) -> list[tuple[str, str]]:
                  f"{r.min_replicas} exceeds elastic.max_replicas ({r.max_replicas})")]
     errs = []
     for field, n in (("min_replicas", r.min_replicas), ("max_replicas", r.max_replicas)):
-        if not r.admissible(n):
+        if n % r.replica_multiple:
+            errs.append((f"elastic.{field}", (
+                f"{n} replicas do not split into whole HSDP sharding groups of "
+                f"parallel.shard_group_size ({r.replica_multiple}); use a multiple of it")))
+        elif not r.admissible(n):
             errs.append((f"elastic.{field}", (
                 f"the global batch of {r.global_batch} samples (micro_batch_size x "
                 f"gradient_accumulation_steps x data_parallel_size) does not split evenly into "

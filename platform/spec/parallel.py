@@ -36,6 +36,11 @@ class ParallelSection(BaseModel):
     # 0: DDP; 1: optimizer state sharded (ZeroRedundancyOptimizer); 2: also gradients,
     # 3: also parameters (both FSDP2).
     zero_stage: Literal[0, 1, 2, 3] = 0
+    # HSDP: with zero_stage 2 or 3, shard within groups of this many data-parallel ranks
+    # (2 or more, consecutive, so a node or an island when placement keeps them together)
+    # and replicate across the groups. None: one group, the whole data-parallel dimension.
+    # An elastic job resizes in whole groups.
+    shard_group_size: int | None = Field(None, ge=1, le=65536)
     # Parameters, gradients and optimizer state live in host memory (FSDP2's offload policy).
     offload: bool = False
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
@@ -134,6 +139,8 @@ def parallel_errors(p: ParallelSection, n_layers: int | None, n_heads: int | Non
                 errs.append((f"parallel.{name}", "is read only by the planner; set parallel.auto: "
                              "true, or give data_parallel_size, tensor_parallel_size and "
                              "pipeline_parallel_size"))
+    # `ctx.prepare_model` wires sharding groups as the built-in trainer does: both kinds of job.
+    errs.extend(shard_group_errors(p))
     if not builtin_trainer:
         return errs  # a custom entrypoint wires its own layout from the fields
     if p.schedule == "interleaved_1f1b" and pp > 1:
@@ -184,9 +191,41 @@ def parallel_errors(p: ParallelSection, n_layers: int | None, n_heads: int | Non
     return errs
 
 
+def shard_group_errors(p: ParallelSection) -> list[tuple[str, str]]:
+    """What HSDP (`shard_group_size`) cannot run with; empty without it.
+
+    It runs with everything FSDP2 (zero_stage 2 and 3) runs with: tensor and
+    pipeline parallelism, offload, bf16, recompute. A resize (elastic jobs restart
+    with a new data-parallel size) keeps to multiples of the group
+    (`ElasticRange.admissible`); a size equal to the group is plain FSDP."""
+    s = p.shard_group_size
+    if s is None:
+        return []
+    field = "parallel.shard_group_size"
+    if p.auto:
+        return [(field, "is chosen by the planner with parallel.auto; remove it, or set "
+                        "parallel.auto: false and give the layout")]
+    if p.zero_stage < 2:
+        return [(field, "sharding groups are FSDP2's (HSDP); set zero_stage: 2 or 3, or remove "
+                        "shard_group_size")]
+    if s == 1:
+        # Nothing would be sharded: every rank holding the whole model, its gradients and
+        # optimizer state is DDP, which overlaps its bucketed all-reduce with backward.
+        return [(field, "1 shards nothing (every rank would hold the whole model, gradients and "
+                        "optimizer state); use zero_stage: 0 (DDP) to replicate, or a group of "
+                        "2 or more ranks")]
+    if p.data_parallel_size % s:
+        return [(field, f"{s} does not divide data_parallel_size ({p.data_parallel_size}); the "
+                        "data-parallel ranks split into whole sharding groups: use a divisor, or "
+                        "remove shard_group_size to shard over all of them")]
+    return []
+
+
 def trainer_collectives(p: ParallelSection) -> set[str]:
     """The collectives the built-in trainer runs for this layout (the token must allow them)."""
     out = {"all_reduce", "broadcast", "all_gather"}
+    # FSDP2 all-gathers parameters and reduce-scatters gradients (within each sharding
+    # group under HSDP, whose groups then all-reduce them).
     if p.zero_stage >= 2 or p.hierarchical_allreduce == "on":
         out.add("reduce_scatter")
     if p.pipeline_parallel_size > 1:

@@ -128,7 +128,8 @@ def _train_case(rank: int, world: int, case: dict) -> None:
     if rank == 0:
         with open(case["out"], "w") as fh:
             json.dump({"losses": losses, "norms": norms,
-                       "hierarchy": engine.hierarchy is not None,
+                       "hierarchy": engine.hierarchy is not None, "describe": engine.describe(),
+                       "placements": str(getattr(next(engine.holder.parameters()), "placements", "")),
                        "wrapped": [type(w).__name__ for w in engine.wrapped],
                        "optimizer": type(engine.optimizer).__name__}, fh)
     dist.barrier()

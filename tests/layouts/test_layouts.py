@@ -134,6 +134,12 @@ CASES = {
                        FP32, "ModelChunk"),
     "pp2-tp2": ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2,
                  "gradient_accumulation_steps": 2}, GPT, None, FP32, "ModelChunk"),
+    # HSDP: two sharding groups of 2 ranks, replicated across (FSDP2 over a 2-D mesh).
+    "dp4-zero3-hsdp2": ({"data_parallel_size": 4, "zero_stage": 3, "shard_group_size": 2}, GPT,
+                        None, FP32, "FSDP"),
+    "dp4-zero2-hsdp2-accum2-recompute": ({"data_parallel_size": 4, "zero_stage": 2,
+                                          "shard_group_size": 2, "gradient_accumulation_steps": 2,
+                                          "recompute": True}, LLAMA, None, FP32, "FSDP"),
 }
 
 
@@ -153,6 +159,9 @@ PORTABLE = {
                            "gradient_accumulation_steps": 2}),
     "tp-to-zero1": ({"data_parallel_size": 2, "tensor_parallel_size": 2,
                      "gradient_accumulation_steps": 2}, {"data_parallel_size": 4, "zero_stage": 1}),
+    # Shards replicated across two groups (and offloaded) are saved once and load as DDP's.
+    "hsdp-offload-to-ddp": ({"data_parallel_size": 4, "zero_stage": 3, "shard_group_size": 2,
+                             "offload": True}, {"data_parallel_size": 4}),
 }
 RESUME_AT = 3
 
@@ -187,6 +196,9 @@ def test_layout_trains_like_one_process(name: str, results: dict[str, dict]) -> 
     assert shows in wiring, f"{name} was wired as {wiring}"
     if "hierarchical" not in name:
         assert not got["hierarchy"]
+    if "hsdp" in name:  # sharded within each group of 2, replicated across the 2 groups
+        assert got["placements"] == "(Replicate(), Shard(dim=0))", got["placements"]
+        assert "HSDP: 2 sharding groups of 2 (ranks 0,1 | 2,3)" in got["describe"]
 
 
 @pytest.mark.parametrize("name", list(PORTABLE))

@@ -1,7 +1,8 @@
-"""The data-parallel half of the wiring: the optimizer (sharded for ZeRO-1), how DDP's
-gradients travel (compression, PowerSGD, the node-by-node all-reduce, or timed
-plain all-reduce), FSDP2 sharding for ZeRO 2 and 3, and the manual all-reduce
-for tensor-parallel or pipelined chunks that DDP cannot wrap.
+"""The data-parallel half of the wiring: the device mesh, the optimizer (sharded for
+ZeRO-1), how DDP's gradients travel (compression, PowerSGD, the node-by-node
+all-reduce, or timed plain all-reduce), FSDP2 sharding for ZeRO 2 and 3 (HSDP
+with sharding groups), and the manual all-reduce for tensor-parallel or
+pipelined chunks that DDP cannot wrap.
 
 Split from engine.py, which decides which of these a layout uses and holds the
 state between steps; everything here takes what it needs as arguments.
@@ -20,6 +21,34 @@ from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.platform.spec.parallel import ParallelSection
 from kuangchao.workers.parallel.comm_clock import CommClock
 from kuangchao.workers.parallel.comm_hooks import Hierarchy, compress_hook, powersgd, timed_allreduce_hook
+from kuangchao.workers.parallel.layout import Layout
+
+# HSDP's two halves of the data-parallel dimension (replicate across groups, shard within).
+HSDP_DIMS = ("dp_replicate", "dp_shard")
+
+
+def device_mesh(device_type: str, layout: Layout) -> Any:
+    """The `DeviceMesh` over every rank: ("dp", "pp", "tp"), or with HSDP
+    ("dp_replicate", "dp_shard", "pp", "tp") with the first two also flattened into
+    "dp" (the whole data-parallel group, as without HSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout.shard_group is None:
+        return init_device_mesh(device_type, (layout.dp, layout.pp, layout.tp),
+                                mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(device_type, (layout.shard_groups, layout.shard_group, layout.pp,
+                                          layout.tp), mesh_dim_names=(*HSDP_DIMS, "pp", "tp"))
+    mesh[HSDP_DIMS]._flatten("dp")
+    return mesh
+
+
+def fsdp_mesh(mesh: Any) -> Any:
+    """The mesh FSDP2 shards over: 1-D "dp" (FSDP), or 2-D (replicate, shard) for HSDP,
+    which FSDP2 takes as: parameters `(Replicate(), Shard(0))`, gradients
+    reduce-scattered within the group and all-reduced across the groups."""
+    if HSDP_DIMS[1] in (mesh.mesh_dim_names or ()):
+        return mesh[HSDP_DIMS]
+    return mesh["dp"]
 
 
 def make_optimizer(model: nn.Module, spec: JobSpec, zero: bool = False,
@@ -92,12 +121,13 @@ def fully_shard_chunk(chunk: nn.Module, p: ParallelSection, mesh: Any, dtype: to
 
 def fully_shard_blocks(root: nn.Module, blocks: list[nn.Module], p: ParallelSection, mesh: Any,
                        dtype: torch.dtype | None, device: torch.device) -> nn.Module:
-    """FSDP2 over each of `blocks`, then over `root` (what is left: embeddings, head)."""
+    """FSDP2 over each of `blocks`, then over `root` (what is left: embeddings, head); over
+    `mesh`'s data-parallel dimension, split into sharding groups where it has them (HSDP)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"reshard_after_forward": p.zero_stage == 3}
     if mesh is not None:
-        kwargs["mesh"] = mesh["dp"]
+        kwargs["mesh"] = fsdp_mesh(mesh)
     if dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if p.offload:

@@ -13,6 +13,9 @@ From the layout (workers/parallel/layout.py), over a `DeviceMesh` ("dp", "pp", "
     2  FSDP2 `fully_shard` keeping parameters gathered between forward and
        backward (gradients and optimizer state sharded);
     3  FSDP2 resharding after forward (parameters sharded too);
+  with `shard_group_size` (HSDP), 2 and 3 shard within groups of that many
+  consecutive data-parallel ranks and replicate across the groups (FSDP2 over a
+  2-D (replicate, shard) mesh: reduce-scatter in the group, all-reduce across);
   with tensor or pipeline parallelism and ZeRO 0 or 1, DDP does not apply
   (DTensor parameters; several backward passes per step), so gradients are
   all-reduced over the data-parallel group after backward;
@@ -46,6 +49,7 @@ from kuangchao.workers.parallel.comm_hooks import Hierarchy
 from kuangchao.workers.parallel.data_parallel import (
     allreduce_grads,
     comm_hook,
+    device_mesh,
     fully_shard_chunk,
     hierarchy_wins,
     make_optimizer,
@@ -113,8 +117,7 @@ class Engine:
             self.holder = ChunkSet(self.chunks)
         self.mesh = None
         if self.distributed and (pp > 1 or tp > 1 or self.fsdp):
-            from torch.distributed.device_mesh import init_device_mesh
-            self.mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+            self.mesh = device_mesh(device.type, self.layout)
         self.dp_group = self._group("dp")
         self.pp_group = self._group("pp")
         self.tied = None
@@ -249,7 +252,7 @@ class Engine:
 
     def collectives(self) -> list[str]:
         """The token interfaces this layout's training step uses."""
-        out = {"all_reduce"}
+        out = {"all_reduce"}  # HSDP's gradients cross the sharding groups by all-reduce
         if self.fsdp or self.hierarchy is not None:
             out |= {"reduce_scatter", "all_gather"}
         if self.p.zero_stage == 1:
@@ -359,8 +362,8 @@ class Engine:
             if param.grad is None or param is skip:
                 continue
             norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32)
-            if hasattr(norm, "full_tensor"):
-                norm = norm.full_tensor()
+            if hasattr(norm, "full_tensor"):  # partial over the shards, replicated across HSDP
+                norm = norm.full_tensor()     # groups: each shard counted once, no replica twice
             sq += norm.double() ** 2
         if self.pp_group is not None and self.layout.pp > 1:
             dist.all_reduce(sq, group=self.pp_group)

@@ -5,6 +5,11 @@ placement uses (platform/placement/solver.py): a tensor-parallel group is a run 
 consecutive ranks, which placement keeps inside one NVLink island, and a
 data-parallel replica (one pipeline) is a run of `pp * tp` ranks. The mesh's
 dimensions are therefore ("dp", "pp", "tp"), row-major.
+
+With HSDP (`shard_group_size` s under ZeRO 2 or 3) the data-parallel dimension
+splits in two, row-major: `dp_index = group * s + member`, so a sharding group is
+s consecutive data-parallel indices (one node, or one island, when placement
+keeps them together) and the mesh is ("dp_replicate", "dp_shard", "pp", "tp").
 """
 
 from __future__ import annotations
@@ -30,20 +35,38 @@ class Layout:
     dp: int
     pp: int = 1
     tp: int = 1
+    # HSDP: data-parallel ranks per sharding group, below dp; None: one group (plain
+    # FSDP, or no sharding at all).
+    shard_group: int | None = None
+
+    def __post_init__(self) -> None:
+        s = self.shard_group
+        if s is not None and not (1 <= s < self.dp and self.dp % s == 0):
+            raise ValueError(f"sharding groups of {s} do not split {self.dp} data-parallel ranks "
+                             "into two or more whole groups")
 
     @classmethod
     def of(cls, parallel: ParallelSection, world_size: int) -> Layout:
-        """The layout for `world_size` ranks; an elastic job changes only `dp`."""
+        """The layout for `world_size` ranks; an elastic job changes only `dp`.
+
+        A `shard_group_size` equal to dp is one group: plain FSDP, wired as such."""
         per_replica = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         if world_size % per_replica:
             raise ValueError(f"{world_size} ranks do not split into replicas of "
                              f"{per_replica} (tensor x pipeline parallel)")
-        return cls(world_size // per_replica, parallel.pipeline_parallel_size,
-                   parallel.tensor_parallel_size)
+        dp = world_size // per_replica
+        s = parallel.shard_group_size if parallel.zero_stage >= 2 else None
+        return cls(dp, parallel.pipeline_parallel_size, parallel.tensor_parallel_size,
+                   s if s != dp else None)
 
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.tp
+
+    @property
+    def shard_groups(self) -> int:
+        """How many sharding groups the data-parallel ranks form (1 without HSDP)."""
+        return self.dp // self.shard_group if self.shard_group else 1
 
     def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.world_size:
@@ -57,6 +80,23 @@ class Layout:
         """The ranks holding the same model shard as `rank`: its data-parallel peers."""
         c = self.coords(rank)
         return [self.rank(Coords(d, c.pp, c.tp)) for d in range(self.dp)]
+
+    def shard_group_of(self, rank: int) -> list[int]:
+        """The data-parallel peers `rank` shards parameters, gradients and optimizer state
+        with: its whole dp group without HSDP, else its run of `shard_group` of them."""
+        peers = self.dp_group(rank)
+        if not self.shard_group:
+            return peers
+        first = self.coords(rank).dp // self.shard_group * self.shard_group
+        return peers[first:first + self.shard_group]
+
+    def replica_group_of(self, rank: int) -> list[int]:
+        """The ranks holding the same shard as `rank` under HSDP, one per sharding group
+        (gradients are all-reduced over them); `[rank]` without HSDP."""
+        if not self.shard_group:
+            return [rank]
+        peers = self.dp_group(rank)
+        return peers[self.coords(rank).dp % self.shard_group::self.shard_group]
 
     def pp_group(self, rank: int) -> list[int]:
         c = self.coords(rank)

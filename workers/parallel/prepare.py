@@ -6,7 +6,8 @@ train function (Ray Train's `prepare_model`, plus ZeRO and tensor parallelism).
   3: resharded), with `offload` and `precision` as FSDP2's policies;
 - tensor parallelism over the ranks of one replica: the plan the caller gives,
   else a Hugging Face model's own (`base_model_tp_plan`), else the one kc keeps
-  for its family; then FSDP2 over the data-parallel dimension of a (dp, tp) mesh;
+  for its family; then FSDP2 over the data-parallel dimension of a (dp, pp=1, tp)
+  mesh (HSDP: sharded within groups of `shard_group_size`, replicated across);
 - `recompute` (activations of each decoder layer recomputed in backward) and
   `training.compile` (each decoder layer compiled).
 
@@ -27,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.platform.spec.model import FAMILY_TP_PLANS
 from kuangchao.workers.errors import TrainingError
-from kuangchao.workers.parallel.data_parallel import fully_shard_blocks
+from kuangchao.workers.parallel.data_parallel import device_mesh, fully_shard_blocks
 from kuangchao.workers.parallel.layout import Layout
 from kuangchao.workers.parallel.precision import Precision
 from kuangchao.workers.parallel.tensor_parallel import STYLES
@@ -105,9 +106,7 @@ def prepare_model(spec: JobSpec, model: nn.Module, *, world_size: int, device: t
         return model
     mesh = None
     if layout.tp > 1 or p.zero_stage >= 2:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+        mesh = device_mesh(device.type, layout)  # pp is 1 here; HSDP groups when asked
     if layout.tp > 1:
         plan = tp_plan or hf_plan(model)
         if not plan:

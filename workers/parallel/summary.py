@@ -13,6 +13,9 @@ def describe(engine: Any) -> str:
         parts.append(f"schedule {p.schedule}" + (f" x{p.virtual_stages}" if p.virtual_stages > 1 else ""))
     dp_kind = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[p.zero_stage]
     parts.append(dp_kind + (" + manual all-reduce" if engine.manual_dp else ""))
+    if lay.shard_group:
+        parts.append(f"HSDP: {lay.shard_groups} sharding groups of {lay.shard_group} "
+                     f"(ranks {shard_groups(lay, engine.rank)}), replicated across them")
     if p.offload:
         parts.append("offload")
     if engine.hierarchy is not None:
@@ -24,3 +27,13 @@ def describe(engine: Any) -> str:
     if p.recompute:
         parts.append("recompute")
     return ", ".join(parts)
+
+
+def shard_groups(lay: Any, rank: int, most: int = 4) -> str:
+    """`rank`'s data-parallel peers by sharding group, "0,1 | 2,3" (the first `most` groups
+    and the last when there are more)."""
+    dp = lay.dp_group(rank)
+    groups = [",".join(map(str, lay.shard_group_of(r))) for r in dp[::lay.shard_group]]
+    if len(groups) > most:
+        groups = [*groups[:most - 1], "...", groups[-1]]
+    return " | ".join(groups)
