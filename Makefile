@@ -9,7 +9,7 @@ JOB ?= examples/tiny-gpt.yaml
 
 LOCK := constraints.txt
 
-.PHONY: install tools run test unit process layouts deploy integration security fuzz lint lock up down clean
+.PHONY: install tools run test bench unit process layouts deploy integration security fuzz lint lock up down clean
 
 install: $(VENV)/.installed
 
@@ -57,6 +57,11 @@ run: install
 
 test: install tools
 	$(PY) -m pytest -q --durations=20 tests
+
+# Every benchmark at its defaults (about an hour on 2 cores; not part of `make test`,
+# which runs each one's --quick mode): bench/results/latest.jsonl and latest.md.
+bench: install tools
+	$(PY) bench/run_all.py
 
 # The tiers, each on its own; `make test` runs them all and is CI's gate.
 unit: install

@@ -21,15 +21,13 @@ import logging
 import os
 import secrets
 import shutil
-import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -43,74 +41,20 @@ from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.trainer.job_model import model_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-REDIS_URL = os.environ.get("KCBENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
-# -- output ----------------------------------------------------------------
+# -- output (bench/report.py, re-exported) -----------------------------------
 
-def median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
-
-
-_results: TextIO | None = None  # where result lines go once keep_stdout_for_results() ran
-
-
-def keep_stdout_for_results() -> None:
-    """Keep stdout for the JSON result lines alone; everything else goes to stderr.
-
-    Ray's driver prints what raylets report (a killed raylet's last log lines,
-    say) on file descriptor 1, which would mix with the results.
-    """
-    global _results
-    _results = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-
-
-def emit(bench: str, metric: str, unit: str, ours: float, baseline: float,
-         target: float | None) -> None:
-    """Print one result line; `ratio` is ours over baseline (lower is better)."""
-    # A zero baseline (samples_lost) gives ratio 0 when ours is zero too.
-    ratio = ours / baseline if baseline else (0.0 if ours == 0 else float("inf"))
-    print(json.dumps({"bench": bench, "metric": metric, "unit": unit, "ours": round(ours, 6),
-                      "baseline": round(baseline, 6), "ratio": round(ratio, 4),
-                      "target": target}), file=_results or sys.stdout, flush=True)
-
-
-def log(msg: str) -> None:
-    """Progress for humans; stdout is reserved for the JSON lines."""
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def _cpu_times() -> tuple[int, int]:
-    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return sum(fields) - idle, sum(fields)
-
-
-def wait_for_quiet(max_busy: float = 0.3, window_s: float = 1.0, timeout_s: float = 30.0) -> float:
-    """Block until the machine's CPUs are at most `max_busy` busy over `window_s`.
-
-    Benchmarks call it between runs: processes of the previous run (and Ray's
-    own start-up work) exit or settle asynchronously, and on a small machine
-    their CPU use would be billed to the next run. Gives up after `timeout_s`
-    (another tenant may keep the machine busy) and logs it. Returns the last
-    busy fraction measured.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        b0, t0 = _cpu_times()
-        time.sleep(window_s)
-        b1, t1 = _cpu_times()
-        busy = (b1 - b0) / max(1, t1 - t0)
-        if busy <= max_busy:
-            return busy
-        if time.monotonic() > deadline:
-            log(f"machine still {busy:.0%} busy after {timeout_s:.0f}s; timings may be noisy")
-            return busy
-
+from bench.report import (  # noqa: E402,F401
+    REDIS_URL,
+    _cpu_times,
+    emit,
+    keep_stdout_for_results,
+    log,
+    median,
+    spread_of,
+    wait_for_quiet,
+)
 
 # -- the cluster -------------------------------------------------------------
 
@@ -237,11 +181,14 @@ def connect(cluster: BenchCluster) -> None:
     """
     import ray
 
+    from kuangchao.platform.runtime import ray_connect
+
     if ray.is_initialized():
         return
-    ray.init(address=cluster.ray_address, namespace=RAY_NAMESPACE, log_to_driver=False,
-             logging_level=logging.ERROR,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+    # The stack takes Ray's token (`kc up` turns token authentication on); this
+    # presents the one its cluster.json records, as `kc` itself does.
+    ray_connect.connect(cluster.ray_address, namespace=RAY_NAMESPACE, logging_level=logging.ERROR,
+                        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
 
 
 # -- the job -----------------------------------------------------------------
@@ -315,6 +262,18 @@ def _write_json(path: str | None, data: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(data))
 
 
+def rank_file(out: str | Path, rank: int) -> Path:
+    """Where rank `rank` writes its timing for a run whose output is `out`."""
+    return Path(f"{out}.rank{rank}.json")
+
+
+def read_rank_files(out: str | Path) -> list[dict[str, Any]]:
+    """Every rank's timing of one run (rank order)."""
+    files = sorted(Path(out).parent.glob(f"{Path(out).name}.rank*.json"),
+                   key=lambda p: int(p.name.rsplit(".rank", 1)[1].split(".")[0]))
+    return [json.loads(p.read_text()) for p in files]
+
+
 def kc_entry(ctx: TrainContext) -> dict[str, Any]:
     """Kuangchao entrypoint (`bench.harness:kc_entry`) running `bench_loop`."""
     saved: dict[str, Any] = {}
@@ -325,20 +284,19 @@ def kc_entry(ctx: TrainContext) -> dict[str, Any]:
         saved.update(info.to_json())
 
     timing = bench_loop(ctx.spec, ctx.rank, ctx.world_size, after_steps=save)
-    if ctx.is_chief:
-        _write_json(ctx.spec.args.get("out"), timing)
+    if ctx.spec.args.get("out"):
+        _write_json(str(rank_file(ctx.spec.args["out"], ctx.rank)), timing)
     return {"timing": timing, "checkpoint": saved}
 
 
 def ray_train_loop(config: dict[str, Any]) -> None:
     """Ray Train's `train_loop_per_worker` running `bench_loop`.
 
-    config: {"spec": spec document, "out": where rank 0 writes its timing}.
+    config: {"spec": spec document, "out": the run's output (each rank writes `rank_file`)}.
     """
     import ray.train
 
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     timing = bench_loop(validate_spec(config["spec"]), rank, ctx.get_world_size())
-    if rank == 0:
-        _write_json(config["out"], timing)
+    _write_json(str(rank_file(config["out"], rank)), timing)

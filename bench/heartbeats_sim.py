@@ -34,7 +34,7 @@ from pathlib import Path
 
 import redis
 
-from bench.harness import REDIS_URL, log
+from bench.report import REDIS_URL, log
 from kuangchao.platform.jobs import keys as redis_keys
 from kuangchao.platform.protocol.heartbeat import Beat
 from kuangchao.platform.runtime.procs import free_port

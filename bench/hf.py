@@ -87,19 +87,23 @@ def _clean(v: Any) -> Any:
     return v
 
 
-def emit_line(metric: str, unit: str, ours: Any, baseline: Any, ratio: Any, target: Any,
-              **extra: Any) -> None:
-    """One result line: {"bench": "hf", "metric", "unit", "ours", "baseline", "ratio",
-    "target", ...extra}. Goes to the real stdout even when Ray writes to fd 1."""
-    line = {"bench": "hf", "metric": metric, "unit": unit, "ours": ours, "baseline": baseline,
-            "ratio": round(ratio, 4) if isinstance(ratio, float) else ratio, "target": target,
-            **extra}
-    print(json.dumps(_clean(line)), file=harness._results or sys.stdout, flush=True)
+def emit_line(metric: str, unit: str, ours: Any, baseline: Any, target: Any, *,
+              better: str, target_on: str, **extra: Any) -> None:
+    """One result line through `harness.emit` (the contract of bench/check.py), extra
+    fields rounded and made JSON-safe; it reaches the real stdout even when Ray writes to fd 1."""
+    harness.emit("hf", metric, unit, ours, baseline, target, better=better, target_on=target_on,
+                 **_clean(extra))
 
 
 def emit_error(metric: str, unit: str, target: Any, exc: BaseException) -> None:
-    emit_line(metric, unit, None, None, None, target,
+    better, on = _DIRECTION.get(metric, ("lower", "ratio"))
+    emit_line(metric, unit, None, None, target, better=better, target_on=on,
               error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+
+
+# Which way each line is good, and what its target bounds.
+_DIRECTION = {"tokenize_throughput": ("higher", "ratio"), "hf_step_time_ratio": ("lower", "ratio"),
+              "design_job_16_ranks": ("lower", "state")}
 
 
 # -- a stack: `kc up` with a temporary KC_HOME ---------------------------------------------
@@ -372,7 +376,7 @@ def step_time(args: argparse.Namespace) -> None:
     o, b = median([r["step_s"] for r in ours]), median([r["step_s"] for r in theirs])
     windows = [r["window_step_s"] for r in ours if r["window_step_s"]]
     d = defaults()
-    emit_line("hf_step_time_ratio", "s", o, b, o / b, 1.03,
+    emit_line("hf_step_time_ratio", "s", o, b, 1.03, better="lower", target_on="ratio",
               ours_runs=[r["step_s"] for r in ours], baseline_runs=[r["step_s"] for r in theirs],
               ours_steady_windows=median(windows) if windows else None,
               model=f"HF LlamaForCausalLM {LAYERS} layers, hidden {HIDDEN}, heads {HEADS}/"
@@ -411,7 +415,8 @@ def design_job(args: argparse.Namespace) -> bool:
         if job["state"] != "SUCCEEDED":
             extra["error"] = _job_failure(stack, job)
         audit = Path(doc["permission"]["audit_log"])
-        emit_line("design_job_16_ranks", "s", wall, None, None, "SUCCEEDED", state=job["state"],
+        emit_line("design_job_16_ranks", "s", wall, None, "SUCCEEDED", better="lower",
+                  target_on="state", state=job["state"],
                   job=job_id, world_size=job.get("world_size"),
                   steps=job["progress"]["step"], loss=job["progress"].get("loss"),
                   measured_step_s=job.get("measured_step_s"),
@@ -449,7 +454,12 @@ def main() -> int:
                         help="also run the design documents' 16-rank job (several GB of memory)")
     parser.add_argument("--design-steps", type=int, default=3)
     parser.add_argument("--design-timeout", type=float, default=1800.0)
+    parser.add_argument("--quick", action="store_true",
+                        help="tokenize and step phases, one short run each: checks the script "
+                             "works (about a minute)")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.steps, args.tokenize_mb, args.tokenize_repeats = 1, 15, 0.3, 1
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     if args.design_job and "design" not in phases:
         phases.append("design")
@@ -470,7 +480,7 @@ def main() -> int:
                     shutil.rmtree(work, ignore_errors=True)
                 for r in hf_tokenize.results(m):
                     emit_line(r.pop("metric"), r.pop("unit"), r.pop("ours"), r.pop("baseline"),
-                              r.pop("ratio"), r.pop("target"), **r)
+                              r.pop("target"), **r)
             elif phase == "step":
                 step_time(args)
             elif phase == "design":

@@ -101,7 +101,12 @@ class _TimedContext(TrainContext):
 
 
 def _rank(rank: int, port: int, variant: str, steps: int, tmp: str, out: Any) -> None:
-    """One rank: join the gloo group, build the TrainContext as a worker does, train."""
+    """One rank: join the gloo group, build the TrainContext as a worker does, train.
+
+    `variant`: "on" (telemetry), "scrape" (telemetry and an empty registry beside it),
+    "off" (no telemetry), or for bench/tokens.py, with no telemetry either,
+    "unguarded" (the capability-token check skipped: every `permit` allowed
+    unasked) and "counted" (the check made, and counted)."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     from kuangchao.platform.security.tokens import Minter, Scope, generate_key
@@ -122,11 +127,21 @@ def _rank(rank: int, port: int, variant: str, steps: int, tmp: str, out: Any) ->
         Scope(devices=(), groups=("world",), checkpoint_prefix=tmp, redis_prefix=""),
         spec.permission.collectives, 3600)
     collectives.set_token(claims)
+    calls = [0]
+    if variant == "unguarded":
+        collectives._guard.allow = lambda interface, group: None  # type: ignore[method-assign]
+    elif variant == "counted":
+        allow = collectives._guard.allow
+
+        def counted(interface: str, group: str) -> None:
+            calls[0] += 1
+            allow(interface, group)
+        collectives._guard.allow = counted  # type: ignore[method-assign]
 
     tel: WorkerTelemetry | None = None
     addrs: dict[str, str] = {}
     empty = None
-    if variant != "off":
+    if variant in ("on", "scrape"):
         tel = WorkerTelemetry(JOB, rank, "bench")
         addrs["worker"] = tel.serve("127.0.0.1")
     if variant == "scrape":  # the floor: an empty registry, same process, same HTTP server
@@ -145,6 +160,8 @@ def _rank(rank: int, port: int, variant: str, steps: int, tmp: str, out: Any) ->
     ctx.stamps = []
     train(ctx)
     if rank == 0:
+        if variant == "counted":
+            out.put(("guard_calls", rank, calls[0]))
         out.put(("steps", rank, ctx.stamps))
     if tel is not None:
         tel.close()
@@ -213,8 +230,10 @@ def _own_busy_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def one_run(variant: str, steps: int) -> tuple[list[float], dict[str, list[float]], float]:
-    """Train once with `variant` ("off", "on", or "scrape").
+def one_run(variant: str, steps: int, extras: dict[str, Any] | None = None,
+            ) -> tuple[list[float], dict[str, list[float]], float]:
+    """Train once with `variant` (see `_rank`); what rank 0 reports beside its
+    step stamps (the guard's call count) goes into `extras`.
 
     Returns rank 0's report stamps, the scrape times by kind, and how many
     cores other processes on the machine kept busy meanwhile (on a shared
@@ -243,7 +262,7 @@ def one_run(variant: str, steps: int) -> tuple[list[float], dict[str, list[float
                 continue
             if kind == "ready":
                 ready[rank] = payload
-                if len(ready) == RANKS and variant != "off":
+                if len(ready) == RANKS and variant in ("on", "scrape"):
                     if variant == "on":  # each rank's endpoint once a second, as Prometheus
                         targets = [("worker", ready[r]["worker"]) for r in range(RANKS)]
                         gap = SCRAPE_EVERY_S / len(targets)
@@ -253,8 +272,10 @@ def one_run(variant: str, steps: int) -> tuple[list[float], dict[str, list[float
                         gap = SCRAPE_GAP_S
                     scraper = Scraper(targets, gap)
                     scraper.start()
-            else:
+            elif kind == "steps":
                 stamps = payload
+            elif extras is not None:
+                extras[kind] = payload
         if scraper is not None:
             scraper.stop.set()
             scraper.join()
@@ -296,7 +317,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=REPEATS)
     ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--quick", action="store_true",
+                    help="one short run of each variant: checks the script works (seconds)")
     args = ap.parse_args()
+    if args.quick:
+        args.repeats, args.steps = 1, WARMUP_STEPS + 6
     if args.steps < WARMUP_STEPS + 3:
         ap.error(f"--steps must be at least {WARMUP_STEPS + 3}")
     t0 = time.monotonic()
@@ -325,7 +350,8 @@ def main() -> None:
     if scrapes:
         log(f"scrapes during the overhead runs: {len(scrapes)}, median "
             f"{median(scrapes) * 1e3:.2f} ms, max {max(scrapes) * 1e3:.2f} ms")
-    emit("metrics", "metrics_overhead", "s", ours, base, 1.02)
+    emit("metrics", "metrics_overhead", "s", ours, base, 1.02, better="lower", target_on="ratio",
+         spread={"ours": times["on"], "baseline": times["off"]})
 
     wait_for_quiet()
     _, scraped, others = one_run("scrape", args.steps)
@@ -335,7 +361,7 @@ def main() -> None:
             f"{len(floor)} empty-registry scrapes ({spread(floor)}); other processes busy "
             f"{others:.2f} cores")
         emit("metrics", "metrics_scrape_ms", "ms", median(worker) * 1e3, median(floor) * 1e3,
-             None)
+             None, better="lower", target_on="ratio")
     else:
         log("scrape run too short for a scrape of each kind; metrics_scrape_ms not reported")
     log(f"total wall time {time.monotonic() - t0:.1f}s")

@@ -1,108 +1,89 @@
-"""Capability tokens: what the checks cost.
+"""Capability tokens: what the checks cost a job.
 
-  guarded_allreduce_overhead  a guarded `all_reduce` (workers/collectives.py:
-                              token whitelist and group scope checked first)
-                              over raw `torch.distributed.all_reduce`: 4 gloo
-                              ranks on this machine, a 1 MB float32 tensor,
-                              blocks of calls alternating between the two, the
-                              median per-call time of each. Target 1.02.
-  token_verify_us             one verification of a kuangchao token (Ed25519
-                              signature, claims, expiry, revocation lookup), the
-                              median over many; against PyJWT's HS256 check of
-                              the same claims with a shared secret (the
-                              one-cluster-token design kuangchao does not use:
-                              anyone who can check such a token can mint one).
+  guarded_step_overhead  the built-in trainer's step (`workers/trainer/loop.py`
+                         `train`, as bench/metrics.py runs it: 2 gloo ranks on this
+                         machine, one torch thread each, no Ray, no Redis) with
+                         every guarded call asking the rank's capability token
+                         (`workers/collectives.py` `permit`: the interface on the
+                         token's whitelist, the group in its scope, the token not
+                         expired or withdrawn), against the same run with the
+                         check skipped (every `permit` allowed unasked): the path
+                         a job's rank takes, not a wrapper. Median step time after
+                         the warm-up steps, runs alternating, medians over the
+                         repeats. Target 1.02. Stderr gives the guarded calls per
+                         step (counted in one extra run) and one check's cost, so
+                         the guard's share of a step can be read off directly.
+  token_verify_us        one verification of a kuangchao token (Ed25519 signature,
+                         claims, expiry, revocation lookup), the median over many;
+                         against PyJWT's HS256 check of the same claims with a
+                         shared secret (the one-cluster-token design kuangchao does
+                         not use: anyone who can check such a token can mint one).
+                         Informative, no target.
 
-Last run (2 cores): guarded 5.97 ms against raw 6.03 ms per call (0.99); the
-check alone takes about 0.2 us. Verification 148 us against 42 us for HS256.
-Nothing calls the guarded collectives in a job yet (issue 6 wires them in).
-
-Run: .venv/bin/python bench/tokens.py [--reps 40] [--calls 10]   (JSON lines on stdout)
+Run: .venv/bin/python bench/tokens.py [--repeats 5] [--steps 120] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
 
 import jwt  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-from bench.harness import emit, log, median  # noqa: E402
-from kuangchao.platform.runtime.procs import free_port  # noqa: E402
+from bench.harness import emit, log, median, spread_of, wait_for_quiet  # noqa: E402
+from bench.metrics import WARMUP_STEPS, one_run, step_times  # noqa: E402
 from kuangchao.platform.security.tokens import (  # noqa: E402
     Minter,
     Scope,
     Verifier,
     generate_key,
-    load_private,
     load_public,
-    private_pem,
     public_pem,
 )
 
-RANKS = 4
-ELEMENTS = 1024 * 1024 // 4  # 1 MB of float32
 SCOPE = Scope(devices=(0,), groups=("world",), checkpoint_prefix="/ckpt/bench",
               redis_prefix="kc:job:bench:")
 
 
-def _rank(rank: int, port: int, pem: bytes, reps: int, calls: int, out: mp.Queue) -> None:
-    from kuangchao.workers import collectives as kc
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, RANKS, rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=RANKS)
-    token, _ = Minter(load_private(pem)).mint(f"bench/rank-{rank}", "bench", "trainer", SCOPE,
-                                              ["all_reduce"], 3600)
-    kc.set_token(Verifier(load_public(public_pem(load_private(pem)))).verify(token))
-    t = torch.ones(ELEMENTS)
-
-    def raw() -> None:
-        dist.all_reduce(t)
-
-    def guarded() -> None:
-        kc.all_reduce(t, op="sum")
-
-    for _ in range(10):  # warm-up: connections, buffers
-        raw()
-        guarded()
-    times: dict[str, list[float]] = {"raw": [], "guarded": []}
-    for rep in range(reps):
-        order = [("raw", raw), ("guarded", guarded)]
-        for name, fn in order if rep % 2 == 0 else order[::-1]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - t0) / calls)
-    if rank == 0:
-        out.put(times)
-    dist.destroy_process_group()
+def guarded_steps(repeats: int, steps: int) -> tuple[list[float], list[float], float]:
+    """Step times with the token check and without; guarded calls per step."""
+    times: dict[str, list[float]] = {"counted": [], "guarded": [], "unguarded": []}
+    for i in range(repeats):
+        # Alternate who goes first so drift and warm caches favour neither side.
+        for variant in ("guarded", "unguarded") if i % 2 == 0 else ("unguarded", "guarded"):
+            wait_for_quiet()
+            # metrics.py's "off": no telemetry, the token checked as in a job.
+            stamps, _, others = one_run("off" if variant == "guarded" else variant, steps)
+            med, _ = step_times(stamps)
+            times[variant].append(med)
+            log(f"repeat {i} {variant:9s}: step median {med * 1e3:.2f} ms; other processes "
+                f"busy {others:.2f} cores")
+    extras: dict[str, int] = {}
+    one_run("counted", steps, extras)
+    per_step = extras["guard_calls"] / steps
+    return times["guarded"], times["unguarded"], per_step
 
 
-def allreduce_overhead(reps: int, calls: int) -> tuple[float, float]:
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    pem = private_pem(generate_key())
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, pem, reps, calls, out)) for r in range(RANKS)]
-    for p in procs:
-        p.start()
-    times = out.get(timeout=600)
-    for p in procs:
-        p.join(timeout=60)
-    return median(times["guarded"]), median(times["raw"])
+def check_us(n: int = 20000) -> float:
+    """One `permit` with a valid token, in microseconds (the guard's own work)."""
+    from kuangchao.workers import collectives
+
+    _, claims = Minter(generate_key()).mint("bench/rank-0", "bench", "trainer", SCOPE,
+                                            ["all_reduce"], 3600)
+    collectives.set_token(claims)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            collectives.permit("all_reduce")
+        return (time.perf_counter() - t0) / n * 1e6
+    finally:
+        collectives.set_token(None)
 
 
 def verify_us(n: int = 2000) -> tuple[float, float]:
@@ -130,18 +111,30 @@ def verify_us(n: int = 2000) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # Short blocks, many of them, alternating: 4 ranks on 2 cores drift by a few
-    # percent over seconds, far more than the check itself costs (about 0.2 us).
-    ap.add_argument("--reps", type=int, default=40)
-    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--quick", action="store_true",
+                    help="one short run of each side: checks the script works (seconds)")
     args = ap.parse_args()
-    guarded, raw = allreduce_overhead(args.reps, args.calls)
-    log(f"all_reduce of 1 MB on {RANKS} gloo ranks: guarded {guarded * 1e3:.3f} ms, "
-        f"raw {raw * 1e3:.3f} ms per call")
-    emit("tokens", "guarded_allreduce_overhead", "s", guarded, raw, 1.02)
-    ours, theirs = verify_us()
+    if args.quick:
+        args.repeats, args.steps = 1, WARMUP_STEPS + 6
+    if args.steps < WARMUP_STEPS + 3:
+        ap.error(f"--steps must be at least {WARMUP_STEPS + 3}")
+    t0 = time.monotonic()
+    guarded, unguarded, per_step = guarded_steps(args.repeats, args.steps)
+    one = check_us()
+    log(f"built-in trainer step: guarded {spread_of(guarded)} s, unguarded {spread_of(unguarded)} s")
+    log(f"guarded calls per step {per_step:.1f} x {one:.2f} us a check = "
+        f"{per_step * one:.1f} us of guard work a step")
+    emit("tokens", "guarded_step_overhead", "s", median(guarded), median(unguarded), 1.02,
+         better="lower", target_on="ratio", spread={"ours": guarded, "baseline": unguarded},
+         guarded_calls_per_step=round(per_step, 2), check_us=round(one, 3),
+         settings="baseline: the same trainer run with every permit() allowed unasked")
+    ours, theirs = verify_us(400 if args.quick else 2000)
     log(f"token verification: Ed25519 {ours:.1f} us, HS256 shared secret {theirs:.1f} us")
-    emit("tokens", "token_verify_us", "us", ours, theirs, None)
+    emit("tokens", "token_verify_us", "us", ours, theirs, None, better="lower", target_on="ratio",
+         settings="baseline: PyJWT HS256 decode of the same claims with a 32-byte shared secret")
+    log(f"total wall time {time.monotonic() - t0:.1f}s")
 
 
 if __name__ == "__main__":
