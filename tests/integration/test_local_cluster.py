@@ -67,9 +67,10 @@ def test_kc_up_and_down_twice_leave_no_process_behind(tmp_path):
 # An SDK user's (or a benchmark's) driver thread: signal handlers can be installed only
 # on the main thread, so run_as_driver must not try there, and the job still runs.
 _DRIVE_FROM_A_THREAD = """
-import json, sys, threading, yaml
+import json, sys, threading
 from kuangchao.platform.runtime.driver import run_as_driver
-doc = yaml.safe_load(open("examples/tiny-gpt.yaml"))
+from kuangchao.platform.spec.jobspec import load_spec_document
+doc = load_spec_document("examples/tiny-gpt.yaml")  # resolves its `extends:`
 doc["task"]["name"] = "driven-from-a-thread"
 doc["training"]["steps"] = 6
 doc["model"]["d_model"] = 32
