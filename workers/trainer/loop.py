@@ -290,7 +290,8 @@ def check_replicas_in_sync(engine: Engine, ctx: TrainContext) -> str:
     all-reduce) would otherwise go unnoticed until the checkpoint, which
     keeps only one copy. Ranks holding the same shard of the model (same
     pipeline stage and tensor-parallel index) must agree; under ZeRO 2 and 3
-    each holds a different slice, so there is nothing to compare.
+    each holds a different slice, so there is nothing to compare, except under
+    HSDP, where each slice is held once in every sharding group.
 
     Returns:
         This rank's digest with plain data parallelism; otherwise one digest
@@ -307,14 +308,19 @@ def check_replicas_in_sync(engine: Engine, ctx: TrainContext) -> str:
     permit("all_gather")
     dist.all_gather_object(digests, digest)
     layout = engine.layout
-    if not engine.fsdp:
+    # The ranks that must hold equal parameters: a whole dp group without FSDP; under
+    # HSDP the ranks holding the same shard, one in each sharding group.
+    same = layout.replica_group_of if engine.fsdp else layout.dp_group
+    if not engine.fsdp or layout.shard_group:
         for r in range(layout.world_size):
-            peers = {digests[q] for q in layout.dp_group(r)}
+            peers = {digests[q] for q in same(r)}
             if len(peers) != 1:
-                raise TrainingError(f"data-parallel replicas diverged: ranks {layout.dp_group(r)} "
-                                    f"hold parameter digests {[digests[q] for q in layout.dp_group(r)]}")
+                raise TrainingError(f"data-parallel replicas diverged: ranks {same(r)} "
+                                    f"hold parameter digests {[digests[q] for q in same(r)]}")
     if layout.world_size // layout.dp > 1 or engine.fsdp:
-        shards = digests[:layout.world_size // layout.dp] if not engine.fsdp else digests
+        # One copy of every shard: the first replica's ranks, or the first sharding group's.
+        first = layout.shard_group or layout.dp if engine.fsdp else 1
+        shards = [digests[r] for r in range(layout.world_size) if layout.coords(r).dp < first]
         digest = hashlib.sha256("".join(shards).encode()).hexdigest()
     ctx.log(f"final parameter sha256 {digest}", params_sha256=digest)
     return digest
