@@ -68,7 +68,6 @@ from kuangchao.platform.protocol.heartbeat import Beat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
 
-from bench.report import emit, log, median, wait_for_quiet  # noqa: E402
 from bench.heartbeats_sim import (  # noqa: E402
     DEAD,
     HEARTBEAT_TIMEOUT_S,
@@ -84,6 +83,7 @@ from bench.heartbeats_sim import (  # noqa: E402
     raise_fd_limit,
     redis_server,
 )
+from bench.report import emit, log, median, wait_for_quiet  # noqa: E402
 from kuangchao.platform.jobs import keys
 
 BENCH = "heartbeats"

@@ -28,8 +28,8 @@
                            stops growing the micro-batch at the first one that
                            does not): `evaluate()` on every (tp, pp,
                            micro_batch, ZeRO, recompute, schedule,
-                           virtual_stages) that `plan()` would enumerate (1,024
-                           of them; no cap needed, about 16 ms here), timed
+                           virtual_stages, HSDP group) that `plan()` would
+                           enumerate (3,796 of them), timed
                            the same way, interleaved with `plan()`. Target:
                            `ours` <= 1000 ms (the issue's "a second or less";
                            the ratio is informative).
@@ -40,21 +40,20 @@ Calibration, all measured in the same run, on this machine:
       forward GEMM shapes at the calibration micro-batch (tokens x d_model into
       d_model, 4 d_model and vocab, 4 d_model into d_model): their total FLOPs
       over their total time.
-  (b) bandwidth: the median time of a gloo `all_reduce` between 2 processes on
-      127.0.0.1 of each model's float32 gradients (one buffer of `params`
-      floats, what DDP's buckets add up to). The planner counts gradients in
-      bf16 (2 bytes a parameter) while the CPU trainer is fp32, so the
-      bandwidth handed to `calibrated()` is the planner's byte count over the
-      measured time (2 * params / t; for 2 ranks the ring term 2(n-1)/n is 1):
-      the predicted all-reduce then takes exactly the measured time. Stderr
-      also gives the raw fp32 bus bandwidth (twice that).
+  (b) latency and bandwidth: the median time of a gloo `all_reduce` between 2
+      processes on 127.0.0.1 of one float (the per-call latency, handed to
+      `calibrated()` as `base_latency_s`, with no per-hop term: 2 ranks) and of
+      each model's float32 gradients (one buffer of `params` floats, what DDP's
+      buckets add up to). The planner counts gradients in fp32 as the engine
+      sends them, so the bus bandwidth is 4 * params over the time beyond the
+      latency (for 2 ranks the ring term 2(n-1)/n is 1): the predicted
+      all-reduce then takes exactly the measured time.
   (c) efficiency (`mfu_ceiling`), the one free parameter, fitted on ONE layout
       (CALIBRATION: A, dp 1, micro_batch 8) so that the prediction there equals
       the measurement (no communication at dp 1, so it is closed form). The
       planner has no fixed per-step overhead term (Python, the optimizer, the
       data loader), so nothing else is fitted. The calibration layout is left
-      out of the median. The weights-in-bf16 vs fp32 difference affects only
-      memory and bytes on the wire, i.e. (b); FLOPs are the same in either.
+      out of the median.
 
 Baseline of planner_step_time_error: the naive predictor "step time
 proportional to training FLOPs per rank" (`flops_per_token(False)` x tokens
@@ -63,19 +62,25 @@ calibration layout's measured time: no communication term, no size-dependent
 GEMM efficiency. Stderr also gives the error of "FLOPs / measured matmul peak"
 (no fitted efficiency at all).
 
-Last run (2 cores, quiet, 12 layouts): error 5.8% against 8.3% for the naive
-predictor. The worst layouts are tp 2 (37% under: on gloo each of the 4
-per-layer TP all-reduces of a few hundred KB is latency-bound, which the
-bandwidth-only model misses) and ZeRO-2 (22% under: FSDP2's per-block
-all-gathers and reduce-scatters carry a fixed cost per call). The fitted
-efficiency came out slightly above 1 (clamped): one-thread torch.mm on these
-shapes is slower than the same GEMMs inside the trainer. plan() 5 ms against
-12 ms.
+Last runs (2 cores shared with other work; stderr has the busy fraction
+before each layout). With the cost model that prices the engine's collectives
+(issue 24): error 14.7% against 23.4% for the naive predictor over 11 layouts,
+load 2 at the start rising to 8, several layouts measured on a busy machine;
+the worst are tp 2 (79% under) and the layouts measured busiest. An earlier
+run at load 13 gave nonsense (its calibration layout took 5x its quiet time).
+plan() 38 ms against 163 ms for the 3,796 layouts without pruning (HSDP's
+sharding groups tripled the ZeRO 2/3 layouts). The previous model's run on a
+quiet machine: 5.8% against 8.3%.
 
-About 175 s on a quiet 2-core machine. Every measurement waits briefly
+About 3 to 6 minutes on a 2-core machine. Every measurement waits briefly
 for the CPUs to go quiet; stderr notes the load average at the start and end.
 
-Run: .venv/bin/python bench/planner.py [--steps 30] [--search-repeats 10]   (JSON lines on stdout)
+--quick (the bench tests run it): the calibration layout (A, dp 1, micro-batch
+2, in this process) and A at dp 2, 13 steps each, 5 all-reduce repeats, one
+search repeat, no waiting for quiet CPUs. 38-50 s on the loaded 2-core box,
+mostly the two-process start-ups; its error is informative only.
+
+Run: .venv/bin/python bench/planner.py [--quick] [--steps 30] [--search-repeats 10]   (JSON lines on stdout)
 """
 
 from __future__ import annotations
@@ -103,7 +108,14 @@ import torch.multiprocessing as mp  # noqa: E402
 from bench.harness import emit, log, median, wait_for_quiet  # noqa: E402
 from bench.metrics import WARMUP_STEPS, _TimedContext, spec_doc, step_times  # noqa: E402
 from kuangchao.platform.cluster.hardware import CATALOG, Accelerator, calibrated  # noqa: E402
-from kuangchao.platform.planning.planner import SCHEDULES, _schedules, _tp_options, evaluate, plan  # noqa: E402
+from kuangchao.platform.planning.planner import (  # noqa: E402
+    SCHEDULES,
+    _hsdp_options,
+    _schedules,
+    _tp_options,
+    evaluate,
+    plan,
+)
 from kuangchao.platform.planning.shapes import ClusterShape, ModelShape  # noqa: E402
 from kuangchao.platform.runtime.procs import free_port  # noqa: E402
 from kuangchao.platform.spec.jobspec import validate_spec  # noqa: E402
@@ -134,6 +146,10 @@ def name_of(layout: Layout) -> str:
     return f"{m} dp={dp} mb={mb}{extra}"
 ALLREDUCE_REPS = 20
 SEARCH_REPEATS = 10
+# --quick: the calibration layout and one two-rank layout, so both sides of the line exist.
+# The first is the calibration layout; micro-batch 2 keeps each step short.
+QUICK_LAYOUTS: list[Layout] = [("A", 1, 2, 1, 1, 1, 0), ("A", 2, 2, 1, 1, 1, 0)]
+QUICK_ALLREDUCE_REPS = 5
 TARGET_ERROR = 0.2
 TARGET_SEARCH_MS = 1000
 
@@ -231,8 +247,16 @@ def _train_rank(rank: int, world: int, port: int, doc: dict[str, Any], out: Any)
         dist.destroy_process_group()
 
 
-def measure_step(layout: Layout, steps: int) -> float:
-    """Median step time of the built-in trainer for one layout."""
+class _Box:
+    """A one-slot stand-in for the result queue when a single rank runs in this process."""
+
+    def put(self, value: Any) -> None:
+        self.value = value
+
+
+def measure_step(layout: Layout, steps: int, in_process: bool = False) -> float:
+    """Median step time of the built-in trainer for one layout; `in_process` runs a
+    one-rank layout here instead of in a spawned process (--quick: no start-up)."""
     model, dp, mb, tp, pp, accum, zero = layout
     tmp = tempfile.mkdtemp(prefix="kcbench-planner-")
     try:
@@ -243,8 +267,13 @@ def measure_step(layout: Layout, steps: int) -> float:
                            "gradient_accumulation_steps": accum, "tensor_parallel_size": tp,
                            "pipeline_parallel_size": pp, "zero_stage": zero}
         doc.pop("permission", None)  # the layout's default collectives
-        stamps = _spawn(dp * tp * pp, _train_rank, validate_spec(doc).model_dump(mode="json"),
-                        what=name_of(layout))
+        world, doc = dp * tp * pp, validate_spec(doc).model_dump(mode="json")
+        if in_process and world == 1:
+            box = _Box()
+            _train_rank(0, 1, 0, doc, box)
+            stamps = box.value
+        else:
+            stamps = _spawn(world, _train_rank, doc, what=name_of(layout))
         return step_times(stamps)[0]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -291,71 +320,80 @@ def rank_flops(layout: Layout) -> float:
     return s.flops_per_token(False) * mb * accum * s.seq_len / (tp * pp)
 
 
-def step_time_error(steps: int) -> None:
+def step_time_error(steps: int, layouts: list[Layout], allreduce_reps: int, quick: bool = False) -> None:
+    """The `planner_step_time_error` line; the first of `layouts` is the calibration layout."""
+    cal = layouts[0]
     log(f"load average at start: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
     t0 = time.monotonic()
-    cal_model, cal_mb = CALIBRATION[0], CALIBRATION[2]
+    cal_model, cal_mb = cal[0], cal[2]
     wait_for_quiet(timeout_s=10)
     peak = matmul_flops(shape_of(cal_model), cal_mb * shape_of(cal_model).seq_len)
     log(f"(a) fp32 matmul, 1 thread, model {cal_model}'s GEMMs at {cal_mb} x "
         f"{shape_of(cal_model).seq_len} tokens: {peak / 1e9:.1f} GFLOP/s")
-    names = sorted(MODELS)
+    names = sorted({layout[0] for layout in layouts})
     wait_for_quiet(timeout_s=10)
-    ar = dict(zip(names, _spawn(2, _allreduce_rank, [shape_of(m).params for m in names],
-                                ALLREDUCE_REPS, what="all_reduce"), strict=True))
+    # (b) one all-reduce of a single float gives the per-call latency; each model's
+    # gradients, the bandwidth over what is left.
+    small, *big = _spawn(2, _allreduce_rank, [1] + [shape_of(m).params for m in names],
+                         allreduce_reps, what="all_reduce")
+    ar = dict(zip(names, big, strict=True))
+    log(f"(b) gloo all_reduce of one float between 2 processes: {small * 1e6:.0f} us (the "
+        "per-call latency handed to calibrated())")
     accs: dict[str, Accelerator] = {}
     for m in names:
         p = shape_of(m).params
-        bw = 2 * p / ar[m]  # the planner's bf16 bytes over the measured fp32 all-reduce
+        bw = 4 * p / max(ar[m] - small, 1e-9)  # fp32 gradients, as the planner now counts them
         log(f"(b) model {m}: {p:,} parameters, gloo all_reduce of {4 * p / 1e6:.1f} MB fp32 "
-            f"between 2 processes: {ar[m] * 1e3:.2f} ms (bus {4 * p / ar[m] / 1e9:.2f} GB/s fp32; "
-            f"{bw / 1e9:.2f} GB/s in the planner's bf16 bytes)")
+            f"between 2 processes: {ar[m] * 1e3:.2f} ms (bus {bw / 1e9:.2f} GB/s after the latency)")
         accs[m] = calibrated(CATALOG["cpu"], peak_flops=peak, nvlink_bytes_per_s=bw,
-                             internode_bytes_per_s=bw, efficiency=1.0)
+                             internode_bytes_per_s=bw, efficiency=1.0, base_latency_s=small,
+                             hop_latency_s=0.0, net_hop_latency_s=0.0)
 
     measured: dict[Layout, float] = {}
-    for layout in LAYOUTS:
+    for layout in layouts:
         busy = wait_for_quiet(timeout_s=10)
-        measured[layout] = measure_step(layout, steps)
+        measured[layout] = measure_step(layout, steps, in_process=quick)
         log(f"measured {name_of(layout)}: {measured[layout] * 1e3:.1f} ms "
             f"(CPUs {busy:.0%} busy before)")
 
     # (c) the one free parameter: efficiency, so that the calibration layout is exact.
-    at_one = predict(accs[cal_model], CALIBRATION)
-    eff = at_one / measured[CALIBRATION]
+    at_one = predict(accs[cal_model], cal)
+    eff = at_one / measured[cal]
     if not 0 < eff <= 1:
         log(f"fitted efficiency {eff:.3f} is outside (0, 1]; clamped")
         eff = min(1.0, max(eff, 1e-6))
-    log(f"(c) efficiency fitted on {name_of(CALIBRATION)}: {eff:.3f}")
+    log(f"(c) efficiency fitted on {name_of(cal)}: {eff:.3f}")
     accs = {m: calibrated(a, efficiency=eff) for m, a in accs.items()}
 
     log(f"{'layout':<28}{'measured s':>12}{'predicted s':>13}{'error':>8}"
         f"{'naive s':>10}{'naive err':>11}{'flops/peak err':>16}")
     ours, naive, raw = [], [], []
-    for layout in LAYOUTS:
+    for layout in layouts:
         m = layout[0]
         meas, pred = measured[layout], predict(accs[m], layout)
-        base = measured[CALIBRATION] * rank_flops(layout) / rank_flops(CALIBRATION)
+        base = measured[cal] * rank_flops(layout) / rank_flops(cal)
         ideal = rank_flops(layout) / peak  # training FLOPs of one rank over the matmul rate
         errs = [abs(x - meas) / meas for x in (pred, base, ideal)]
-        mark = " (calibration)" if layout == CALIBRATION else ""
+        mark = " (calibration)" if layout == cal else ""
         log(f"{name_of(layout):<28}{meas:>12.4f}{pred:>13.4f}{errs[0]:>8.1%}{base:>10.4f}"
             f"{errs[1]:>11.1%}{errs[2]:>16.1%}{mark}")
-        if layout != CALIBRATION:
+        if layout != cal:
             ours.append(errs[0])
             naive.append(errs[1])
             raw.append(errs[2])
     log(f"median error over {len(ours)} layouts: planner {median(ours):.1%}, naive {median(naive):.1%}, "
         f"FLOPs / matmul peak {median(raw):.1%}; max planner {max(ours):.1%}")
     log(f"load average at end: {os.getloadavg()[0]:.2f}; step-time part took {time.monotonic() - t0:.0f}s")
-    emit("planner", "planner_step_time_error", "fraction", median(ours), median(naive), TARGET_ERROR)
+    emit("planner", "planner_step_time_error", "fraction", median(ours), median(naive), TARGET_ERROR,
+         better="lower", target_on="ours")
 
 
 # -- search ------------------------------------------------------------------
 
 def layouts(model: ModelShape, cluster: ClusterShape, gb: int) -> Iterator[tuple[Any, ...]]:
-    """(tp, pp, micro_batch, zero, recompute, schedule, v) for every layout `plan()` enumerates,
-    before its memory pruning; the interleaved schedule still needs micro-batches % pp == 0."""
+    """(tp, pp, micro_batch, zero, recompute, schedule, v, shard) for every layout `plan()`
+    enumerates, before its memory pruning; the interleaved schedule still needs
+    micro-batches % pp == 0, and HSDP's sharding groups go with ZeRO 2 and 3."""
     stages = [p for p in range(1, model.n_layers + 1) if model.n_layers % p == 0]
     for tp, pp in itertools.product(_tp_options(model, cluster), stages):
         dp, rest = divmod(cluster.gpus, tp * pp)
@@ -363,18 +401,20 @@ def layouts(model: ModelShape, cluster: ClusterShape, gb: int) -> Iterator[tuple
             continue
         zeros = (0,) if dp == 1 else (0, 1, 2, 3)
         mbs = [b for b in (1 << i for i in range(gb.bit_length())) if gb % (dp * b) == 0]
+        hsdp = [None, *_hsdp_options(dp, tp, pp, cluster.node_size)]
         for zero, rec, (sched, v), b in itertools.product(zeros, (False, True),
                                                           _schedules(model, pp, SCHEDULES), mbs):
             if sched != "interleaved_1f1b" or (gb // (dp * b)) % pp == 0:
-                yield tp, pp, b, zero, rec, sched, v
+                for shard in (hsdp if zero >= 2 else [None]):
+                    yield tp, pp, b, zero, rec, sched, v, shard
 
 
 def exhaustive(model: ModelShape, cluster: ClusterShape, acc: Accelerator, gb: int) -> int:
     """`evaluate()` on every layout, pruning nothing; returns how many."""
     n = 0
-    for tp, pp, b, zero, rec, sched, v in layouts(model, cluster, gb):
+    for tp, pp, b, zero, rec, sched, v, shard in layouts(model, cluster, gb):
         evaluate(model, cluster, acc, gb, tp=tp, pp=pp, micro_batch=b, zero_stage=zero,
-                 recompute=rec, schedule=sched, virtual_stages=v)
+                 recompute=rec, schedule=sched, virtual_stages=v, shard_group_size=shard)
         n += 1
     return n
 
@@ -396,19 +436,28 @@ def search_ms(repeats: int) -> None:
         f"plan() {median(ours):.2f} ms ({len(plans)} fitting plans; best: dp={plans[0].dp} "
         f"tp={plans[0].tp} pp={plans[0].pp} {plans[0].schedule} mb={plans[0].micro_batch}), "
         f"exhaustive evaluate() of {n} layouts {median(base):.2f} ms; medians of {repeats}")
-    emit("planner", "planner_search_ms", "ms", median(ours), median(base), TARGET_SEARCH_MS)
+    emit("planner", "planner_search_ms", "ms", median(ours), median(base), TARGET_SEARCH_MS,
+         better="lower", target_on="ours")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--search-repeats", type=int, default=SEARCH_REPEATS)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--search-repeats", type=int, default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help=f"seconds, not minutes: {len(QUICK_LAYOUTS)} layouts of {WARMUP_STEPS + 3} steps, "
+                         "one search repeat (both lines still printed, with both sides)")
     args = ap.parse_args()
-    if args.steps < WARMUP_STEPS + 3:
+    if args.quick:  # it checks that the script works, not how fast: no waiting for quiet CPUs
+        os.environ.setdefault("KCBENCH_QUIET_TIMEOUT_S", "0")
+    steps = args.steps or (WARMUP_STEPS + 3 if args.quick else STEPS)
+    repeats = args.search_repeats or (1 if args.quick else SEARCH_REPEATS)
+    if steps < WARMUP_STEPS + 3:
         ap.error(f"--steps must be at least {WARMUP_STEPS + 3}")
     t0 = time.monotonic()
-    step_time_error(args.steps)
-    search_ms(args.search_repeats)
+    step_time_error(steps, QUICK_LAYOUTS if args.quick else LAYOUTS,
+                    QUICK_ALLREDUCE_REPS if args.quick else ALLREDUCE_REPS, quick=args.quick)
+    search_ms(repeats)
     log(f"total wall time {time.monotonic() - t0:.1f}s")
 
 

@@ -131,7 +131,9 @@ def plan_line(plan: dict[str, Any], measured: Any) -> str:
         sched += f" v={plan.get('virtual_stages')}"
     return (f"dp={plan.get('dp')} tp={plan.get('tp')} pp={plan.get('pp')} "
             f"micro_batch={plan.get('micro_batch')} x{plan.get('num_microbatches', 1)} "
-            f"zero={plan.get('zero_stage')} recompute={'on' if plan.get('recompute') else 'off'} "
+            f"zero={plan.get('zero_stage')} "
+            + (f"hsdp={plan['shard_group_size']} " if plan.get("shard_group_size") else "")
+            + f"recompute={'on' if plan.get('recompute') else 'off'} "
             f"schedule={sched} on {plan.get('gpus')} x {plan.get('gpu')}, "
             f"{plan.get('memory_gb_per_gpu')} GB/GPU: predicted {_secs(plan.get('predicted_step_s'))} "
             f"s/step, measured {_secs(measured)} s/step")

@@ -36,8 +36,10 @@ The rules (docs/parallelism.md, "parallel: auto", states the same):
 * Written back: `data_parallel_size`, `tensor_parallel_size`,
   `pipeline_parallel_size`, `micro_batch_size`, `gradient_accumulation_steps`
   (the plan's micro-batches per step), `zero_stage`, `recompute`, `schedule`
-  (the planner's "none", for pp = 1, becomes the default "1f1b") and
-  `virtual_stages`; `auto: false`; `gpus`, `gpu` and `global_batch` removed.
+  (the planner's "none", for pp = 1, becomes the default "1f1b"),
+  `virtual_stages` and `shard_group_size` (HSDP's sharding group, null unless
+  the plan shards within groups); `auto: false`; `gpus`, `gpu` and
+  `global_batch` removed.
   Every other field (precision, offload, compression, ...) stays the user's.
 * Elastic jobs (`elastic.min_replicas`/`max_replicas`) are refused: their
   data-parallel range is the user's to choose against a hand-written layout.
@@ -134,7 +136,7 @@ def _allowed(spec: JobSpec, pp: int) -> set[str]:
 def _layout(p: Plan) -> dict[str, Any]:
     return {**p.to_spec_parallel(), "zero_stage": p.zero_stage, "recompute": p.recompute,
             "schedule": "1f1b" if p.schedule == "none" else p.schedule,
-            "virtual_stages": p.virtual_stages}
+            "virtual_stages": p.virtual_stages, "shard_group_size": p.shard_group_size}
 
 
 def hf_shapes(spec: JobSpec) -> tuple[ModelShape, HFShape]:

@@ -1,54 +1,87 @@
-"""The planner's analytic cost model: the memory and step time of one layout.
+"""The planner's analytic cost model: the memory and step time of one layout, as the
+engine (workers/parallel/engine.py) runs it with bf16 mixed precision.
 
 An analytic model, not a simulator: it ranks layouts and rejects ones that
-cannot fit; calibrate `Accelerator` to trust its seconds.
+cannot fit. Each collective's seconds come from `comm.py` (NCCL's ring and tree:
+latency per step, bus bandwidth, the node's NICs shared by its GPUs).
+docs/parallelism.md states the same, with the measurements it is held against
+(tests/unit/test_planner_calibration.py).
 
-Memory per GPU (bytes), `P = params / (tp * pp)` (embeddings spread evenly):
-  weights 2P, gradients 2P (bf16), Adam fp32 master + m + v 12P; ZeRO-1 shards
-  the optimizer over dp, ZeRO-2 also gradients, ZeRO-3 also weights
-  (Rajbhandari et al. 2020, "ZeRO", Sec. 5). Activations per layer per
-  micro-batch, tensor parallel without sequence parallel (Korthikanti et al.
-  2022, "Reducing Activation Recomputation", Eq. 2 with d_ff in place of 4h):
-  s*b*(10h + (8h + c*f)/t) + 5*a*s^2*b/t, c = 4 for GELU, 6 for SwiGLU; with
-  full recompute only each layer's input (2sbh) plus one layer being recomputed.
-  The first stage keeps min(pp, m) micro-batches in flight under 1F1B, times
-  (1 + (pp-1)/(v*pp)) when interleaved (Korthikanti Sec. 4.2.3), m under GPipe.
-  Plus fp32 logits 4*s*b*V/t and the accelerator's reserved bytes.
+Memory per GPU (bytes), `P = params / (tp * pp)` (embeddings spread evenly). The
+parameters are fp32 (autocast, or FSDP2's sharded master copy), gradients fp32,
+Adam's two moments fp32: 4P + 4P + 8P. ZeRO-1 (ZeroRedundancyOptimizer) shards
+the moments over dp; ZeRO-2/3 (FSDP2) shard all three over the sharding group
+(dp, or `shard_group_size` under HSDP) and add bf16 working copies: every layer
+of the stage for ZeRO-2 (gathered from forward to backward) and for ZeRO-3 under
+a pipeline (not resharded after backward until the last micro-batch), the layer
+in use and the prefetched one for ZeRO-3 otherwise. With gradient accumulation FSDP2 keeps the
+unsharded fp32 gradients between micro-batches (`set_requires_gradient_sync`).
+Activations per layer per micro-batch (Korthikanti et al. 2022, Eq. 2 with d_ff in
+place of 4h): s*b*(10h + (8h + c*f)/t), c = 4 for GELU, 6 for SwiGLU; Eq. 2's
+5*a*s^2*b/t for the attention scores is left out, since the engine's attention is
+`scaled_dot_product_attention`, whose fused kernels keep no s x s scores; with
+full recompute each layer's input (2sbh) plus one layer being recomputed.
+The first stage keeps min(pp, m) micro-batches in flight under 1F1B, times
+(1 + (pp-1)/(v*pp)) interleaved, m under GPipe; plus fp32 logits 4*s*b*V/t and
+the accelerator's reserved bytes.
 
-Step time:
-  compute = training FLOPs / (gpus * peak * efficiency); FLOPs per token =
-  passes * (2 * matmul params + 4*s*h*L attention) + 6*h*V logits, passes = 3
-  (forward + backward) or 4 with full recompute (Narayanan et al. 2021, Sec. 5.1).
-  TP: 4 ring all-reduces of s*b*h*2 bytes per layer per micro-batch (6 with
-  recompute), 2(t-1)/t * bytes / NVLink, not overlapped (Shoeybi et al. 2019).
-  Bubble: (pp-1)/m of the busy time for GPipe and 1F1B, (pp-1)/(v*m) for the
-  interleaved schedule (Narayanan et al. 2021, Sec. 2.2).
-  Pipeline sends: 2 * (v*m + pp - 1) messages of s*b*h*2/t bytes (scatter/gather
-  over the TP ranks, Narayanan Sec. 4.1), over the network when stages cross nodes.
-  DP: gradient bytes 2P reduced once per step for ZeRO-0/1, reduce-scattered
-  every micro-batch plus one parameter all-gather for ZeRO-2, and 1.5x that
-  per micro-batch for ZeRO-3 (two all-gathers + a reduce-scatter, ZeRO Sec. 7).
-  Flat ring or hierarchical (in-node reduce-scatter, cross-node all-reduce,
-  in-node all-gather), whichever is cheaper. What outlasts OVERLAP of the compute
-  it can hide behind is exposed; the hidden part still costs CONTENTION of itself.
+Step time = compute + TP all-reduces + bubble + stage sends + exposed DP traffic:
+  compute: training FLOPs / (gpus * peak * efficiency); FLOPs per token = passes *
+    (2 * matmul params + 4*s*h*L attention) + 6*h*V logits, passes 3, or 4 with
+    recompute (Narayanan et al. 2021, Sec. 5.1).
+  TP: 4 all-reduces of s*b*h bf16 values per layer per micro-batch (6 with
+    recompute) over NVLink, on the compute stream (Shoeybi et al. 2019).
+  Bubble: (pp-1)/m of the busy time, (pp-1)/(v*m) interleaved (Narayanan Sec. 2.2).
+  Sends: 2(v*m + pp - 1) of s*b*h activations per rank (fp32 residual stream under
+    autocast, bf16 under FSDP2); every TP rank sends its own copy.
+  DP, by what the engine issues:
+    ZeRO-0/1, tp = pp = 1: DDP's 25 MiB bucket all-reduces of the fp32 gradients
+      during the last micro-batch's backward. They run beside it from the first
+      bucket on; what outlasts the backward is exposed, and never less than the
+      last bucket (the embedding's gradient, ready only at the end). Where the
+      engine's `auto` picks the two-level hook (`allreduce_costs`), its
+      collectives are synchronous on the backward stream: all exposed.
+    ZeRO-0/1 with tp or pp > 1: one flat all-reduce after backward, exposed.
+    ZeRO-1 also broadcasts every parameter tensor from its owner after the step
+      (ZeroRedundancyOptimizer._sync_params), exposed.
+    ZeRO-2/3 (FSDP2, `fully_shard` per block): per layer a bf16 all-gather before
+      its forward (ZeRO-3: again before its backward) and an fp32 reduce-scatter
+      after its backward on the last micro-batch; HSDP adds an all-reduce of the
+      shard across the groups. FSDP2 prefetches one layer ahead on its own
+      streams: a layer's all-gather runs during the previous layer's compute, and
+      in backward the next all-gather and the last reduce-scatter share the wire
+      during a layer's backward. Each layer exposes what its collectives take
+      beyond its compute, plus the first all-gather and the last reduce-scatter
+      of each pass. Under a pipeline the reduce-scatters wait for the end of the
+      step (torch.distributed.pipelining's REDUCE_GRAD): exposed.
+  Hidden traffic still costs CONTENTION of its own time (NCCL's kernels take SMs
+  and memory bandwidth from the compute they run beside).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from kuangchao.platform.cluster.hardware import Accelerator
+from kuangchao.platform.planning.comm import (
+    DDP_BUCKET_BYTES,
+    allreduce_costs,
+    bus_bandwidth,
+    collective,
+    latency,
+    p2p,
+)
 from kuangchao.platform.planning.shapes import ClusterShape, ModelShape
 
-# Fraction of the hideable window that communication really fills: the first
-# gradient bucket is ready only after some backward work, and the last one after all.
-OVERLAP = 0.8
-# Hidden communication is not free either: it slows the compute under it by about
-# this share of its own time. Without it a fully hidden ZeRO-3 would tie ZeRO-1
-# and win on memory, whatever its 1.5x traffic.
+# Communication hidden behind compute slows that compute by this share of its own time.
 CONTENTION = 0.1
 # Heuristic: a GEMM dimension of x elements runs at x / (x + GEMM_KNEE) of the
 # large-GEMM rate (tiles and waves underfill the SMs on thin matrices). This is
 # what makes TP on a 768-wide model, or tiny micro-batches, cost something.
 GEMM_KNEE = 64
+# Bytes per value: fp32 parameters, gradients and Adam moments; bf16 activations and
+# FSDP2 all-gathers; fp32 FSDP2 reductions (MixedPrecisionPolicy reduce_dtype).
+FP32, BF16 = 4, 2
 
 
 def bubble_fraction(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
@@ -57,27 +90,6 @@ def bubble_fraction(schedule: str, pp: int, num_microbatches: int, virtual_stage
         return 0.0
     v = virtual_stages if schedule == "interleaved_1f1b" else 1
     return (pp - 1) / (v * num_microbatches)
-
-
-def allreduce_costs(nbytes: float, ranks: int, ranks_per_node: int, acc: Accelerator) -> tuple[float, float]:
-    """Seconds for a (flat ring, hierarchical) all-reduce of `nbytes` per rank.
-
-    `ranks_per_node` members of the group share a node. Within one node both are
-    the NVLink ring. Across nodes the flat ring runs at the NIC rate; the
-    hierarchical one reduce-scatters over NVLink, all-reduces 1/k of the data
-    across nodes, and all-gathers over NVLink again.
-    """
-    if ranks <= 1:
-        return 0.0, 0.0
-    k = max(1, min(ranks_per_node, ranks))
-    n = ranks // k
-    if n <= 1:
-        t = 2 * (ranks - 1) / ranks * nbytes / acc.nvlink_bytes_per_s
-        return t, t
-    flat = 2 * (ranks - 1) / ranks * nbytes / acc.internode_bytes_per_s
-    hier = (2 * (k - 1) / k * nbytes / acc.nvlink_bytes_per_s
-            + 2 * (n - 1) / n * (nbytes / k) / acc.internode_bytes_per_s)
-    return flat, hier
 
 
 def _gemm(x: float) -> float:
@@ -92,22 +104,57 @@ class CostModel:
         s, h = model.seq_len, model.d_model
         self.params = model.params
         self.layer_params = model.layer_params
-        mlp_coef = 6 if model.arch == "llama" else 4
+        self.other_params = model.params - model.n_layers * model.layer_params  # embeddings, head, norm
+        llama = model.arch == "llama"
+        # Parameter tensors (one ZeRO-1 broadcast each): per block, and outside the blocks.
+        self.layer_tensors, self.other_tensors = (9, 3) if llama else (16, 4)
+        mlp_coef = 6 if llama else 4
         # Korthikanti Eq. 2 for b = 1, split into TP-replicated and TP-sharded parts.
         self.act_rep = s * 10 * h
-        self.act_shard = s * (8 * h + mlp_coef * model.ffn) + 5 * model.n_heads * s * s
+        self.act_shard = s * (8 * h + mlp_coef * model.ffn)
         self.logits = 4 * s * model.vocab_size
         self.tokens = global_batch * s
+        self.step_flops = {rec: model.flops_per_token(rec) * self.tokens for rec in (False, True)}
+        self._memo: dict[tuple, Any] = {}
 
-    def static_parts(self, dp: int, tp: int, pp: int, zero: int) -> dict[str, float]:
-        """Bytes that do not depend on the micro-batch."""
+    def _coll(self, kind: str, nbytes: float, ranks: int, per_node: int) -> float:
+        """`comm.collective`, memoised: the search asks the same ones many times."""
+        key = (kind, nbytes, ranks, per_node)
+        t = self._memo.get(key)
+        if t is None:
+            t = self._memo[key] = collective(kind, nbytes, ranks, per_node, self.acc)
+        return t
+
+    def _memoised(self, key: tuple, fn: Any, *args: Any) -> Any:
+        if key not in self._memo:
+            self._memo[key] = fn(*args)
+        return self._memo[key]
+
+    # -- memory ------------------------------------------------------------------
+
+    def static_parts(self, dp: int, tp: int, pp: int, zero: int,
+                     shard: int | None = None) -> dict[str, float]:
+        """Bytes that do not depend on the micro-batch (see `accumulation` for the rest)."""
         p = self.params / (tp * pp)
-        return {"weights": 2 * p / (dp if zero >= 3 else 1),
-                "grads": 2 * p / (dp if zero >= 2 else 1),
-                "optimizer": 12 * p / (dp if zero >= 1 else 1),
-                # ZeRO-3 gathers whole layers: the one in use and the one prefetched.
-                "zero3_buffers": 2 * 2 * self.layer_params / tp if zero >= 3 and dp > 1 else 0.0,
-                "reserved": float(self.acc.reserved_bytes)}
+        fsdp = zero >= 2 and dp > 1
+        g = (shard or dp) if fsdp else 1
+        working = 0.0  # FSDP2's bf16 copies gathered for compute
+        if fsdp:
+            layer = BF16 * self.layer_params / tp
+            root = BF16 * self.other_params / (tp * pp)  # the root module stays gathered
+            # ZeRO-3 holds the block in use and the prefetched one; ZeRO-2, and ZeRO-3 under a
+            # pipeline (no resharding after backward until the last micro-batch), the stage.
+            working = root + (2 * layer if zero >= 3 and pp == 1 else BF16 * p)
+        return {"weights": FP32 * p / g, "grads": FP32 * p / g,
+                "optimizer": 2 * FP32 * p / (g if fsdp else dp if zero == 1 else 1),
+                "fsdp_gathered": working, "reserved": float(self.acc.reserved_bytes)}
+
+    def accumulation(self, dp: int, tp: int, pp: int, zero: int, m: int, shard: int | None = None) -> float:
+        """FSDP2's unsharded fp32 gradients kept between micro-batches (m > 1), beyond the shard."""
+        if zero < 2 or dp == 1 or m == 1:
+            return 0.0
+        p = self.params / (tp * pp)
+        return FP32 * p * (1 - 1 / (shard or dp))
 
     def act_bytes(self, tp: int, pp: int, b: int, m: int, rec: bool, sched: str, v: int) -> float:
         full = b * (self.act_rep + self.act_shard / tp)  # one layer, one micro-batch
@@ -118,37 +165,117 @@ class CostModel:
         working = full if rec else 0.0  # the layer recomputed during its backward pass
         return stored * (self.m.n_layers // pp) * in_flight + working + b * self.logits / tp
 
+    # -- time --------------------------------------------------------------------
+
+    def per_node(self, stride: int, size: int) -> int:
+        """Members per node of a group of `size` ranks `stride` apart (the layout's rank
+        order puts a data-parallel group's ranks tp * pp apart)."""
+        ns = self.c.node_size
+        if stride * size <= ns:
+            return size
+        return max(1, ns // stride) if ns % stride == 0 else 1
+
     def times(self, dp: int, tp: int, pp: int, b: int, m: int, zero: int, rec: bool, sched: str,
-              v: int) -> tuple[float, float, float, float, float, float, bool]:
+              v: int, shard: int | None = None) -> tuple[float, float, float, float, float, float, bool]:
         """(compute, tp_comm, bubble, pp_p2p, dp_comm, dp_exposed, hierarchical) in seconds."""
         m_, c, acc = self.m, self.c, self.acc
         s, h = m_.seq_len, m_.d_model
         gpus = dp * tp * pp
         eff = acc.mfu_ceiling * _gemm(b * s) * _gemm(h / tp)
-        compute = m_.flops_per_token(rec) * self.tokens / (gpus * acc.peak_flops * eff)
-        act_msg = 2 * s * b * h
+        compute = self.step_flops[rec] / (gpus * acc.peak_flops * eff)
+        layers = m_.n_layers // pp
         tp_comm = 0.0
         if tp > 1:
-            per = 2 * (tp - 1) / tp * act_msg / acc.nvlink_bytes_per_s
-            tp_comm = (6 if rec else 4) * per * (m_.n_layers // pp) * m
+            per = self._coll("all_reduce", BF16 * s * b * h, tp, tp)
+            tp_comm = (6 if rec else 4) * per * layers * m
         bubble = (compute + tp_comm) * bubble_fraction(sched, pp, m, v)
-        p2p = 0.0
+        pp_p2p = 0.0
         if pp > 1:
             crosses = tp * pp > c.node_size or c.node_size % (tp * pp) != 0
-            bw = acc.internode_bytes_per_s if crosses else acc.nvlink_bytes_per_s
-            p2p = 2 * (v * m + pp - 1) * (act_msg / tp) / bw
+            act = (BF16 if zero >= 2 and dp > 1 else FP32) * s * b * h
+            pp_p2p = 2 * (v * m + pp - 1) * self._memoised(("p2p", act, crosses, tp), p2p, act, crosses,
+                                                            tp, acc, c.node_size)
         dp_comm, exposed, hier = 0.0, 0.0, False
         if dp > 1:
-            group = tp * pp
-            per_node = c.node_size // group if c.node_size % group == 0 else 1
-            flat, hcost = allreduce_costs(2 * self.params / group, dp, per_node, acc)
-            hier = hcost < flat
-            volume = 1.0 if zero <= 1 else (0.5 * m + 0.5 if zero == 2 else 1.5 * m)
-            dp_comm = volume * min(flat, hcost)
-            bwd = compute * (3 if rec else 2) / (4 if rec else 3)
-            # ZeRO-0/1 reduce once the last micro-batch's gradients exist; ZeRO-2
-            # reduces every micro-batch; ZeRO-3 also gathers weights ahead of the forward.
-            window = bwd / m if zero <= 1 else (bwd if zero == 2 else compute)
-            hidden = min(dp_comm, OVERLAP * window)
-            exposed = dp_comm - hidden + CONTENTION * hidden
-        return compute, tp_comm, bubble, p2p, dp_comm, exposed, hier
+            busy = compute + tp_comm
+            if zero >= 2:
+                dp_comm, exposed = self._fsdp(dp, tp, pp, m, zero, rec, busy, layers, shard)
+            elif tp == 1 and pp == 1:
+                dp_comm, exposed, hier = self._ddp(dp, m, rec, busy)
+            else:  # one flat all-reduce after backward
+                grads = FP32 * self.params / (tp * pp)
+                dp_comm = exposed = self._coll("all_reduce", grads, dp, self.per_node(tp * pp, dp))
+            if zero == 1:
+                sync = self._memoised(("zero1", dp, tp, pp), self._zero1_sync, dp, tp, pp)
+                dp_comm += sync
+                exposed += sync
+        return compute, tp_comm, bubble, pp_p2p, dp_comm, exposed, hier
+
+    def _ddp(self, dp: int, m: int, rec: bool, busy: float) -> tuple[float, float, bool]:
+        """DDP's bucketed all-reduce in the last micro-batch's backward: (total, exposed, two-level)."""
+        acc, k = self.acc, self.per_node(1, dp)
+        grads = FP32 * self.params
+        flat, two_level = self._memoised(("ddp", grads, dp, k), allreduce_costs, grads, dp, k, acc)
+        if two_level < flat:  # `hierarchical_allreduce: auto` takes it; synchronous: all exposed
+            return two_level, two_level, True
+        # The last bucket holds the (tied) embedding, whose gradient is complete only at
+        # the end of backward; at least one whole bucket.
+        last_bytes = min(grads, max(DDP_BUCKET_BYTES, FP32 * (self.m.vocab_size + self.m.seq_len)
+                                    * self.m.d_model))
+        last = self._memoised(("ddp", last_bytes, dp, k), allreduce_costs, last_bytes, dp, k, acc)[0]
+        backward = busy * (3 if rec else 2) / (4 if rec else 3) / m
+        window = backward * (1 - 1 / self.m.n_layers)  # the first bucket is ready after a layer
+        exposed = max(last, flat - window)
+        return flat, exposed + CONTENTION * (flat - exposed), False
+
+    def _zero1_sync(self, dp: int, tp: int, pp: int) -> float:
+        """ZeroRedundancyOptimizer's parameter sync: one broadcast per fp32 tensor, after the step."""
+        k = self.per_node(tp * pp, dp)
+        tensors = self.layer_tensors * self.m.n_layers // pp + self.other_tensors
+        return (tensors * latency("broadcast", dp, k, self.acc)
+                + FP32 * self.params / (tp * pp) / bus_bandwidth(dp, k, self.acc))
+
+    def _fsdp_parts(self, dp: int, tp: int, pp: int, shard: int | None) -> tuple[float, ...]:
+        """Seconds of one layer's all-gather and reduction (reduce-scatter, and HSDP's
+        all-reduce) and of the root module's (embeddings, head, final norm)."""
+        g = shard or dp
+        stride = tp * pp
+        kg = self.per_node(stride, g)
+        lp, op = self.layer_params / tp, self.other_params / (tp * pp)
+        ag = self._coll("all_gather", BF16 * lp, g, kg)
+        ag_root = self._coll("all_gather", BF16 * op, g, kg)
+        rs = self._coll("reduce_scatter", FP32 * lp, g, kg)
+        rs_root = self._coll("reduce_scatter", FP32 * op, g, kg)
+        if not shard:
+            return ag, ag_root, rs, rs_root
+        # HSDP: all-reduce each shard across the groups, on a stream of its own (FSDP2's
+        # all_reduce_stream). With the groups inside nodes and the replicas across them,
+        # it takes the NICs while AG/RS take NVLink; otherwise they share a link.
+        r, kr = dp // g, self.per_node(stride * g, dp // g)
+        ar = self._coll("all_reduce", FP32 * lp / g, r, kr)
+        ar_root = self._coll("all_reduce", FP32 * op / g, r, kr)
+        split = g * stride <= self.c.node_size < dp * stride
+        return ag, ag_root, (max(rs, ar) if split else rs + ar), rs_root + ar_root
+
+    def _fsdp(self, dp: int, tp: int, pp: int, m: int, zero: int, rec: bool, busy: float, layers: int,
+              shard: int | None) -> tuple[float, float]:
+        """FSDP2 per block (ZeRO-2/3, HSDP with `shard`): (total collective time, exposed)."""
+        ag, ag_root, reduce, reduce_root = self._memoised(("fsdp", dp, tp, pp, shard), self._fsdp_parts,
+                                                          dp, tp, pp, shard)
+        fwd_share = 1 / 4 if rec else 1 / 3
+        f = busy * fwd_share / (m * layers)  # one layer's forward, one micro-batch
+        bwd = busy * (1 - fwd_share) / (m * layers)  # its backward (with the recomputed forward)
+        # Forward: ZeRO-3 gathers every micro-batch; ZeRO-2 too (resharded after each
+        # backward), except under a pipeline, which keeps them gathered until the end.
+        gathers = m if (zero >= 3 or pp == 1) else 1
+        fwd_exposed = gathers * (ag_root + ag + (layers - 1) * max(0.0, ag - f))
+        bwd_ag = ag if zero >= 3 else 0.0
+        plain = bwd_ag + (layers - 1) * max(0.0, bwd_ag - bwd)  # a backward without reduction
+        if pp == 1:  # the last micro-batch reduce-scatters layer by layer behind the next backward
+            bwd_exposed = ((m - 1) * plain + bwd_ag + (layers - 1) * max(0.0, bwd_ag + reduce - bwd)
+                           + reduce + reduce_root)
+        else:  # torch.distributed.pipelining reduces every group after the last backward
+            bwd_exposed = m * plain + layers * reduce + reduce_root
+        total = gathers * (layers * ag + ag_root) + m * layers * bwd_ag + layers * reduce + reduce_root
+        exposed = fwd_exposed + bwd_exposed
+        return total, exposed + CONTENTION * max(0.0, total - exposed)

@@ -4,7 +4,9 @@ from the model and the hardware instead of asking the user to hand-tune it.
 Pure (stdlib only). The search lives here; the layouts' shapes in `shapes.py`
 and the analytic cost model (memory and step time of one layout) in `cost.py`.
 Ranks are laid out as the placement solver does, rank = (d * pp + s) * tp + t:
-TP innermost (never across a node), then pipeline stages, then replicas.
+TP innermost (never across a node), then pipeline stages, then replicas. ZeRO 2
+and 3 are also tried as HSDP, sharded within groups of consecutive replicas that
+fill whole nodes or divide one (`shard_group_size`).
 """
 
 from __future__ import annotations
@@ -55,13 +57,27 @@ def _check_args(global_batch: int, zero_stages: Iterable[int], schedules: Iterab
         raise ValueError(f"unknown schedule(s) {bad_s}; use {', '.join(SCHEDULES)}")
 
 
+def _hsdp_options(dp: int, tp: int, pp: int, node_size: int) -> list[int]:
+    """Sharding-group sizes HSDP may use: powers of two from 2 below dp that fill whole
+    nodes or divide one (placement keeps such a group of consecutive ranks together)."""
+    out, g = [], 2
+    while g < dp:
+        span = g * tp * pp
+        if dp % g == 0 and (span % node_size == 0 or node_size % span == 0):
+            out.append(g)
+        g *= 2
+    return out
+
+
 def _build(ctx: CostModel, dp: int, tp: int, pp: int, b: int, zero: int, rec: bool, sched: str, v: int,
-           budget: int) -> Plan:
+           shard: int | None, budget: int) -> Plan:
     m = ctx.gb // (dp * b)
-    memory = ctx.static_parts(dp, tp, pp, zero)
+    memory = ctx.static_parts(dp, tp, pp, zero, shard)
+    memory["grad_accumulation"] = ctx.accumulation(dp, tp, pp, zero, m, shard)
     memory["activations"] = ctx.act_bytes(tp, pp, b, m, rec, sched, v)
     total = sum(memory.values())
-    compute, tp_comm, bubble, p2p, dp_comm, exposed, hier = ctx.times(dp, tp, pp, b, m, zero, rec, sched, v)
+    compute, tp_comm, bubble, p2p, dp_comm, exposed, hier = ctx.times(dp, tp, pp, b, m, zero, rec, sched,
+                                                                      v, shard)
     step = compute + tp_comm + bubble + p2p + exposed
     gpus = dp * tp * pp
     flops = ctx.m.flops_per_token(rec) * ctx.tokens
@@ -71,7 +87,7 @@ def _build(ctx: CostModel, dp: int, tp: int, pp: int, b: int, zero: int, rec: bo
     return Plan(dp, tp, pp, b, zero, rec, sched, total / 1e9, step, flops / step / gpus / 1e12,
                 virtual_stages=v, num_microbatches=m, fits=total <= budget, hierarchical_allreduce=hier,
                 memory_bytes=math.ceil(total), mfu=model_flops / step / gpus / ctx.acc.peak_flops,
-                memory={k: x / 1e9 for k, x in memory.items()}, time=time)
+                memory={k: x / 1e9 for k, x in memory.items()}, time=time, shard_group_size=shard)
 
 
 def plan(model: ModelShape, cluster: ClusterShape, acc: Accelerator, global_batch: int, *,
@@ -96,7 +112,7 @@ def plan(model: ModelShape, cluster: ClusterShape, acc: Accelerator, global_batc
     _check_args(global_batch, zero_stages, schedules, memory_headroom)
     ctx = CostModel(model, cluster, acc, global_batch)
     budget = math.floor(memory_headroom * acc.hbm_bytes)  # whole bytes: ceil(memory) <= budget
-    found: list[tuple[float, float, tuple[int, int, int, int, int, bool, str, int]]] = []
+    found: list[tuple[float, float, tuple[int, int, int, int, int, bool, str, int, int | None]]] = []
     for tp in _tp_options(model, cluster):
         for pp in (p for p in range(1, model.n_layers + 1) if model.n_layers % p == 0):
             if cluster.gpus % (tp * pp) or global_batch % (cluster.gpus // (tp * pp)):
@@ -104,22 +120,27 @@ def plan(model: ModelShape, cluster: ClusterShape, acc: Accelerator, global_batc
             dp = cluster.gpus // (tp * pp)
             batches = [1 << i for i in range(global_batch.bit_length()) if global_batch % (dp << i) == 0]
             scheds = _schedules(model, pp, schedules)
+            hsdp = [None, *_hsdp_options(dp, tp, pp, cluster.node_size)]
             for zero in ((0,) if dp == 1 else zero_stages):
-                static = sum(ctx.static_parts(dp, tp, pp, zero).values())
-                if static > budget:  # no micro-batch can help; skip the layout early
-                    continue
-                for rec in (False, True):
-                    for sched, v in scheds:
-                        for b in batches:  # memory never shrinks as b grows: stop at the first miss
-                            m = global_batch // (dp * b)
-                            if sched == "interleaved_1f1b" and m % pp:
-                                continue  # Megatron: micro-batches must be a multiple of pp
-                            mem = static + ctx.act_bytes(tp, pp, b, m, rec, sched, v)
-                            if mem > budget:
-                                break
-                            t = ctx.times(dp, tp, pp, b, m, zero, rec, sched, v)
-                            step = t[0] + t[1] + t[2] + t[3] + t[5]
-                            found.append((step, mem, (dp, tp, pp, b, zero, rec, sched, v)))
+                for shard in (hsdp if zero >= 2 else [None]):
+                    static = sum(ctx.static_parts(dp, tp, pp, zero, shard).values())
+                    if static > budget:  # no micro-batch can help; skip the layout early
+                        continue
+                    for rec in (False, True):
+                        for sched, v in scheds:
+                            for b in batches:  # activations never shrink as b grows: stop at the first miss
+                                m = global_batch // (dp * b)
+                                if sched == "interleaved_1f1b" and m % pp:
+                                    continue  # Megatron: micro-batches must be a multiple of pp
+                                act = ctx.act_bytes(tp, pp, b, m, rec, sched, v)
+                                if static + act > budget:
+                                    break
+                                mem = static + act + ctx.accumulation(dp, tp, pp, zero, m, shard)
+                                if mem > budget:  # FSDP2 accumulating unsharded gradients
+                                    continue
+                                t = ctx.times(dp, tp, pp, b, m, zero, rec, sched, v, shard)
+                                step = t[0] + t[1] + t[2] + t[3] + t[5]
+                                found.append((step, mem, (dp, tp, pp, b, zero, rec, sched, v, shard)))
     found.sort(key=lambda f: (round(f[0] / TIE_S), f[1]))
     return [_build(ctx, *key, budget=budget) for _, _, key in found[:top]]
 
@@ -127,8 +148,11 @@ def plan(model: ModelShape, cluster: ClusterShape, acc: Accelerator, global_batc
 def evaluate(model: ModelShape, cluster: ClusterShape, acc: Accelerator, global_batch: int, *,
              tp: int, pp: int, micro_batch: int, zero_stage: int = 0, recompute: bool = False,
              schedule: str | None = None, virtual_stages: int = 1,
-             memory_headroom: float = 0.9) -> Plan:
+             shard_group_size: int | None = None, memory_headroom: float = 0.9) -> Plan:
     """Score one given layout (e.g. a hand-written spec), fitting or not (see `Plan.fits`).
+
+    `shard_group_size`: HSDP's sharding group (ZeRO 2 or 3); None, or the whole
+    data-parallel size, is plain FSDP.
 
     Raises:
         ValueError: When the layout is not one `plan()` could produce.
@@ -147,16 +171,21 @@ def evaluate(model: ModelShape, cluster: ClusterShape, acc: Accelerator, global_
     if (schedule, virtual_stages) not in _schedules(model, pp, [schedule] if pp > 1 else []):
         raise ValueError(f"schedule {schedule!r} with virtual_stages={virtual_stages} is not valid "
                          f"for pp={pp} and {model.n_layers} layers")
+    shard = shard_group_size if shard_group_size != dp else None
+    if shard is not None and (zero_stage < 2 or shard < 2 or dp % shard):
+        raise ValueError(f"shard_group_size={shard_group_size} needs zero_stage 2 or 3 and must be "
+                         f"a divisor of dp ({dp}) of at least 2")
     ctx = CostModel(model, cluster, acc, global_batch)
     return _build(ctx, dp, tp, pp, micro_batch, zero_stage if dp > 1 else 0, recompute, schedule,
-                  virtual_stages, math.floor(memory_headroom * acc.hbm_bytes))
+                  virtual_stages, shard, math.floor(memory_headroom * acc.hbm_bytes))
 
 
 def describe(p: Plan) -> str:
     """One line, e.g. for `kc plan` output."""
     sched = p.schedule + (f" v={p.virtual_stages}" if p.schedule == "interleaved_1f1b" else "")
     return (f"dp={p.dp} tp={p.tp} pp={p.pp} ({sched}) micro_batch={p.micro_batch} x{p.num_microbatches} "
-            f"zero={p.zero_stage} recompute={'on' if p.recompute else 'off'}: "
+            f"zero={p.zero_stage}" + (f" hsdp={p.shard_group_size}" if p.shard_group_size else "")
+            + f" recompute={'on' if p.recompute else 'off'}: "
             f"{p.memory_gb_per_gpu:.1f} GB/GPU, {p.predicted_step_s:.3g} s/step, "
             f"{p.predicted_tflops_per_gpu:.3g} TFLOP/s/GPU (MFU {p.mfu:.0%})"
             + ("" if p.fits else " [does not fit]"))

@@ -243,6 +243,8 @@ class Plan:
     mfu: float = 0.0  # model FLOPs (no recompute) / peak
     memory: dict[str, float] = field(default_factory=dict, compare=False)  # GB by kind
     time: dict[str, float] = field(default_factory=dict, compare=False)  # seconds by kind
+    # HSDP (zero 2/3): shard within groups of this many data-parallel ranks; None: all of dp.
+    shard_group_size: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "micro_batch": self.micro_batch,
@@ -254,7 +256,8 @@ class Plan:
                 "fits": self.fits, "hierarchical_allreduce": self.hierarchical_allreduce,
                 "memory_bytes": self.memory_bytes, "mfu": round(self.mfu, 4),
                 "memory": {k: round(v, 3) for k, v in self.memory.items()},
-                "time": {k: round(v, 6) for k, v in self.time.items()}}
+                "time": {k: round(v, 6) for k, v in self.time.items()},
+                "shard_group_size": self.shard_group_size}
 
     def to_spec_parallel(self) -> dict[str, int]:
         """The spec's `parallel` fields for this plan."""

@@ -133,10 +133,15 @@ def test_a_users_own_collectives_list_rules_out_what_it_does_not_allow():
 
 
 def test_only_layouts_the_worker_runs_fp16_rules_out_fsdp():
-    # The planner ties ZeRO-0..3 on this model and prefers ZeRO-2 (less memory);
-    # fp16 loss scaling does not run under FSDP2, so ZeRO-1 is taken instead.
-    out, rec = autoplan.resolve(auto_doc(gpus=2, micro_batch_size=4, precision="fp16"), C4X8)
-    assert rec["rank"] > 1 and validate_spec(out).parallel.zero_stage <= 1
+    # The planner's first choice for 6.7B on 8 H100s shards with FSDP2 (its reduce-scatter
+    # moves half an all-reduce's bytes); fp16 loss scaling does not run under FSDP2 (nor
+    # in a pipeline), so a later layout with ZeRO 0 or 1 is taken instead.
+    doc = auto_doc(BIG, gpus=8, gpu="h100-80gb", global_batch=64)
+    assert autoplan.resolve(doc, C4X8)[1]["zero_stage"] >= 2
+    out, rec = autoplan.resolve(auto_doc(BIG, gpus=8, gpu="h100-80gb", global_batch=64,
+                                         precision="fp16"), C4X8)
+    p = validate_spec(out).parallel
+    assert rec["rank"] > 1 and p.zero_stage <= 1 and p.pipeline_parallel_size == 1
 
 
 def _plan(**kw) -> Plan:
@@ -278,6 +283,8 @@ def test_status_shows_the_plan_with_predicted_and_measured_step_time(capsys):
     assert line.startswith(f"dp={rec['dp']} tp={rec['tp']} pp=1 micro_batch=")
     assert line.endswith(f"predicted {rec['predicted_step_s']:.3g} s/step, measured 0.0151 s/step")
     assert "measured - s/step" in plan_line(rec, None)
+    assert "hsdp" not in line and " zero=0 hsdp=8 recompute=" in plan_line(
+        {**rec, "zero_stage": 0, "shard_group_size": 8}, None)
     job = {"id": "a", "name": "a", "state": "RUNNING", "world_size": 2, "restarts": 0,
            "progress": {"step": 3}, "plan": rec, "measured_step_s": 0.0151}
     print_job(job)
@@ -387,3 +394,17 @@ def test_a_missing_hf_folder_is_the_folder_error(tmp_path):
         autoplan.resolve(auto_doc({"type": "hf", "path": broken}, gpus=2), C4X8)
     [(field, msg)] = info.value.errors
     assert field == "model.path" and "num_attention_heads" in msg
+
+
+def test_a_plan_that_shards_within_nodes_writes_shard_group_size():
+    # 6.7B on four 8-GPU A100 nodes with 4 micro-batches per step: FSDP across all 32
+    # would gather over the network every micro-batch; HSDP gathers over NVLink and
+    # all-reduces the shards across nodes once per step.
+    doc = auto_doc(BIG, gpus=32, gpu="a100-80gb", global_batch=1024)
+    out, rec = autoplan.resolve(doc, C4X8)
+    p = validate_spec(out).parallel
+    assert rec["shard_group_size"] == 8 and p.shard_group_size == 8 and p.zero_stage >= 2
+    assert "shard_group_size" not in doc["parallel"]
+    flat = autoplan.resolve(auto_doc(TINY, gpus=2), C4X8)[0]
+    assert flat["parallel"]["shard_group_size"] is None
+    assert validate_spec(flat).parallel.shard_group_size is None

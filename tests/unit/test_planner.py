@@ -158,9 +158,15 @@ def test_recompute_trades_activation_memory_for_compute():
 
 
 def test_each_zero_stage_needs_less_memory_than_the_one_before():
-    mem = [evaluate(MID, ClusterShape(64, 8), A100_80, 512, tp=4, pp=2, micro_batch=1,
+    mem = [evaluate(MID, ClusterShape(64, 8), A100_80, 512, tp=4, pp=1, micro_batch=1,
                     zero_stage=z).memory_bytes for z in range(4)]
     assert mem[3] < mem[2] < mem[1] < mem[0]
+    # Changed on purpose (issue 24): under a pipeline the engine's FSDP2 keeps every block
+    # gathered until the step's last micro-batch (torch.distributed.pipelining turns
+    # resharding after backward off), so there ZeRO-3 holds what ZeRO-2 holds.
+    piped = [evaluate(MID, ClusterShape(64, 8), A100_80, 512, tp=4, pp=2, micro_batch=1,
+                      zero_stage=z).memory_bytes for z in range(4)]
+    assert piped[3] == piped[2] < piped[1] < piped[0]
     zero0 = evaluate(MID, ClusterShape(64, 8), A100_80, 512, tp=4, pp=2, micro_batch=1, zero_stage=0)
     zero3 = evaluate(MID, ClusterShape(64, 8), A100_80, 512, tp=4, pp=2, micro_batch=1, zero_stage=3)
     assert zero3.time["dp_comm"] > zero0.time["dp_comm"]  # ZeRO-3 pays in traffic
@@ -185,18 +191,27 @@ def test_bubble_shrinks_with_more_microbatches_and_with_interleaving():
     assert gpipe.memory["activations"] > plain.memory["activations"]  # all micro-batches in flight
 
 
-def test_hierarchical_allreduce_is_chosen_when_dp_spans_nodes_with_several_ranks_each():
+def test_hierarchical_allreduce_wins_where_each_gpu_pays_its_own_share_not_where_rings_aggregate():
+    # By default every GPU's traffic crosses the network at its own share of the node's
+    # NICs (planning/comm.py), so the two-level hook, which sends 1/k of the bytes across
+    # nodes, wins once a data-parallel group spans nodes with several ranks each.
     flat, hier = allreduce_costs(1e9, ranks=32, ranks_per_node=4, acc=H100)
     assert hier < flat
-    spanning = evaluate(MID, ClusterShape(64, 8), H100, 512, tp=2, pp=1, micro_batch=1, zero_stage=1)
-    assert spanning.dp == 32 and spanning.hierarchical_allreduce  # 4 replicas per node, 8 nodes
+    spanning = evaluate(MID, ClusterShape(64, 8), H100, 512, tp=1, pp=1, micro_batch=1)
+    assert spanning.dp == 64 and spanning.hierarchical_allreduce  # 8 replicas a node, 8 nodes
+    # Where NCCL's rings aggregate the node's NICs, the cross-node bytes per node are the
+    # same for both, and the hook's extra NVLink passes and latency make it lose.
+    agg = calibrated(H100, rings_aggregate_nics=True)
+    flat, hier = allreduce_costs(1e9, ranks=32, ranks_per_node=4, acc=agg)
+    assert flat < hier
+    assert not evaluate(MID, ClusterShape(64, 8), agg, 512, tp=1, pp=1,
+                        micro_batch=1).hierarchical_allreduce
     # One replica per node: the hierarchy has nothing to reduce inside a node.
-    one_per_node = evaluate(MID, ClusterShape(64, 8), H100, 512, tp=8, pp=1, micro_batch=1, zero_stage=1)
-    assert not one_per_node.hierarchical_allreduce
     assert allreduce_costs(1e9, 8, 1, H100)[0] == pytest.approx(allreduce_costs(1e9, 8, 1, H100)[1])
     # Inside one node both are the NVLink ring.
     inside = evaluate(GPT2_SMALL, ClusterShape(8, 8), H100, 64, tp=1, pp=1, micro_batch=1)
     assert not inside.hierarchical_allreduce and inside.time["dp_comm"] > 0
+    assert allreduce_costs(1e9, 8, 8, H100)[0] == allreduce_costs(1e9, 8, 8, H100)[1]
 
 
 def test_unknown_accelerator_names_the_known_ones():
