@@ -14,7 +14,7 @@ from typing import Any
 
 from bench.harness import BenchCluster, log, median
 from bench.recovery_common import (
-    FAULT_TOLERANCE,
+    OURS_DEFAULTS,
     RANK,
     WAIT_S,
     Background,
@@ -112,11 +112,16 @@ def _kc_phases(store, job_id: str, recs: list[Recovery], n_mttr: int) -> list[di
 
 
 def kc_mttr(cluster: BenchCluster, targets: list[int], steps: int, every: int,
-            extra: int) -> tuple[list[Recovery], list[float]]:
+            extra: int, ft: dict[str, Any] | None = None,
+            tag: str = "kc-mttr") -> tuple[list[Recovery], list[float]]:
     """The MTTR kills, then `extra` more for crash-detection samples; returns the
-    MTTR kills' recoveries and every kill's SIGKILL -> failed_at in ms."""
-    folder = cluster.tmp / "kc-mttr"
-    doc = recovery_spec(steps, folder, every, len(targets) + extra, "bench-recovery")
+    MTTR kills' recoveries and every kill's SIGKILL -> failed_at in ms.
+
+    `ft`: overrides of kuangchao's default fault tolerance (warm spares); `tag`
+    names the run's trace folder (one per run: runs repeat on one cluster).
+    """
+    folder = cluster.tmp / tag
+    doc = recovery_spec(steps, folder, every, len(targets) + extra, "bench-recovery", ft)
     tail = TraceTail(folder)
     run, job_id = _start_kc(cluster, doc)
     store = _store(cluster)
@@ -152,10 +157,15 @@ def kc_mttr(cluster: BenchCluster, targets: list[int], steps: int, every: int,
     return recs[:len(targets)], detect
 
 
-def kc_hang(cluster: BenchCluster, at_step: int, every: int, bound_s: float) -> float | None:
-    """SIGSTOP rank 1; seconds until kuangchao marks a rank failed, None if not within bound_s."""
+def kc_hang(cluster: BenchCluster, at_step: int, every: int, bound_s: float,
+            tag: str = "kc-hang") -> float | None:
+    """SIGSTOP rank 1; seconds until kuangchao marks a rank failed, None if not within bound_s.
+
+    Kuangchao at its default fault tolerance: the stopped process's heartbeat
+    thread stops with it, so the rank is judged after `heartbeat_timeout_s`.
+    """
     from kuangchao.platform.control import operations as jobs
-    folder = cluster.tmp / "kc-hang"
+    folder = cluster.tmp / tag
     doc = recovery_spec(100_000, folder, every, 1, "bench-hang")
     tail = TraceTail(folder)
     run, job_id = _start_kc(cluster, doc)
@@ -183,7 +193,7 @@ def kc_hang(cluster: BenchCluster, at_step: int, every: int, bound_s: float) -> 
             silence = float(entry.get("detected_after_s") or 0.0)
             log(f"kuangchao: SIGSTOP -> marked failed {took:.2f}s = last heartbeat {last:+.2f}s "
                 f"+ {silence:.2f}s of silence until the verdict (heartbeat_timeout_s "
-                f"{FAULT_TOLERANCE['heartbeat_timeout_s']}) + {took - last - silence:.2f}s "
+                f"{OURS_DEFAULTS['heartbeat_timeout_s']}) + {took - last - silence:.2f}s "
                 "between the verdict and the recorded failure (evidence: stacks, process state)")
         return took
     finally:

@@ -7,6 +7,7 @@
 * `kill_node()`: SIGKILL of a node's raylet, what
   `ray.cluster_utils.Cluster.remove_node` does to simulate a lost machine
   (the node's worker processes notice their raylet is gone and exit);
+* `retire_node()`: an orderly stop of a raylet (SIGTERM), dead at once;
 * `leaf_nodes()`, `node_named()`, `node_of_pid()`: which Ray nodes exist and
   host what, from `ray.nodes()` and the process table.
 
@@ -49,11 +50,16 @@ def node_named(name: str) -> dict[str, Any] | None:
 def raylet_pid(node_id: str) -> int | None:
     """The pid of the raylet Ray started for a node (its command line names the node id)."""
     needle = f"--node_id={node_id}"
-    pids = [p for p in procs._all_pids()
-            if "/raylet/raylet " in procs._cmdline(p) and needle in procs._cmdline(p)]
-    if len(pids) > 1:
-        raise RuntimeError(f"expected one raylet with {needle}, found {pids}")
-    return pids[0] if pids else None
+    for _ in range(50):
+        pids = [p for p in procs._all_pids()
+                if "/raylet/raylet " in procs._cmdline(p) and needle in procs._cmdline(p)]
+        # A process the raylet has just forked to start a worker carries the raylet's
+        # command line until it execs: keep the one whose parent is not a match.
+        pids = [p for p in pids if procs._ppid(p) not in pids]
+        if len(pids) <= 1:
+            return pids[0] if pids else None
+        time.sleep(0.02)
+    raise RuntimeError(f"expected one raylet with {needle}, found {pids}")
 
 
 def node_of_pid(pid: int) -> str | None:
@@ -108,6 +114,22 @@ def kill_node(node_id: str, with_workers: bool = False) -> float:
         except ProcessLookupError:
             pass
     return t
+
+
+def retire_node(node_id: str, timeout_s: float = 60.0) -> float:
+    """Stop a node's raylet the orderly way (SIGTERM, as `ray stop` does): it tells
+    the GCS it is leaving, so the node is dead in `ray.nodes()` at once instead of
+    after the GCS's failed health checks. Returns how long that took."""
+    pid = raylet_pid(node_id)
+    if pid is None:
+        raise RuntimeError(f"no raylet process for node {node_id}")
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGTERM)
+    while any(n["NodeID"] == node_id for n in leaf_nodes()):
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"node {node_id} still alive {timeout_s:.0f}s after SIGTERM")
+        time.sleep(0.05)
+    return time.monotonic() - t0
 
 
 def add_node(cluster: BenchCluster, name: str, cpus: int, gpus: int, leaf: str = LEAF,

@@ -9,12 +9,17 @@ one rank per worker node (`gpus_per_rank` = the node's GPUs). It runs with
 `restart` (every resize is a checkpoint, a trip through the queue and a
 restore: a full restart), to keep whichever is faster.
 
-Times come from the job's own resize record: rank 0 stamps `first_step_at`
-on the first optimizer step at the new size, from the clock of the same
-machine as the bench's event times (the kill, just before the signal; the
-join, when `ray.nodes()` first shows the node). `resize_s` in that record is
-measured from the platform's decision instead (the failure detected, or the
-scheduler's grow request).
+Times come from the job's own resize record: `first_step_at` is stamped by
+rank 0 when it reports the first optimizer step at the new size, and that
+report comes after an all-reduce of the step's loss (`global_mean` in
+workers/trainer/loop.py; the first step of a loop always reports) that every
+rank enters only once its own optimizer step is done. So the stamp is the
+first step completed on EVERY rank (plus one small all-reduce), the event
+Ray Train's side is stamped at too (the latest rank's trace line for it). The
+clock is the same machine's as the bench's event times (the kill, just before
+the signal; the join, when `ray.nodes()` first shows the node). `resize_s` in
+that record is measured from the platform's decision instead (the failure
+detected, or the scheduler's grow request).
 """
 
 from __future__ import annotations
@@ -65,32 +70,54 @@ def _at(client: Client, job_id: str, replicas: int, step: int) -> dict | None:
                    and job["progress"]["step"] >= step) else None
 
 
-def kc_resize(cluster: BenchCluster, mode: str, warmup_steps: int = CKPT_EVERY + 2) -> dict[str, Any]:
-    """Shrink (kill the node of rank 2) then grow (a node joins); what the job's record says."""
+def kc_resize(cluster: BenchCluster, mode: str, warmup_steps: int = CKPT_EVERY + 2,
+              events: tuple[str, ...] = ("shrink", "grow"),
+              out: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Shrink (kill the node of the highest rank) then grow (a node joins), or only the
+    `events` named; what the job's record says. Results go into `out` as they come,
+    so a caller keeps the events measured before a failure."""
     connect(cluster)
     client = Client(cluster.settings.api_url, cluster.settings.api_key)
     gpus = int(leaf_nodes()[0]["Resources"].get("GPU", 1))
     job = client.submit(kc_spec(mode, gpus))
     jid = job["id"]
-    out: dict[str, Any] = {"mode": mode, "job": jid}
+    out = {} if out is None else out
+    out.update(mode=mode, job=jid)
+    size = len(leaf_nodes())  # one replica per worker node
     try:
-        running = wait_until(lambda: _at(client, jid, 3, warmup_steps), WAIT_S,
-                             f"{warmup_steps} steps at 3 replicas")
-        victim = next(p for p in running["placement"] if p["rank"] == 2)
-        t_kill = kill_node(victim["node_id"])
-        log(f"kc {mode}: SIGKILL raylet of {victim['node']} at step {running['progress']['step']}")
-        shrink = wait_until(lambda: _entry_to(client, jid, 2, t_kill), WAIT_S, "a step at 2 replicas")
-        out["shrink"] = _times(shrink, t_kill)
-        log(f"kc {mode} shrink: {out['shrink']}")
-        step = client.get(jid)["progress"]["step"]
-        wait_until(lambda: _at(client, jid, 2, step + CKPT_EVERY), WAIT_S, "training at 2 replicas")
-        name = f"node-{len(leaf_nodes(alive=False))}"
-        _, t_join = add_node(cluster, name, cpus=int(leaf_nodes()[0]["Resources"]["CPU"]), gpus=gpus)
-        grow = wait_until(lambda: _entry_to(client, jid, 3, t_join), WAIT_S, "a step at 3 replicas")
-        out["grow"] = _times(grow, t_join)
-        log(f"kc {mode} grow: {out['grow']}")
-        step = client.get(jid)["progress"]["step"]
-        wait_until(lambda: _at(client, jid, 3, step + CKPT_EVERY), WAIT_S, "training at 3 replicas")
+        running = wait_until(lambda: _at(client, jid, size, warmup_steps), WAIT_S,
+                             f"{warmup_steps} steps at {size} replicas")
+        if running is None:
+            raise TimeoutError(f"the job did not reach {warmup_steps} steps at {size} replicas "
+                               f"within {WAIT_S:.0f}s")
+        if "shrink" in events:
+            victim = max(running["placement"], key=lambda p: p["rank"])
+            t_kill = kill_node(victim["node_id"])
+            log(f"kc {mode}: SIGKILL raylet of {victim['node']} at step {running['progress']['step']}")
+            size -= 1
+            shrink = wait_until(lambda: _entry_to(client, jid, size, t_kill), WAIT_S,
+                                f"a step at {size} replicas")
+            if shrink is None:
+                raise TimeoutError(f"no step at {size} replicas within {WAIT_S:.0f}s of the kill")
+            out["shrink"] = _times(shrink, t_kill)
+            log(f"kc {mode} shrink: {out['shrink']}")
+            step = client.get(jid)["progress"]["step"]
+            wait_until(lambda: _at(client, jid, size, step + CKPT_EVERY), WAIT_S,
+                       f"training at {size} replicas")
+        if "grow" in events:
+            name = f"node-{len(leaf_nodes(alive=False))}"
+            _, t_join = add_node(cluster, name, cpus=int(leaf_nodes()[0]["Resources"]["CPU"]),
+                                 gpus=gpus)
+            size += 1
+            grow = wait_until(lambda: _entry_to(client, jid, size, t_join), WAIT_S,
+                              f"a step at {size} replicas")
+            if grow is None:
+                raise TimeoutError(f"no step at {size} replicas within {WAIT_S:.0f}s of the join")
+            out["grow"] = _times(grow, t_join)
+            log(f"kc {mode} grow: {out['grow']}")
+            step = client.get(jid)["progress"]["step"]
+            wait_until(lambda: _at(client, jid, size, step + CKPT_EVERY), WAIT_S,
+                       f"training at {size} replicas")
         out.update(audit_samples(client, jid))
         final = client.get(jid)
         out["restarts"] = final["restarts"]

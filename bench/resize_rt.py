@@ -4,11 +4,17 @@
 * shrink: the job runs at 3 workers, one per worker node; one node's raylet is
   SIGKILLed (what `ray.cluster_utils.Cluster.remove_node` does). Ray Train
   restarts the worker group from its latest checkpoint at 2 workers.
-  `resize_s` = kill -> first step completed at world size 2.
+  `resize_s` = kill -> first step at world size 2 completed on every rank
+  (the latest rank's trace line for it: kuangchao's side is stamped at the
+  same event, see bench/resize_kc.py).
 * grow: the job runs at 2 workers on the only 2 worker nodes; a 3rd node
   joins (`bench.resize_common.add_node`). Ray Train restarts the worker group
   from its latest checkpoint at 3 workers. `resize_s` = the node is alive in
-  `ray.nodes()` -> first step completed at world size 3.
+  `ray.nodes()` -> first step at world size 3 completed on every rank.
+
+Once that step and CKPT_EVERY more are done, the bench asks the run to end
+(`request_stop`: every rank reads `{trace}/stop` after each step and ends
+after the same one), so fit() returns without training to a guessed count.
 
 `decision_s` is the time from Ray Train's own decision to that first step: the
 controller's state changes are recorded by a `ControllerCallback`
@@ -39,39 +45,54 @@ ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py)
 refreshes its view of the cluster (`ray.nodes()`) only on its background tick
 every `TICK_INTERVAL_S` = 20 s, a class constant with no env var or config
 (or when a requester changes its request, which Ray Train never does: it
-always asks for `hi` workers). So a node that joins or dies is seen by Ray
-Train 0..20 s later; that tick, not the monitor interval, dominates.
+always asks for `hi` workers). So at Ray's defaults a node that joins or dies
+is seen by Ray Train 0..20 s later; that tick, not the monitor interval,
+dominates (this bench ticks it every 0.5 s, below).
 Reservations count each node's *total* resources and ignore label selectors,
 so workers ask for `{"CPU": 1, "kc_gpu_0": 1}`: exactly one per worker node
 and none on the head (which has CPUs but no `kc_gpu_*`), whatever the
 coordinator counts.
 
-What that means for the two scenarios (measured on this machine, 2 cores):
-* grow: the new node is noticed at the coordinator's next tick (0..20 s after
-  the join), then within MONITOR_S; the controller shuts the 2 workers down,
-  starts 3 (6..15 s here) and they restore the checkpoint. resize_s ~ 18..26 s.
+What that means for the two scenarios:
+* grow: the new node is counted at the coordinator's next tick, then by the
+  policy's next look (its 1 s reservation cache); the controller shuts the 2
+  workers down, starts 3 and they restore the checkpoint.
 * shrink: the surviving ranks fail in their next all-reduce ~2..3 s after the
   kill (the killed node's worker outlives its raylet by 1..2 s and keeps
   stepping meanwhile). Ray Train restarts at once, but the coordinator still
-  counts the dead node (the GCS marks it dead only after ~15 s of failed
-  health checks, and the coordinator looks at most every 20 s), so it first
-  schedules the OLD size, 3, whose placement group can never be placed; only
-  after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (default 60 s) does it retry,
-  now with 2. resize_s ~ 75..84 s, decisions [3, 3, 2]. `ray_resize`'s
-  `start_timeout_s` lowers that timeout; a retry only gets 2 once the
-  coordinator has seen the node die (~15 s + 0..20 s), earlier ones schedule 3
-  again, and the timeout must exceed the group's start-up time (up to ~15 s
-  here). For scale, one run with the coordinator's tick forced to 1 s (by
-  pre-creating its named actor from a subclass, not done here) and a 20 s
-  start timeout: shrink 41 s, grow 12 s.
+  counts the dead node until the GCS marks it dead (after its own health
+  checks fail for ~15 s: Ray Core's `health_check_period_ms` x
+  `health_check_failure_threshold`, cluster settings left at their defaults
+  on both systems' clusters) and a tick has seen that, so it first schedules
+  the OLD size, 3, whose placement group can never be placed; each such try
+  ends after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (default 60 s, a bound on
+  the placement-group wait alone: `WorkerGroup._start_impl`), counts as a
+  controller failure (retried without limit:
+  `FailureConfig.controller_failure_limit=-1`) and is tried again with a
+  fresh count, which says 2 once the coordinator has seen the node die.
 
-Knobs used here, the smallest sensible values (the baseline is as fast as
-Ray's public settings allow): `ScalingConfig(elastic_resize_monitor_interval_s=
-MONITOR_S)` = 1 s (lower gains nothing: the reservation query is cached
-for 1 s) and `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S` = HEALTH_CHECK_S = 0.5 s
-(propagated by Ray Train to its controller actor; also how fast a dead worker
-is noticed). Left as Ray ships them: the 20 s coordinator tick (no knob) and
-the 60 s worker-group start timeout (a safety timeout, not a polling interval).
+Settings used here (`SETTINGS`), each at its fastest working value:
+* `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S` = 0.1 s (default 2): how soon a failed
+  worker is handled and the policy consulted (bench/recovery_rt.py explains
+  why lower buys nothing).
+* `RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S` = 5 s (default 600): the same
+  budget as kuangchao's `heartbeat_timeout_s` in this benchmark.
+* `RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S` = START_TIMEOUT_S = 2 s (default
+  60): it bounds only the wait for the placement group, which for a size the
+  cluster can hold is placed in well under a second here; a shorter bound
+  retries the doomed size-3 group sooner after a node loss, and a too-short
+  one only costs a retry, never the run.
+* `ScalingConfig(elastic_resize_monitor_interval_s=0)` (default 60): the
+  policy looks at every controller poll, limited by its own 1 s
+  reservation-query cache (`ElasticScalingPolicy.GET_RESERVED_RESOURCES_INTERVAL_S`,
+  a class constant left alone).
+* The coordinator's tick, `_AutoscalingCoordinatorActor.TICK_INTERVAL_S` =
+  TICK_S = 0.5 s (default 20): it has no setting, so `fast_coordinator()`
+  creates the named detached actor Ray Train looks up
+  (`get_or_create_autoscaling_coordinator`, `get_if_exists=True`) first,
+  from a subclass that only changes that constant. A tick is one
+  `ray.nodes()` and a resource request to the GCS; below 0.5 s it would
+  gain little against the policy's 1 s cache.
 
 `RAY_TRAIN_V2_ENABLED=1` must be set before `ray.train` is first imported;
 this module sets it at its top. Run standalone (both scenarios on one fresh
@@ -98,11 +119,15 @@ from typing import Any  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
 
 import torch  # noqa: E402
+from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (  # noqa: E402
+    _AutoscalingCoordinatorActor,
+)
 from ray.train.v2._internal.execution.callback import ControllerCallback  # noqa: E402
 
 from bench.harness import BenchCluster, _env, build_loop_parts, connect, log, tiny_spec  # noqa: E402
 from bench.recovery_common import Background, wait_until  # noqa: E402
 from bench.recovery_ray import Trace, ray_restore  # noqa: E402
+from bench.recovery_rt import HEALTH_CHECK_S as _HEALTH_CHECK_S  # noqa: E402
 from bench.resize_common import add_node, kill_node, leaf_nodes, node_of_pid  # noqa: E402
 from kuangchao.platform.spec.jobspec import validate_spec  # noqa: E402
 from kuangchao.workers.data.sampling import batch_indices  # noqa: E402
@@ -110,9 +135,23 @@ from kuangchao.workers.data.sampling import batch_indices  # noqa: E402
 GLOBAL_BATCH = 48  # samples per optimizer step, whatever the world size (divisible by 1, 2, 3)
 MICRO_BATCH = 8  # samples per rank per micro-step: accumulation = 48 / (8 * world)
 CKPT_EVERY = 5  # steps between checkpoints (reported to Ray Train by every rank)
-MONITOR_S = 1.0  # ScalingConfig(elastic_resize_monitor_interval_s=); Ray's default is 60
-HEALTH_CHECK_S = 0.5  # RAY_TRAIN_HEALTH_CHECK_INTERVAL_S; Ray's default is 2
+MONITOR_S = 0.0  # ScalingConfig(elastic_resize_monitor_interval_s=); Ray's default is 60
+HEALTH_CHECK_S = _HEALTH_CHECK_S  # RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (0.1); Ray's default is 2
+HEALTH_CHECK_TIMEOUT_S = 5.0  # RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S = our heartbeat_timeout_s here
+START_TIMEOUT_S = 2.0  # RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S; Ray's default is 60
+TICK_S = 0.5  # the AutoscalingCoordinator's TICK_INTERVAL_S; Ray's is 20 (no setting)
 WAIT_S = 150.0  # longest wait for any one thing before the run is declared stuck
+STOP_MARGIN = 4  # the bench ends a run this many steps past the newest one it saw
+# Ray Train's settings for every run of this benchmark (environment variables Ray
+# Train hands to its controller, and the rest), printed and put in the result lines.
+SETTINGS: dict[str, Any] = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": HEALTH_CHECK_S,
+    "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": HEALTH_CHECK_TIMEOUT_S,
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": START_TIMEOUT_S,
+    "ScalingConfig.elastic_resize_monitor_interval_s": MONITOR_S,
+    "AutoscalingCoordinator.TICK_INTERVAL_S": TICK_S,
+    "FailureConfig.max_failures": 3,
+}
 WORKER_RESOURCES = {"CPU": 1, "kc_gpu_0": 1}  # one worker per worker node, none on the head
 
 
@@ -170,12 +209,66 @@ def rt_loop(config: dict[str, Any]) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             trace.write("step", step=step, world=world)
+            stop = stop_at(config["trace"])
+            if stop is not None and step + 1 >= stop:
+                break
             if (step + 1) % CKPT_EVERY == 0 and step + 1 < steps:
                 t0 = time.time()
                 _save(rank, step + 1, model, optimizer)
                 trace.write("ckpt", step=step + 1, world=world, save_s=time.time() - t0)
     finally:
         trace.close()
+
+
+def stop_at(folder: str | Path) -> int | None:
+    """The step count the bench wants the run to end at (`{trace}/stop`), if it said.
+
+    Every rank reads it after each step and ends after the same step, so the
+    run finishes normally (no all-reduce left waiting) as soon as the bench has
+    what it measures, instead of training to a step count guessed in advance."""
+    try:
+        return int((Path(folder) / "stop").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def request_stop(folder: Path) -> int:
+    """Ask the run to end STOP_MARGIN steps past the newest step any rank traced."""
+    stop = _last_step(folder) + 1 + STOP_MARGIN
+    tmp = folder / "stop.tmp"
+    tmp.write_text(str(stop))
+    tmp.rename(folder / "stop")
+    return stop
+
+
+class FastTickCoordinator(_AutoscalingCoordinatorActor):
+    """Ray Data's AutoscalingCoordinator with its tick at TICK_S instead of 20 s."""
+
+    TICK_INTERVAL_S = TICK_S
+
+    def tick_interval_s(self) -> float:
+        return self.TICK_INTERVAL_S
+
+
+def fast_coordinator() -> float:
+    """Create the coordinator Ray Train will look up, ticking every TICK_S; returns
+    the tick of the coordinator now registered (another, older one would win).
+
+    Same name, namespace, options and node as `get_or_create_autoscaling_coordinator`
+    (ray/data/_internal/cluster_autoscaler/default_autoscaling_coordinator.py).
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    actor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(
+        FastTickCoordinator).options(
+        name="AutoscalingCoordinator", namespace="AutoscalingCoordinator", get_if_exists=True,
+        lifetime="detached", scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)).remote()
+    try:
+        return float(ray.get(actor.tick_interval_s.remote(), timeout=60))
+    except AttributeError:
+        return float(_AutoscalingCoordinatorActor.TICK_INTERVAL_S)
 
 
 def _save(rank: int, next_step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -285,29 +378,28 @@ def ray_trainer(cluster: BenchCluster, doc: dict[str, Any], folder: Path, name: 
     )
 
 
-def ray_resize(cluster: BenchCluster, kind: str, steps: int = 200,
-               warmup_steps: int = CKPT_EVERY + 2,
-               start_timeout_s: float | None = None) -> dict[str, Any]:
+def ray_resize(cluster: BenchCluster, kind: str, steps: int = 100_000,
+               warmup_steps: int = CKPT_EVERY + 2, after_steps: int = CKPT_EVERY) -> dict[str, Any]:
     """Resize a running Ray Train v2 elastic job by one node; what the traces say.
 
     shrink: the job starts on all live worker nodes (n), one node is killed.
     grow: the job starts on the n live worker nodes, allowed n + 1 workers,
     and one node joins. The event comes once the job has trained
-    `warmup_steps` at its first size (so a checkpoint exists); the run then
-    trains to `steps` and must still be running when the resize lands (grow:
-    up to ~22 s of training at the old size pass before Ray Train notices).
-    `start_timeout_s` sets RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's
-    default, 60 s, when None): after a node loss Ray Train first tries the
-    old size again and waits that long for it (see the module docstring).
+    `warmup_steps` at its first size (so a checkpoint exists). Once every rank
+    has completed a step at the new size and rank 0 `after_steps` more (or the
+    resize did not come within WAIT_S), the bench asks the run to stop
+    (`request_stop`) and waits for fit() to return. SETTINGS apply; call
+    `fast_coordinator()` once per cluster before the first run.
 
     Returns:
         {"kind", "from_world", "to_world", "resize_s" (event -> first step at
-        the new size), "decision_s" (Ray Train's decision -> that step, None
-        if not recorded), "samples_lost" ((steps never completed) * GLOBAL_BATCH),
-        "steps_redone" (completions of a step beyond its first, summed),
-        "phases" (event -> decision / group running / loop start / first step),
-        "decisions" (the sizes the controller scheduled, in order), and a
-        "note" when the resize did not happen as expected.}
+        the new size completed on every rank), "decision_s" (Ray Train's
+        decision -> that step, None if not recorded), "samples_lost" ((steps
+        before the stop never completed) * GLOBAL_BATCH), "steps_redone"
+        (completions of a step beyond its first, summed), "phases" (event ->
+        decision / group running / loop start / first step), "decisions" (the
+        sizes the controller scheduled, in order), and a "note" when the
+        resize did not happen as expected.}
     """
     if kind not in ("shrink", "grow"):
         raise ValueError(f"kind must be shrink or grow, not {kind!r}")
@@ -321,33 +413,42 @@ def ray_resize(cluster: BenchCluster, kind: str, steps: int = 200,
     folder.mkdir(parents=True)
     doc = resize_spec(steps)
     trainer = ray_trainer(cluster, doc, folder, folder.name, max(from_world, to_world))
-    env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(HEALTH_CHECK_S)}
-    if start_timeout_s is not None:
-        env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(start_timeout_s)
+    env = {k: str(v) for k, v in SETTINGS.items() if k.startswith("RAY_TRAIN_")}
     first: dict[str, Any] | None = None
     # fit() hands these to its controller actor when it starts; set for the whole run.
     with _env(**env):
         run = Background(trainer.fit, f"ray-train-{kind}")
         try:
-            warm = wait_until(lambda: reached(rank_events(folder), from_world, warmup_steps),
-                              WAIT_S, f"{warmup_steps} steps at world size {from_world}",
-                              run.alive, poll_s=0.05)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}: fit() raised {run.error!r}") from run.error
-        if warm is None:
-            raise TimeoutError(f"Ray Train did not reach step {warmup_steps} at world size "
-                               f"{from_world} within {WAIT_S:.0f}s")
-        t_event, what, victim = _resize_event(cluster, kind, folder, nodes, from_world)
-        log(f"ray-train {kind}: {what} at step {_last_step(folder)}")
-        try:
-            first = wait_until(lambda: first_step_at(rank_events(folder), to_world, t_event),
-                               WAIT_S, f"a step at world size {to_world}", run.alive, poll_s=0.05)
-        except RuntimeError as exc:  # the run ended first (wait_until raises when it does)
-            log(f"ray-train {kind}: {exc}")
-        run.join(WAIT_S + steps, "Ray Train's fit()")
+            try:
+                warm = wait_until(lambda: reached(rank_events(folder), from_world, warmup_steps),
+                                  WAIT_S, f"{warmup_steps} steps at world size {from_world}",
+                                  run.alive, poll_s=0.05)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{exc}: fit() raised {run.error!r}") from run.error
+            if warm is None:
+                raise TimeoutError(f"Ray Train did not reach step {warmup_steps} at world size "
+                                   f"{from_world} within {WAIT_S:.0f}s")
+            t_event, what, victim = _resize_event(cluster, kind, folder, nodes, from_world)
+            log(f"ray-train {kind}: {what} at step {_last_step(folder)}")
+            try:
+                first = wait_until(lambda: first_step_at(rank_events(folder), to_world, t_event),
+                                   WAIT_S, f"a step at world size {to_world}", run.alive,
+                                   poll_s=0.05)
+                if first is not None:
+                    wait_until(lambda: reached(rank_events(folder), to_world,
+                                               first["step"] + after_steps),
+                               WAIT_S, f"{after_steps} more steps at world size {to_world}",
+                               run.alive, poll_s=0.05)
+            except RuntimeError as exc:  # the run ended first (wait_until raises when it does)
+                log(f"ray-train {kind}: {exc}")
+        finally:
+            # The steps samples_lost covers: up to the stop asked for, or (the run
+            # ended on its own: it failed) up to the newest step any rank traced.
+            stop = request_stop(folder) if run.alive() else _last_step(folder) + 1
+            run.join(WAIT_S, "Ray Train's fit()")
     if run.error is not None:
         log(f"ray-train {kind}: fit() raised {type(run.error).__name__}: {run.error}")
-    return analyse(folder, kind, from_world, to_world, steps, t_event, first, run.error, victim)
+    return analyse(folder, kind, from_world, to_world, stop, t_event, first, run.error, victim)
 
 
 def _resize_event(cluster: BenchCluster, kind: str, folder: Path, nodes: list[dict[str, Any]],
@@ -433,12 +534,12 @@ def main() -> None:
     from bench.harness import local_cluster
 
     with local_cluster(nodes=3, gpus=4, cpus=2) as cluster:
+        connect(cluster)
+        log(f"AutoscalingCoordinator tick {fast_coordinator()}s; settings {SETTINGS}")
         # Shrink first: its 3 -> 2 leaves the 2 worker nodes grow starts from.
-        # Steps: shrink trains none while it restarts; grow trains at 2 workers
-        # (~0.2 s a step here) until Ray Train notices the new node, up to ~22 s.
-        for kind, steps in (("shrink", 40), ("grow", 170)):
+        for kind in ("shrink", "grow"):
             t0 = time.monotonic()
-            res = ray_resize(cluster, kind, steps=steps)
+            res = ray_resize(cluster, kind)
             log(f"ray-train {kind} ({time.monotonic() - t0:.0f}s): {json.dumps(res)}")
 
 

@@ -51,10 +51,23 @@ METRICS: dict[str, dict[str, tuple[str, str, str]]] = {
                  "time_to_first_step_ratio": ("s", "lower", "ratio"),
                  "step_time_vs_raw": ("s", "lower", "ratio"),
                  "time_to_first_step_vs_raw": ("s", "lower", "ratio")},
+    "recovery": {"mttr_s": ("s", "lower", "ratio"), "mttr_s_warm_spares": ("s", "lower", "ratio"),
+                 "crash_detect_ms": ("ms", "lower", "ratio"), "steps_redone": ("steps", "lower", "ratio"),
+                 "hang_detect_s": ("s", "lower", "ratio")},
+    "resize": {"resize_s": ("s", "lower", "ratio"), "resize_shrink_s": ("s", "lower", "ratio"),
+               "resize_grow_s": ("s", "lower", "ratio"), "resize_decision_s": ("s", "lower", "ratio"),
+               "live_vs_restart_s": ("s", "lower", "ratio"), "samples_lost": ("samples", "lower", "ours")},
     "hf": {"tokenize_throughput": ("tokens/s", "higher", "ratio"),
            "tokenize_cache_hit_s": ("s", "lower", "ratio"),
            "hf_step_time_ratio": ("s", "lower", "ratio")},
 }
+
+# What a script's quick mode leaves out (the phases it skips to stay short).
+QUICK_SKIPS = {"recovery": {"mttr_s_warm_spares", "hang_detect_s"},
+               "resize": {"resize_shrink_s", "live_vs_restart_s"}}
+# Arguments `make bench` adds: recovery.py can also time checkpoint I/O, which
+# ckpt_io.py reports already.
+ARGS = {"recovery": ["--skip-ckpt-io"]}
 
 
 def run_script(script: str, stamp: str, out: Path, extra: list[str]) -> list[dict]:
@@ -74,8 +87,9 @@ def run_script(script: str, stamp: str, out: Path, extra: list[str]) -> list[dic
             print(f"[make bench] {script}: not a result line: {raw[:200]}", file=sys.stderr)
     seen = {ln.get("metric") for ln in lines}
     tail = " | ".join(log.read_text().strip().splitlines()[-3:])[-400:]
+    skipped = QUICK_SKIPS.get(script, set()) if "--quick" in extra else set()
     for metric, (unit, better, on) in METRICS[script].items():
-        if metric not in seen:
+        if metric not in seen and metric not in skipped:
             lines.append({"bench": script, "metric": metric, "unit": unit, "ours": None,
                           "baseline": None, "ratio": None, "target": None, "better": better,
                           "target_on": on, "error": f"bench/{script}.py exited {done.returncode} "
@@ -100,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     results = args.out / f"{stamp}.jsonl"
     lines: list[dict] = []
     for script in scripts:
-        got = run_script(script, stamp, args.out, ["--quick"] if args.quick else [])
+        got = run_script(script, stamp, args.out,
+                         ARGS.get(script, []) + (["--quick"] if args.quick else []))
         lines += got
         with results.open("a") as f:
             for ln in got:

@@ -50,10 +50,15 @@ def use_cluster_token(address: str | None = None) -> bool:
 def _refresh_ray_config() -> None:
     """Ray caches its configuration, the auth mode in it, once loaded: a token
     variable set after that counts only once it is read again (Ray's `ray start`
-    does the same after turning token mode on)."""
-    from ray._raylet import Config
+    does the same after turning token mode on). It also caches the token it read:
+    after `ray.shutdown()` a process joining another cluster (a benchmark's next
+    stack) would present the previous one, so that cache is dropped too."""
+    from ray import _raylet
 
-    Config.initialize("")
+    _raylet.Config.initialize("")
+    loader = getattr(_raylet, "AuthenticationTokenLoader", None)
+    if loader is not None:
+        loader.instance().reset_cache()
 
 
 def connect(address: str | None, namespace: str = RAY_NAMESPACE, **kwargs: Any) -> None:
