@@ -15,8 +15,7 @@ About 25 s on 2 cores, most of it the cluster coming up.
 from __future__ import annotations
 
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from bench.placement_sim import (  # noqa: E402
     ray_train_ranks,
     schedule_pg,
 )
+from tests.integration.conftest import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -42,17 +42,6 @@ GPUS = (8, 8, 6, 4)
 CPUS = (4, 2, 4, 3)
 HEAD_CPUS = 1
 DEADLINE_S = 60.0
-
-
-def wait_for(fn: Callable[[], Any], what: str, timeout: float = DEADLINE_S) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 @dataclass
@@ -77,7 +66,7 @@ class FakeCluster:
 
     def settle(self, busy: dict[int, tuple[int, int]]) -> dict[str, dict[str, float]]:
         want = self.expected(busy)
-        wait_for(lambda: self.view() == want, f"the GCS to see {want}")
+        wait_for(lambda: self.view() == want, DEADLINE_S, f"the GCS to see {want}", interval=0.05)
         return want
 
 
