@@ -204,18 +204,7 @@ class Runs:
 def settle(quick: bool) -> None:
     """Between runs: the previous run's Ray resources released and, except in quick
     mode (a smoke test whose numbers mean nothing), the CPUs quiet."""
-    if not quick:
-        harness.settle()
-        return
-    import ray
-
-    deadline = time.monotonic() + 30
-    total = ray.cluster_resources()
-    while time.monotonic() < deadline:
-        free = ray.available_resources()
-        if all(free.get(k, 0) >= total.get(k, 0) for k in ("CPU", "GPU")):
-            return
-        time.sleep(0.2)
+    harness.settle(quiet=not quick)
 
 
 def compare(res: Results, metric: str, unit: str, target: float | None, ours: Runs,

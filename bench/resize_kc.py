@@ -70,6 +70,22 @@ def _at(client: Client, job_id: str, replicas: int, step: int) -> dict | None:
                    and job["progress"]["step"] >= step) else None
 
 
+def _settled(client: Client, jid: str, size: int, t_event: float, what: str,
+             event: str) -> dict[str, Any]:
+    """The resize entry to `size` replicas after the event at `t_event`, timed; then wait
+    until the job trains on at that size (a checkpoint interval further)."""
+    entry = wait_until(lambda: _entry_to(client, jid, size, t_event), WAIT_S,
+                       f"a step at {size} replicas")
+    if entry is None:
+        raise TimeoutError(f"no step at {size} replicas within {WAIT_S:.0f}s of {event}")
+    times = _times(entry, t_event)
+    log(f"{what}: {times}")
+    step = client.get(jid)["progress"]["step"]
+    wait_until(lambda: _at(client, jid, size, step + CKPT_EVERY), WAIT_S,
+               f"training at {size} replicas")
+    return times
+
+
 def kc_resize(cluster: BenchCluster, mode: str, warmup_steps: int = CKPT_EVERY + 2,
               events: tuple[str, ...] = ("shrink", "grow"),
               out: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -95,29 +111,13 @@ def kc_resize(cluster: BenchCluster, mode: str, warmup_steps: int = CKPT_EVERY +
             t_kill = kill_node(victim["node_id"])
             log(f"kc {mode}: SIGKILL raylet of {victim['node']} at step {running['progress']['step']}")
             size -= 1
-            shrink = wait_until(lambda: _entry_to(client, jid, size, t_kill), WAIT_S,
-                                f"a step at {size} replicas")
-            if shrink is None:
-                raise TimeoutError(f"no step at {size} replicas within {WAIT_S:.0f}s of the kill")
-            out["shrink"] = _times(shrink, t_kill)
-            log(f"kc {mode} shrink: {out['shrink']}")
-            step = client.get(jid)["progress"]["step"]
-            wait_until(lambda: _at(client, jid, size, step + CKPT_EVERY), WAIT_S,
-                       f"training at {size} replicas")
+            out["shrink"] = _settled(client, jid, size, t_kill, f"kc {mode} shrink", "the kill")
         if "grow" in events:
             name = f"node-{len(leaf_nodes(alive=False))}"
             _, t_join = add_node(cluster, name, cpus=int(leaf_nodes()[0]["Resources"]["CPU"]),
                                  gpus=gpus)
             size += 1
-            grow = wait_until(lambda: _entry_to(client, jid, size, t_join), WAIT_S,
-                              f"a step at {size} replicas")
-            if grow is None:
-                raise TimeoutError(f"no step at {size} replicas within {WAIT_S:.0f}s of the join")
-            out["grow"] = _times(grow, t_join)
-            log(f"kc {mode} grow: {out['grow']}")
-            step = client.get(jid)["progress"]["step"]
-            wait_until(lambda: _at(client, jid, size, step + CKPT_EVERY), WAIT_S,
-                       f"training at {size} replicas")
+            out["grow"] = _settled(client, jid, size, t_join, f"kc {mode} grow", "the join")
         out.update(audit_samples(client, jid))
         final = client.get(jid)
         out["restarts"] = final["restarts"]
