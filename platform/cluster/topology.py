@@ -9,6 +9,10 @@ labels on a real cluster. Both become the same `NodeInfo` values. Label scheme
     kc.io/spine   spine switch (optional)
     kc.io/nvlink  NVLink islands: GPU ids joined by '.', islands by '_'
                   ('0.1.2.3_4.5.6.7'), or 'full' for an NVSwitch node
+    kc.io/gpu-type          the GPUs' catalogue type (platform/cluster/hardware.py),
+                            e.g. h100-80gb; one type per node
+    kc.io/emulated-speed    fake clusters only: the node's ranks run at this
+                            fraction of full speed (workers/parallel/emulation.py)
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ LABEL_LEAF = "kc.io/leaf"
 LABEL_SPINE = "kc.io/spine"
 LABEL_NVLINK = "kc.io/nvlink"
 LABEL_ROLE = "kc.io/role"
+LABEL_GPU_TYPE = "kc.io/gpu-type"
+LABEL_EMULATED_SPEED = "kc.io/emulated-speed"
 # One Ray custom resource per physical GPU (`kc_gpu_3`), so a placement group
 # bundle can ask for exactly the GPU ids the plan chose; Ray's own GPU resource
 # only counts GPUs and hands out whichever ids are free.
@@ -52,6 +58,11 @@ class NodeInfo:
         pinned_gpus: Whether the node has one `kc_gpu_N` resource per GPU.
         accelerator: The GPU model Ray detected (its `accelerator_type:X`
             resource, e.g. `H100`), or None (no GPUs, or fake ones).
+        gpu_type: The GPUs' catalogue type (`h100-80gb`): the node's label, else
+            what Ray detected, mapped to the catalogue; None when unknown.
+        emulated_speed: Fake clusters only: the fraction of full speed the node's
+            ranks run at (after each forward and backward a rank sleeps
+            `(1/s - 1)` times the CPU time it took). None: full speed.
     """
 
     name: str
@@ -64,19 +75,26 @@ class NodeInfo:
     alive: bool = True
     pinned_gpus: bool = False
     accelerator: str | None = None
+    gpu_type: str | None = None
+    emulated_speed: float | None = None
 
     def labels(self) -> dict[str, str]:
         out = {LABEL_NODE: self.name, LABEL_LEAF: self.leaf,
                LABEL_NVLINK: encode_islands(self.islands, self.gpus)}
         if self.spine:
             out[LABEL_SPINE] = self.spine
+        if self.gpu_type:
+            out[LABEL_GPU_TYPE] = self.gpu_type
+        if self.emulated_speed is not None:
+            out[LABEL_EMULATED_SPEED] = f"{self.emulated_speed:g}"
         return out
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "node_id": self.node_id, "gpus": self.gpus,
                 "nvlink": [list(i) for i in self.islands], "leaf": self.leaf,
                 "spine": self.spine, "cpus": self.cpus, "alive": self.alive,
-                "pinned_gpus": self.pinned_gpus, "accelerator": self.accelerator}
+                "pinned_gpus": self.pinned_gpus, "accelerator": self.accelerator,
+                "gpu_type": self.gpu_type, "emulated_speed": self.emulated_speed}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> NodeInfo:
@@ -86,7 +104,10 @@ class NodeInfo:
                    leaf=str(d.get("leaf") or "default"), spine=d.get("spine"),
                    cpus=float(d.get("cpus") or 0.0), node_id=str(d.get("node_id") or ""),
                    alive=bool(d.get("alive", True)), pinned_gpus=bool(d.get("pinned_gpus")),
-                   accelerator=d.get("accelerator") or None)
+                   accelerator=d.get("accelerator") or None,
+                   gpu_type=d.get("gpu_type") or None,
+                   emulated_speed=(float(d["emulated_speed"])
+                                   if d.get("emulated_speed") is not None else None))
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from kuangchao.platform.spec.parallel import (
     parallel_errors,
     trainer_collectives,
 )
+from kuangchao.platform.spec.resources import ResourcesSection
 
 PRIORITY_NAMES = {"high": 100, "normal": 50, "low": 10}
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
@@ -157,6 +158,7 @@ class JobSpec(_Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     parallel: ParallelSection = ParallelSection()
+    resources: ResourcesSection = ResourcesSection()
     optimizer: OptimizerSection = OptimizerSection()
     training: TrainingSection = TrainingSection()
     checkpoint: CheckpointSection = CheckpointSection()
