@@ -58,6 +58,18 @@ def head_node_id(ray_nodes: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def current_nodes(store=None, raw: list[dict[str, Any]] | None = None) -> tuple[NodeInfo, ...]:
+    """The node view as the scheduler sees it (Ray's nodes, the probe's spines),
+    without publishing it: the job controller reads each rank's GPU type and
+    emulated speed from it."""
+    import ray
+
+    nodes = nodes_from_ray(ray.nodes() if raw is None else raw)
+    if store is not None:
+        nodes = apply_probe(nodes, store.info("probe"))
+    return nodes
+
+
 class Registry:
     """Keeps the node view current. Hosted by a Ray actor; reads `ray.nodes()`."""
 
@@ -68,9 +80,8 @@ class Registry:
         import ray
 
         raw = ray.nodes()
-        nodes = nodes_from_ray(raw)
+        nodes = current_nodes(self.store, raw)
         if self.store is not None:
-            nodes = apply_probe(nodes, self.store.info("probe"))
             # `ips` beside the node list: the API's node route shows `nodes` only.
             self.store.set_info("nodes", {"nodes": [n.to_json() for n in nodes],
                                           "ips": node_ips(raw), "updated_at": time.time()})
