@@ -54,7 +54,9 @@ def test_every_bench_script_is_covered():
     runnable = {p.stem for p in (ROOT / "bench").glob("*.py") if "__main__" in p.read_text()}
     helpers = {"api_load", "heartbeats_sim", "hf_rt", "hf_tokenize", "overhead_raw",
                "placement_sim", "recovery_common", "recovery_kc", "recovery_ray", "recovery_rt",
-               "resize_common", "resize_kc", "resize_rt", "harness", "run_all", "check"}
+               "resize_common", "resize_kc", "resize_rt", "harness", "run_all", "check",
+               # a pass/fail check of the CUDA and NCCL paths, run on a GPU machine only
+               "gpu_check"}
     assert runnable - helpers == set(METRICS), "a bench script without a quick-mode test"
 
 
