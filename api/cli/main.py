@@ -20,13 +20,13 @@ from kuangchao.api.cli.common import Json, call, client, fail
 from kuangchao.api.cli.debug import debug_app, profile
 from kuangchao.api.cli.deploy import control_plane_app
 from kuangchao.api.cli.following import TrainProgress, follow
+from kuangchao.api.cli.nodes import node_app, nodes
 from kuangchao.api.cli.plan import plan_command
 from kuangchao.api.cli.render import (
     print_events,
     print_job,
     print_jobs,
     print_log_lines,
-    print_nodes,
     print_plan,
     print_queues,
     terminal_safe,
@@ -152,12 +152,10 @@ def logs(job_id: str,
         time.sleep(1.0)
 
 
-node_app = typer.Typer(help="Manage this machine as a node of a cluster.", no_args_is_help=True)
-app.add_typer(node_app, name="node")
-
-
 topology_app = typer.Typer(help="Measure the cluster's network.", no_args_is_help=True)
 app.add_typer(topology_app, name="topology")
+app.add_typer(node_app, name="node")
+app.command()(nodes)
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(admin_app, name="admin")
 app.command()(audit)
@@ -196,56 +194,6 @@ def topology_probe(size_mb: Annotated[float, typer.Option(help="Payload per tran
         return
     for p in result["pairs"]:
         typer.echo(f"{p['a']:<14} {p['b']:<14} {p['latency_us']:>9.1f} us {p['bandwidth_gbps']:>8.2f} Gbit/s")
-
-
-@app.command()
-def nodes(as_json: Json = False) -> None:
-    """Show the nodes: topology, liveness, and the GPUs jobs hold on each."""
-    data = call(client().nodes)
-    typer.echo(json.dumps(data)) if as_json else print_nodes(data)
-
-
-@node_app.command("join")
-def node_join(address: Annotated[str, typer.Option(help="Ray head address, host:port.")],
-              leaf: Annotated[str, typer.Option(help="Leaf switch this node hangs off.")],
-              name: Annotated[str | None, typer.Option(help="Node name (default: hostname).")] = None,
-              spine: Annotated[str | None, typer.Option(help="Spine switch.")] = None,
-              gpus: Annotated[int | None, typer.Option(help="GPUs, when nvidia-smi is absent.")] = None,
-              nvlink: Annotated[str | None, typer.Option(
-                  help="NVLink islands when nvidia-smi is absent: '0.1.2.3_4.5.6.7' or 'full'.")] = None,
-              cpus: Annotated[int | None, typer.Option(help="CPUs to offer.")] = None,
-              ray_arg: Annotated[list[str] | None, typer.Option(
-                  "--ray-arg", help="Passed to `ray start` as it is, e.g. "
-                                    "--ray-arg=--dashboard-agent-listen-port=52366.")] = None,
-              block: Annotated[bool, typer.Option(
-                  "--block", help="Run the raylet in the foreground, as this process (a "
-                                  "container's main process).")] = False,
-              as_json: Json = False) -> None:
-    """Join this machine to a cluster as a raylet with kuangchao's topology labels."""
-    import socket
-
-    from kuangchao.platform.cluster.nodejoin import JoinOptions, join
-    from kuangchao.platform.runtime.ray_connect import use_cluster_token
-
-    use_cluster_token(address)  # joining the local stack: its Ray token (a deployment sets its own)
-
-    try:
-        node = join(JoinOptions(address=address, name=name or socket.gethostname(), leaf=leaf,
-                                spine=spine, gpus=gpus, nvlink=nvlink, cpus=cpus,
-                                extra=tuple(ray_arg or ())), block=block)
-    except KuangchaoError as exc:
-        fail(exc.message)
-    typer.echo(json.dumps(node.to_json()) if as_json else
-               f"{node.name} joined {address}: {node.gpus} GPU(s), islands "
-               f"{[list(i) for i in node.islands]}, leaf {node.leaf}")
-
-
-@node_app.command("release")
-def node_release(name: Annotated[str, typer.Argument(help="The quarantined node.")],
-                 as_json: Json = False) -> None:
-    """End a node's quarantine early, once it has been repaired."""
-    out = call(client().release_node, name)
-    typer.echo(json.dumps(out) if as_json else f"{name} released from quarantine")
 
 
 @app.command()

@@ -134,9 +134,33 @@ def plan_line(plan: dict[str, Any], measured: Any) -> str:
             f"zero={plan.get('zero_stage')} "
             + (f"hsdp={plan['shard_group_size']} " if plan.get("shard_group_size") else "")
             + f"recompute={'on' if plan.get('recompute') else 'off'} "
-            f"schedule={sched} on {plan.get('gpus')} x {plan.get('gpu')}, "
+            f"schedule={sched} on {_plan_pools(plan)}, "
             f"{plan.get('memory_gb_per_gpu')} GB/GPU: predicted {_secs(plan.get('predicted_step_s'))} "
-            f"s/step, measured {_secs(measured)} s/step")
+            f"s/step{_plan_split(plan)}, measured {_secs(measured)} s/step")
+
+
+def _mixed(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    pools = plan.get("pools")
+    return pools if isinstance(pools, list) and len(pools) > 1 else []
+
+
+def _plan_pools(plan: dict[str, Any]) -> str:
+    """`16 x h100-80gb`, or a mix's pools with each type's share of the global batch."""
+    pools = _mixed(plan)
+    if not pools:
+        return f"{plan.get('gpus')} x {plan.get('gpu')}"
+    def share(p: dict[str, Any]) -> str:
+        v = p.get("share")
+        return f"{v:.0%}" if isinstance(v, int | float) else "?"
+
+    return " + ".join(f"{p.get('gpus')} x {p.get('gpu')} ({share(p)} of the batch)" for p in pools)
+
+
+def _plan_split(plan: dict[str, Any]) -> str:
+    """A mix's balanced and even predictions side by side."""
+    if not _mixed(plan):
+        return ""
+    return f" (balanced {_secs(plan.get('balanced_step_s'))} s vs even {_secs(plan.get('even_step_s'))} s)"
 
 
 def restart_timings(r: dict[str, Any]) -> str:
@@ -199,18 +223,34 @@ def print_queues(data: dict[str, Any]) -> None:
                    f"{q['running']:>8} {q['queued']:>7}")
 
 
+def _gpu_type(n: dict[str, Any]) -> str:
+    """`h100-80gb`, `a100-80gb@0.5x` (emulated at half speed), `-` (unknown);
+    `*` marks a value `kc node set` overrode."""
+    text = n.get("gpu_type") or "-"
+    if n.get("emulated_speed") is not None:
+        text += f"@{n['emulated_speed']:g}x"
+    return text + ("*" if n.get("overrides") else "")
+
+
 def print_nodes(data: dict[str, Any]) -> None:
     say(f"{'NODE':<14} {'LEAF':<10} {'SPINE':<10} {'STATUS':<12} {'GPUS':>4} {'FREE':>4}  "
-               f"{'NVLINK':<20} JOBS")
-    quarantined = []
+               f"{'TYPE':<16} {'NVLINK':<20} JOBS")
+    quarantined, overridden = [], False
     for n in data["nodes"]:
         islands = "_".join(".".join(map(str, i)) for i in n["nvlink"]) or "-"
         status = "lost" if not n["alive"] else "quarantined" if n.get("quarantine") else "ready"
         if n.get("quarantine"):
             quarantined.append(n)
+        overridden = overridden or bool(n.get("overrides"))
         say(f"{n['name']:<14} {n['leaf']:<10} {n['spine'] or '-':<10} "
                    f"{status:<12} {n['gpus']:>4} {n['free_gpus']:>4}  "
-                   f"{islands:<20} {', '.join(n['jobs']) or '-'}")
+                   f"{_gpu_type(n):<16} {islands:<20} {', '.join(n['jobs']) or '-'}")
+    if overridden:
+        say("\n* overridden with `kc node set` (its --clear-gpu-type and --clear-emulated-speed "
+            "drop an override)")
+    for n in data["nodes"]:
+        for problem in n.get("problems") or ():
+            say(f"\n{n['name']}: {problem}")
     for n in quarantined:
         q = n["quarantine"]
         until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(q["until"]))

@@ -37,6 +37,7 @@ the results to `calibrated()`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -181,3 +182,80 @@ def calibrated(acc: Accelerator, peak_flops: float | None = None,
         if value is not None:
             changes[key] = value
     return replace(acc, **changes)
+
+
+# --- GPU types: the catalogue's keys as a node's `gpu_type` -----------------------
+
+def gpu_types() -> list[str]:
+    """The catalogue's GPU types, sorted: every key but `cpu`, which is no GPU."""
+    return sorted(k for k in CATALOG if k != "cpu")
+
+
+def gpu_type_key(name: str) -> str:
+    """`name` as a catalogue GPU type (case-insensitive, surrounding blanks ignored).
+
+    Raises:
+        ValueError: For a name that is no GPU type; the message lists the known ones.
+    """
+    key = str(name).strip().lower()
+    if key not in CATALOG or key == "cpu":
+        raise ValueError(f"{name!r} is not a GPU type in the catalogue; known types: "
+                         f"{', '.join(gpu_types())}")
+    return key
+
+
+def speed_of(gpu_type: str) -> float:
+    """The FLOP/s a GPU of this type achieves on training GEMMs, `peak_flops x
+    mfu_ceiling`: what work is balanced by. A data-sheet peak alone would
+    overrate Hopper against Ampere (it reaches a smaller fraction of its peak).
+
+    Raises:
+        ValueError: For a type the catalogue does not have.
+    """
+    acc = get_accelerator(gpu_type)
+    return acc.peak_flops * acc.mfu_ceiling
+
+
+# Ray's accelerator names (its `accelerator_type:X` resource). Ray derives them
+# from the product name and drops the memory, so a plain "A100" may be either
+# size and maps to nothing; "A100-40G"/"A100-80G" are the names an operator adds
+# by hand. Ray names the H100's SXM, PCIe and NVL parts alike; the catalogue's
+# entry is the SXM part, the common one in training clusters. A node whose GPUs
+# are another part says so with its `kc.io/gpu-type` label (`kc node join`
+# reads the exact product from nvidia-smi), which wins over Ray's name.
+_RAY_NAMES = {"A100-40G": "a100-40gb", "A100-80G": "a100-80gb", "H100": "h100-80gb",
+              "H200": "h200-141gb"}
+
+
+def gpu_type_from_ray(accelerator_type: str | None) -> str | None:
+    """The catalogue type for Ray's detected accelerator name; None when the name is
+    unknown or does not tell the type (e.g. "A100": 40 or 80 GB)."""
+    if not accelerator_type:
+        return None
+    return _RAY_NAMES.get(accelerator_type.strip().upper())
+
+
+# Product family -> (type, the memory nvidia-smi reports for it, GiB, low..high).
+# The memory check keeps a part the catalogue does not describe (the H100 NVL's
+# 94 GB, a GH200) from passing as its namesake.
+_PRODUCTS = {"A100": (("a100-40gb", 36, 44), ("a100-80gb", 72, 88)),
+             "H100": (("h100-80gb", 72, 88),),
+             "H200": (("h200-141gb", 128, 144),)}
+# The PCIe and NVL parts of Hopper run at lower clocks and power than the SXM
+# parts the catalogue's figures are for; the A100's PCIe part has the SXM's peak.
+_SLOWER_PARTS = {"H100": {"PCIE", "NVL"}, "H200": {"NVL"}}
+
+
+def gpu_type_from_product(name: str, memory_mib: int | float) -> str | None:
+    """The catalogue type for nvidia-smi's product name and total memory (MiB),
+    e.g. ("NVIDIA H100 80GB HBM3", 81559) -> "h100-80gb"; None for a product the
+    catalogue does not describe."""
+    words = set(re.split(r"[\s_-]+", str(name).upper()))
+    gib = float(memory_mib) / 1024
+    for family, sizes in _PRODUCTS.items():
+        if family not in words:
+            continue
+        if words & _SLOWER_PARTS.get(family, set()):
+            return None
+        return next((key for key, low, high in sizes if low <= gib <= high), None)
+    return None

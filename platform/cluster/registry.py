@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kuangchao.platform.cluster.hardware import gpu_type_from_ray
+from kuangchao.platform.cluster.overrides import OVERRIDES_INFO, apply_overrides
 from kuangchao.platform.cluster.probe import apply_probe
 from kuangchao.platform.cluster.topology import LABEL_ROLE, NodeInfo, gpu_resource, node_from_labels
 
@@ -30,8 +32,11 @@ def nodes_from_ray(ray_nodes: list[dict[str, Any]]) -> tuple[NodeInfo, ...]:
             continue
         res = n.get("Resources") or {}
         gpus = int(res.get("GPU", 0))
-        # Ray adds `accelerator_type:H100` (say) where it detected real GPUs.
-        kinds = sorted(k.partition(":")[2] for k in res if k.startswith(ACCELERATOR_PREFIX))
+        # Ray adds `accelerator_type:H100` (say) where it detected real GPUs; an
+        # operator may add a more exact one by hand (`A100-80G` beside `A100`),
+        # which is the one that tells the catalogue type.
+        kinds = sorted((k.partition(":")[2] for k in res if k.startswith(ACCELERATOR_PREFIX)),
+                       key=lambda kind: (gpu_type_from_ray(kind) is None, kind))
         out.append(node_from_labels(
             node_id=n["NodeID"], labels=labels, gpus=gpus,
             cpus=float(res.get("CPU", 0)), alive=bool(n.get("Alive", False)),
@@ -59,14 +64,17 @@ def head_node_id(ray_nodes: list[dict[str, Any]]) -> str | None:
 
 
 def current_nodes(store=None, raw: list[dict[str, Any]] | None = None) -> tuple[NodeInfo, ...]:
-    """The node view as the scheduler sees it (Ray's nodes, the probe's spines),
-    without publishing it: the job controller reads each rank's GPU type and
-    emulated speed from it."""
-    import ray
+    """The node view as the scheduler sees it (Ray's nodes, the probe's spines,
+    the operator's overrides of GPU type and emulated speed), without publishing
+    it: the job controller reads each rank's GPU type and emulated speed from it."""
+    if raw is None:
+        import ray
 
-    nodes = nodes_from_ray(ray.nodes() if raw is None else raw)
+        raw = ray.nodes()
+    nodes = nodes_from_ray(raw)
     if store is not None:
         nodes = apply_probe(nodes, store.info("probe"))
+        nodes = apply_overrides(nodes, store.info(OVERRIDES_INFO))
     return nodes
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from kuangchao.platform.cluster.hardware import gpu_type_from_ray, gpu_type_key
 from kuangchao.platform.errors import TopologyError
 
 LABEL_NODE = "kc.io/node"
@@ -58,11 +59,14 @@ class NodeInfo:
         pinned_gpus: Whether the node has one `kc_gpu_N` resource per GPU.
         accelerator: The GPU model Ray detected (its `accelerator_type:X`
             resource, e.g. `H100`), or None (no GPUs, or fake ones).
-        gpu_type: The GPUs' catalogue type (`h100-80gb`): the node's label, else
-            what Ray detected, mapped to the catalogue; None when unknown.
+        gpu_type: The GPUs' catalogue type (`h100-80gb`): an operator's override
+            (overrides.py), else the node's label, else what Ray detected, mapped
+            to the catalogue; None when unknown.
         emulated_speed: Fake clusters only: the fraction of full speed the node's
             ranks run at (after each forward and backward a rank sleeps
             `(1/s - 1)` times the CPU time it took). None: full speed.
+        problems: What the registry left out of this entry and why (a malformed
+            label, an emulated speed on real GPUs), for the node view.
     """
 
     name: str
@@ -77,6 +81,7 @@ class NodeInfo:
     accelerator: str | None = None
     gpu_type: str | None = None
     emulated_speed: float | None = None
+    problems: tuple[str, ...] = ()
 
     def labels(self) -> dict[str, str]:
         out = {LABEL_NODE: self.name, LABEL_LEAF: self.leaf,
@@ -94,7 +99,8 @@ class NodeInfo:
                 "nvlink": [list(i) for i in self.islands], "leaf": self.leaf,
                 "spine": self.spine, "cpus": self.cpus, "alive": self.alive,
                 "pinned_gpus": self.pinned_gpus, "accelerator": self.accelerator,
-                "gpu_type": self.gpu_type, "emulated_speed": self.emulated_speed}
+                "gpu_type": self.gpu_type, "emulated_speed": self.emulated_speed,
+                "problems": list(self.problems)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> NodeInfo:
@@ -107,7 +113,8 @@ class NodeInfo:
                    accelerator=d.get("accelerator") or None,
                    gpu_type=d.get("gpu_type") or None,
                    emulated_speed=(float(d["emulated_speed"])
-                                   if d.get("emulated_speed") is not None else None))
+                                   if d.get("emulated_speed") is not None else None),
+                   problems=tuple(str(p) for p in d.get("problems") or ()))
 
 
 @dataclass(frozen=True)
@@ -154,11 +161,45 @@ def _check_islands(islands: tuple[tuple[int, ...], ...], gpus: int, where: str) 
         )
 
 
+def emulated_speed_value(value: Any) -> float:
+    """`value` as an emulated speed: a number in (0, 1], the fraction of full speed.
+
+    Raises:
+        ValueError: Saying what is allowed.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ValueError(f"must be a number in (0, 1], the fraction of full speed the node's "
+                         f"ranks run at (0.5: half speed), got {value!r}")
+    return float(value)
+
+
+def _gpu_fields(where: str, raw: dict[str, Any], gpus: int) -> tuple[str | None, float | None]:
+    """A YAML node's `gpu_type` and `emulated_speed`, checked."""
+    gpu_type, speed = raw.get("gpu_type"), raw.get("emulated_speed")
+    if gpu_type is not None:
+        if not gpus:
+            raise TopologyError(f"{where}.gpu_type: the node has no GPUs; drop gpu_type or set gpus")
+        try:
+            gpu_type = gpu_type_key(gpu_type)
+        except ValueError as exc:
+            raise TopologyError(f"{where}.gpu_type: {exc}") from None
+    if speed is not None:
+        if not gpus:
+            raise TopologyError(f"{where}.emulated_speed: the node has no GPUs whose ranks "
+                                "could be slowed; drop emulated_speed or set gpus")
+        try:
+            speed = emulated_speed_value(speed)
+        except ValueError as exc:
+            raise TopologyError(f"{where}.emulated_speed: {exc}") from None
+    return gpu_type, speed
+
+
 def _node_from_yaml(i: int, raw: Any) -> NodeInfo:
     where = f"nodes[{i}]"
     if not isinstance(raw, dict):
         raise TopologyError(f"{where}: must be a mapping with name, gpus, nvlink, leaf")
-    unknown = set(raw) - {"name", "gpus", "nvlink", "leaf", "spine", "cpus"}
+    unknown = set(raw) - {"name", "gpus", "nvlink", "leaf", "spine", "cpus", "gpu_type",
+                          "emulated_speed"}
     if unknown:
         raise TopologyError(f"{where}: unknown field(s) {sorted(unknown)}")
     gpus = raw.get("gpus", 0)
@@ -177,8 +218,10 @@ def _node_from_yaml(i: int, raw: Any) -> NodeInfo:
     if not leaf:
         raise TopologyError(f"{where}.leaf: every node needs a leaf switch name")
     cpus = raw.get("cpus", max(gpus, 1))
+    gpu_type, speed = _gpu_fields(where, raw, gpus)
     return NodeInfo(name=name, gpus=gpus, islands=islands, leaf=str(leaf),
-                    spine=raw.get("spine"), cpus=float(cpus))
+                    spine=raw.get("spine"), cpus=float(cpus), gpu_type=gpu_type,
+                    emulated_speed=speed)
 
 
 def load_topology(path: str | Path) -> ClusterTopology:
@@ -206,9 +249,16 @@ def load_topology(path: str | Path) -> ClusterTopology:
 def node_from_labels(node_id: str, labels: dict[str, str], gpus: int, cpus: float,
                      alive: bool, pinned_gpus: bool = False,
                      accelerator: str | None = None) -> NodeInfo:
-    """Build a `NodeInfo` from a Ray node's labels and resources."""
+    """Build a `NodeInfo` from a Ray node's labels and resources.
+
+    The GPU type is the `kc.io/gpu-type` label, else Ray's detected accelerator
+    mapped to the catalogue. A label the registry cannot use is left out and
+    named in `problems`, never fatal: one bad node must not hide the others.
+    """
+    name = labels.get(LABEL_NODE) or node_id[:12]
+    gpu_type, speed, problems = _typed(name, labels, gpus, accelerator)
     return NodeInfo(
-        name=labels.get(LABEL_NODE) or node_id[:12],
+        name=name,
         gpus=gpus,
         islands=decode_islands(labels.get(LABEL_NVLINK), gpus),
         leaf=labels.get(LABEL_LEAF, "default"),
@@ -218,4 +268,41 @@ def node_from_labels(node_id: str, labels: dict[str, str], gpus: int, cpus: floa
         alive=alive,
         pinned_gpus=pinned_gpus,
         accelerator=accelerator,
+        gpu_type=gpu_type,
+        emulated_speed=speed,
+        problems=tuple(problems),
     )
+
+
+def _typed(name: str, labels: dict[str, str], gpus: int,
+           accelerator: str | None) -> tuple[str | None, float | None, list[str]]:
+    problems: list[str] = []
+    detected = gpu_type_from_ray(accelerator)
+    gpu_type = detected
+    if labels.get(LABEL_GPU_TYPE):
+        try:
+            gpu_type = gpu_type_key(labels[LABEL_GPU_TYPE])
+        except ValueError as exc:
+            problems.append(f"label {LABEL_GPU_TYPE} ignored: {exc}")
+    if detected and gpu_type != detected:
+        problems.append(f"label {LABEL_GPU_TYPE}={gpu_type} although Ray detected {accelerator}; "
+                        "the label is used")
+    speed = None
+    raw = labels.get(LABEL_EMULATED_SPEED)
+    if raw:
+        try:
+            speed = emulated_speed_value(float(raw))
+        except ValueError as exc:
+            problems.append(f"label {LABEL_EMULATED_SPEED} ignored: {exc}")
+        if speed is not None and (accelerator or not gpus):
+            problems.append(emulation_refused(name, accelerator) + "; its label is ignored")
+            speed = None
+    return gpu_type, speed, problems
+
+
+def emulation_refused(name: str, accelerator: str | None) -> str:
+    """Why node `name` runs at full speed whatever its emulated speed says."""
+    if accelerator:
+        return (f"emulated_speed: node {name} has real GPUs ({accelerator} detected); "
+                "emulation is for fake clusters only")
+    return f"emulated_speed: node {name} has no GPUs whose ranks could be slowed"

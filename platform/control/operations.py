@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao.platform.cluster import quarantine
+from kuangchao.platform.cluster.overrides import OVERRIDES_INFO
+from kuangchao.platform.cluster.overrides import stored as stored_overrides
 from kuangchao.platform.cluster.topology import ClusterTopology
 from kuangchao.platform.errors import InvalidTransition, SpecError
 from kuangchao.platform.jobs import state as lifecycle
@@ -273,8 +275,11 @@ def node_view(store: JobStore, sees: Callable[[str], bool] = lambda _tenant: Tru
 
     `gpu_map` says, per GPU, which job and rank use it. A job whose tenant the
     caller may not see (`sees(tenant)` false) shows as `hidden`, without its id.
+    `overrides` is what `kc node set` stored for the node (the registry's entry
+    already has it applied), so an operator sees which values are theirs.
     """
     info = store.info("nodes") or {"nodes": []}
+    overrides = stored_overrides(store.info(OVERRIDES_INFO))
     holders: dict[str, dict[int, tuple[JobRecord, int]]] = {}
     for job in store.list_active():
         if job.state.holds_resources:
@@ -294,5 +299,6 @@ def node_view(store: JobStore, sees: Callable[[str], bool] = lambda _tenant: Tru
                             "hidden": job is not None and not shown})
         nodes.append({**n, "used_gpus": sorted(held), "free_gpus": n["gpus"] - len(held),
                       "jobs": sorted({j.id for j, _ in held.values() if sees(j.tenant)}),
-                      "gpu_map": gpu_map, "quarantine": blocked.get(n["name"])})
+                      "gpu_map": gpu_map, "quarantine": blocked.get(n["name"]),
+                      "overrides": overrides.get(n["name"])})
     return {"nodes": nodes, "updated_at": info.get("updated_at")}

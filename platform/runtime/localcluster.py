@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kuangchao.platform.cluster.detect import query_gpus, refuse_emulation
 from kuangchao.platform.cluster.topology import load_topology
 from kuangchao.platform.errors import ClusterError
 from kuangchao.platform.jobs.redis_client import connect, redact
@@ -73,6 +74,7 @@ def up(opts: UpOptions) -> dict[str, Any]:
     if read_cluster_state():
         down()  # a stale record from a crashed run: clear it before starting anew
     topo = load_topology(opts.cluster)
+    refuse_emulation(topo.nodes, query_gpus())
     queues = load_queues(opts.queues) if opts.queues else QueueTable()
     for port, what, flag in ((opts.api_port, "API", "--api-port"),
                              (opts.dashboard_port, "Ray dashboard", "--dashboard-port")):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from kuangchao.api.server.schemas.common import Number, Passthrough, Public
 
@@ -29,6 +29,14 @@ class QuarantinePublic(Passthrough):
     node_id: str | None = None
 
 
+class NodeOverrides(Public):
+    """An operator's override of a node's GPU type and emulated speed; an absent key
+    is not overridden."""
+
+    gpu_type: str | None = None
+    emulated_speed: Number | None = None
+
+
 class NodePublic(Passthrough):
     """One node: the registry's entry (`NodeInfo.to_json`) and the GPUs active
     jobs hold on it. The entry is the registry's document, stored as it wrote
@@ -43,17 +51,43 @@ class NodePublic(Passthrough):
     cpus: Number | None = None
     alive: bool | None = None
     pinned_gpus: bool | None = None
-    accelerator: str | None = None
+    accelerator: str | None = Field(None, description="the GPU model Ray detected; null: none "
+                                                      "or fake GPUs")
+    gpu_type: str | None = Field(None, description="the GPUs' catalogue type (h100-80gb): the "
+                                                   "operator's override, else the node's label, "
+                                                   "else Ray's detection; null: unknown")
+    emulated_speed: Number | None = Field(None, description="fake clusters only: the fraction "
+                                                            "of full speed its ranks run at")
+    problems: list[str] | None = Field(None, description="what the registry ignored on this "
+                                                         "node, and why")
     used_gpus: list[int]
     free_gpus: int
     jobs: list[str]
     gpu_map: list[GpuSlot]
     quarantine: QuarantinePublic | None
+    overrides: NodeOverrides | None = Field(None, description="what `kc node set` stored")
 
 
 class NodeList(Public):
     nodes: list[NodePublic]
     updated_at: Number | None = Field(description="when the registry last wrote its view")
+
+
+class NodeSet(BaseModel):
+    """`PATCH /v1/nodes/{name}`: either field or both; null clears that override
+    (the node goes back to its label or the type Ray detected)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_type: str | None = Field(None, description="a catalogue type, e.g. h100-80gb")
+    emulated_speed: float | None = Field(None, strict=True, description=(
+        "fake clusters only: in (0, 1], the fraction of full speed the node's ranks run at"))
+
+
+class NodeOverridden(Public):
+    node: str
+    overrides: NodeOverrides = Field(description="the node's overrides now; the registry "
+                                                 "applies them within a scheduling cycle")
 
 
 class NodeReleased(Public):

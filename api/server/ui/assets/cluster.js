@@ -60,7 +60,23 @@ function gpuCell(node, gpu, use, names) {
     "data-rank": rank, "data-hidden": use && use.hidden ? "true" : "false"}, parts);
 }
 
-function nodeCard(node, names) {
+/**
+ * The node's GPU type ("h100-80gb", and the model Ray detected on real GPUs),
+ * "emulated at 0.5x" on a fake node slowed down, and which values an operator set.
+ */
+function gpuType(node) {
+  const parts = [node.gpu_type ? `type ${node.gpu_type}` : "type unknown"];
+  if (node.accelerator) parts.push(`Ray sees ${node.accelerator}`);
+  if (node.emulated_speed !== null && node.emulated_speed !== undefined) {
+    parts.push(`emulated at ${node.emulated_speed}x`);
+  }
+  const set = Object.keys(node.overrides || {});
+  if (set.length) parts.push(`set by an operator: ${set.join(", ").replace(/_/g, " ")}`);
+  return h("p", {class: "gpu-type", "data-gpu-type": node.gpu_type || "",
+    "data-emulated-speed": node.emulated_speed ?? "", text: parts.join(" · ")});
+}
+
+export function nodeCard(node, names) {
   const map = gpuMap(node);
   const status = [];
   if (node.alive === false) status.push(h("p", {class: "flag lost", text: "LOST: its raylet is gone"}));
@@ -90,8 +106,9 @@ function nodeCard(node, names) {
   return h("article", {class: cls.join(" ").trim(), "data-node": node.name, "aria-labelledby": id}, [
     h("h4", {id, text: node.name}),
     ...status,
-    h("p", {class: "muted", text: `${node.free_gpus ?? "?"} of ${node.gpus} GPUs free`
-      + (node.accelerator ? ` · ${node.accelerator}` : "")}),
+    h("p", {class: "muted", text: `${node.free_gpus ?? "?"} of ${node.gpus} GPUs free`}),
+    gpuType(node),
+    ...(node.problems || []).map((p) => h("p", {class: "flag problem", text: p})),
     ...islands,
   ]);
 }
