@@ -97,9 +97,7 @@ def node_set(name: Annotated[str, typer.Argument(help="The node, as `kc nodes` n
     if not body:
         fail("nothing to set: pass --gpu-type, --emulated-speed, or a --clear-... flag")
     c = client()
-    # The SDK has no method for this route yet; its generic call keeps the
-    # errors (422 naming the field, 404) the same as every other command's.
-    out = call(c._call, "PATCH", f"/v1/nodes/{name}", json=body)
+    out = call(c.set_node, name, **body)
     if as_json:
         typer.echo(json.dumps(out))
         return

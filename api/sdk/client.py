@@ -198,6 +198,10 @@ class Client:
     def release_node(self, name: str) -> dict[str, Any]:
         return self._call("POST", f"/v1/nodes/{name}/release")
 
+    def set_node(self, name: str, **fields: Any) -> dict[str, Any]:
+        """Override a node's `gpu_type` and/or `emulated_speed` (None clears the override)."""
+        return self._call("PATCH", f"/v1/nodes/{name}", json=fields)
+
     def queues(self) -> dict[str, Any]:
         return self._call("GET", "/v1/queues")
 
