@@ -6,8 +6,13 @@ Rank order follows the parallel layout, tensor-parallel fastest:
 
 Rules, from hard to soft:
 
+0. GPU types (pools.py): ranks go only to nodes of a type the job lists
+   (`resources.gpu_types`); a one-type job (`heterogeneous: false`, the default)
+   is placed inside one pool, the first in its order of preference that fits;
+   per-type quota room (`caps`) is never exceeded (hard);
 1. every tensor-parallel group sits inside one NVLink island (hard); a single
-   rank (tp=1) with more GPUs than an island needs one node;
+   rank (tp=1) with more GPUs than an island needs one node. A group is
+   therefore always of one GPU type, even in a mixed job;
 2. every pipeline sits inside one leaf switch when capacity allows, unless the
    job's traffic says that packing its replicas into fewer leaves (letting a
    pipeline straddle a leaf boundary) moves fewer bytes across leaves;
@@ -15,25 +20,40 @@ Rules, from hard to soft:
    packed into the fewest leaves (under one spine when possible) and laid out
    leaf by leaf, so a ring changes leaf only once per leaf it spans;
 4. best fit: the tightest leaf, node and island that fits is used first, so
-   the free capacity left behind stays in large, usable blocks.
+   the free capacity left behind stays in large, usable blocks;
+5. in a mixed job, each pipeline's stages come from nodes of one type when
+   capacity allows: a pipeline runs at its slowest stage's pace, and stages
+   of one type balance by layer count alone.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kuangchao.platform.cluster.topology import NodeInfo
+from kuangchao.platform.placement.pools import Pool, no_pool_reason, pools_of, preference
 from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.platform.spec.stored import spec_of
 
 
 @dataclass(frozen=True)
 class JobShape:
+    """A job's parallel layout, and the GPU types its ranks may use.
+
+    Attributes:
+        gpu_types: Catalogue types the job accepts, in its order of preference
+            (empty: any node, untyped ones included).
+        heterogeneous: Whether its ranks may mix types; else all go to one pool.
+    """
+
     dp: int
     tp: int = 1
     pp: int = 1
     gpus_per_rank: int = 1
+    gpu_types: tuple[str, ...] = ()
+    heterogeneous: bool = False
 
     @property
     def world_size(self) -> int:
@@ -159,48 +179,85 @@ def _choose_leaves(cap: dict[str, int], need: int, spine: dict[str, str | None])
 
 
 def place(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]], shape: JobShape,
-          traffic: Traffic | None = None) -> PlacementPlan | Infeasible:
+          traffic: Traffic | None = None,
+          caps: Mapping[str, int] | None = None) -> PlacementPlan | Infeasible:
     """Place every rank of `shape`, or explain why not.
 
     Args:
         nodes: The cluster's nodes.
         used: GPU ids already taken, by node name.
-        shape: The job's parallel layout.
+        shape: The job's parallel layout and the GPU types it accepts.
         traffic: The job's per-step traffic. When given, keeping pipelines
             whole is weighed against packing into fewer leaves, and the layout
             that moves fewer bytes across leaves wins; without it, pipelines
             stay whole whenever some leaves can hold them.
+        caps: GPUs of each type the job may still take (its queue's per-type
+            quota room); a type not named is not limited here.
 
     Returns:
         A plan with one slot per rank in rank order, or `Infeasible` with a
         reason that names the capacity that is missing.
     """
     if shape.gpus_per_rank == 0:
-        return _place_cpu_only(nodes, shape)
-    live = tuple(n for n in nodes if n.alive)
+        return _place_cpu_only(tuple(n for n in nodes if not shape.gpu_types
+                                     or n.gpu_type in shape.gpu_types), shape)
+    pools = pools_of(nodes, shape.gpu_types)
+    if not pools and shape.gpu_types:
+        return Infeasible(no_pool_reason(nodes, shape.gpu_types))
+    if shape.heterogeneous or len(pools) <= 1:
+        live = tuple(n for p in pools for n in p.nodes)
+        whole = len(live) == sum(1 for n in nodes if n.alive)
+        return _place_within(live, used, shape, traffic, caps,
+                             "the cluster" if whole else _scope(pools))
+    reasons = []
+    for pool in pools:  # one type for all ranks: the first pool, in preference order, that fits
+        plan = _place_within(pool.nodes, used, shape, traffic, caps, _scope([pool]))
+        if isinstance(plan, PlacementPlan):
+            return plan
+        reasons.append(plan.reason)
+    return Infeasible("no single GPU type can hold all ranks: " + "; ".join(reasons))
+
+
+def _scope(pools: list[Pool]) -> str:
+    return f"the {'/'.join(p.name for p in pools)} pool{'s' if len(pools) > 1 else ''}"
+
+
+def _place_within(live: tuple[NodeInfo, ...], used: dict[str, set[int]], shape: JobShape,
+                  traffic: Traffic | None, caps: Mapping[str, int] | None,
+                  scope: str) -> PlacementPlan | Infeasible:
+    """Place on these live nodes (the accepted ones); `scope` names them in reasons."""
+    where = "" if scope == "the cluster" else f" in {scope}"
     free_n = {n.name: n.gpus - len(used.get(n.name, ())) for n in live}
     total = sum(n.gpus for n in live)
     total_free = sum(free_n.values())
     need = shape.world_size * shape.gpus_per_rank
     if need > total:
-        return Infeasible(f"needs {need} GPUs, the cluster has {total}")
+        return Infeasible(f"needs {need} GPUs, {scope} has {total}")
     if need > total_free:
-        return Infeasible(f"needs {need} GPUs, {total_free} of {total} are free")
+        return Infeasible(f"needs {need} GPUs, {total_free} of {total}{where} are free")
     k = shape.group_gpus
     if shape.tp > 1:
         largest = max((len(isl) for n in live for isl in n.islands), default=0)
         if k > largest:
             return Infeasible(f"a tensor-parallel group needs {k} GPUs in one NVLink island; "
-                              f"the largest island has {largest}")
+                              f"the largest island{where} has {largest}")
     elif k > max(n.gpus for n in live):
-        return Infeasible(f"a rank needs {k} GPUs on one node; the largest node has "
+        return Infeasible(f"a rank needs {k} GPUs on one node; the largest node{where} has "
                           f"{max(n.gpus for n in live)}")
     slots = _leaf_slots(live, used, free_n, k, shape.tp)
+    trimmed = False
+    if caps:
+        slots, trimmed = _within_caps(slots, caps, k)
+    if shape.pp > 1 and len({n.gpu_type for n in live}) > 1:
+        slots = {lf: _one_type_pipelines(s, shape) for lf, s in slots.items()}
     groups = shape.dp * shape.pp
     n_slots = sum(len(s) for s in slots.values())
     if n_slots < groups:
+        if trimmed:
+            return Infeasible(f"needs {groups} groups of {k} GPUs; the queue's per-type GPU "
+                              f"quota leaves room for {n_slots}{where}")
         return Infeasible(f"needs {groups} groups of {k} GPUs inside one NVLink island; only "
-                          f"{n_slots} are free ({total_free} GPUs free but fragmented)")
+                          f"{n_slots} are free{where} ({total_free} GPUs free but fragmented)")
     spine = {n.leaf: n.spine for n in live}
     cap = {leaf: len(s) // shape.pp for leaf, s in slots.items()}
     leaves = _choose_leaves(cap, shape.dp, spine)
@@ -218,6 +275,42 @@ def place(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]], shape: JobShap
         assert packed is not None
         whole = packed
     return PlacementPlan(slots=tuple(_ranks(whole, shape)))
+
+
+def _within_caps(slots: dict[str, list[_GroupSlot]], caps: Mapping[str, int],
+                 k: int) -> tuple[dict[str, list[_GroupSlot]], bool]:
+    """Drop the group slots of each capped type beyond its room; and whether any went."""
+    left = {t: c // k for t, c in caps.items()}
+    out: dict[str, list[_GroupSlot]] = {}
+    trimmed = False
+    for leaf in sorted(slots):
+        keep = []
+        for g in slots[leaf]:
+            t = g.node.gpu_type
+            if t in left:
+                if left[t] <= 0:
+                    trimmed = True
+                    continue
+                left[t] -= 1
+            keep.append(g)
+        out[leaf] = keep
+    return out, trimmed
+
+
+def _one_type_pipelines(slots: list[_GroupSlot], shape: JobShape) -> list[_GroupSlot]:
+    """A leaf's slots reordered so that each run of `pp` (one pipeline) is of one type
+    where a type has enough: whole one-type runs first, by the job's preference of
+    types, best fit kept within a type; the remainder, mixed, last."""
+    by_type: dict[str | None, list[_GroupSlot]] = defaultdict(list)
+    for g in slots:
+        by_type[g.node.gpu_type].append(g)
+    runs: list[_GroupSlot] = []
+    rest: list[_GroupSlot] = []
+    for t in sorted(by_type, key=lambda t: preference(shape.gpu_types, t)):
+        cut = len(by_type[t]) // shape.pp * shape.pp
+        runs += by_type[t][:cut]
+        rest += by_type[t][cut:]
+    return runs + rest
 
 
 def _cross_leaf_bytes(groups: list[_GroupSlot], shape: JobShape, traffic: Traffic) -> float:

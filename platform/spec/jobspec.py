@@ -253,6 +253,8 @@ def pydantic_errors(exc: ValidationError, prefix: str = "") -> list[tuple[str, s
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown field; check the spelling against docs/user-guide.md"
+        elif err["type"] == "value_error":  # our own validators' words, without pydantic's label
+            msg = msg.removeprefix("Value error, ")
         elif "input" in err and not isinstance(err["input"], dict | list):
             msg = f"{msg} (got {err['input']!r})"
         out.append((path, msg))

@@ -9,23 +9,27 @@ YAML file (`kc up --queues queues.yaml`); without one there is a single queue
 
     queues:
       - {name: team-a, guaranteed_gpus: 8, borrow_limit_gpus: 8, tenants: [vision]}
-      - {name: team-b, guaranteed_gpus: 8}
+      - {name: team-b, guaranteed_gpus: 8, gpu_types: {h100-80gb: 4}}
     preemption: true
     limits:                     # per role; a role not named keeps its defaults
       submitter: {max_priority: 100, max_restarts: 20, max_data_bytes: 1073741824}
 
-A queue with `tenants` takes only those tenants' jobs. What `limits` bounds, and
-its defaults, are in platform/security/admission.py.
+A queue with `tenants` takes only those tenants' jobs. A queue with `gpu_types`
+holds at most that many GPUs of each type named (catalogue keys), on top of its
+overall limit; types it does not name are limited by the overall limit alone.
+What `limits` bounds, and its defaults, are in platform/security/admission.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kuangchao.platform.cluster.hardware import CATALOG
 from kuangchao.platform.errors import SpecError
 from kuangchao.platform.spec.jobspec import pydantic_errors, read_yaml_mapping
 
@@ -40,6 +44,25 @@ class QueueModel(BaseModel):
     # Only these tenants' jobs (unset: every tenant's).
     tenants: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(
         None, max_length=1000)
+    # The most GPUs of each named type the queue may hold at once (borrowing included).
+    gpu_types: dict[str, Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
+
+    @field_validator("gpu_types")
+    @classmethod
+    def _known_types(cls, v: dict[str, int] | None) -> dict[str, int] | None:
+        if v is None:
+            return None
+        out: dict[str, int] = {}
+        for name, gpus in v.items():
+            key = name.strip().lower()
+            if key == "cpu" or key not in CATALOG:
+                known = ", ".join(sorted(k for k in CATALOG if k != "cpu"))
+                raise ValueError(f"{name!r} is not a GPU type in the catalogue; per-type "
+                                 f"limits take one of {known}, e.g. {{h100-80gb: 8}}")
+            if key in out:
+                raise ValueError(f"GPU type {key!r} is given twice")
+            out[key] = gpus
+        return out
 
 
 class RoleLimitsModel(BaseModel):
@@ -71,6 +94,7 @@ class Queue:
     guaranteed_gpus: int = 0
     borrow_limit_gpus: int | None = None
     tenants: tuple[str, ...] | None = None
+    gpu_types: Mapping[str, int] = field(default_factory=dict)  # per-type limits, if any
 
     @property
     def limit(self) -> float:
@@ -78,6 +102,10 @@ class Queue:
         if self.borrow_limit_gpus is None:
             return float("inf")
         return self.guaranteed_gpus + self.borrow_limit_gpus
+
+    def type_room(self, in_use: Mapping[str, int]) -> dict[str, int]:
+        """GPUs of each limited type it may still take, given what it holds per type."""
+        return {t: max(0, cap - in_use.get(t, 0)) for t, cap in self.gpu_types.items()}
 
 
 @dataclass(frozen=True)
@@ -98,8 +126,9 @@ class QueueTable:
         # `tenants` and `limits` only where set: tables stored before they existed
         # read back the same, and so do their answers.
         out: dict[str, Any] = {
-            "queues": [{k: v for k, v in q.__dict__.items() if k != "tenants"}
+            "queues": [{k: v for k, v in q.__dict__.items() if k not in ("tenants", "gpu_types")}
                        | ({"tenants": list(q.tenants)} if q.tenants is not None else {})
+                       | ({"gpu_types": dict(q.gpu_types)} if q.gpu_types else {})
                        for q in self.queues],
             "preemption": self.preemption, "policy": self.policy}
         if self.limits:
@@ -124,7 +153,8 @@ def parse_queues(doc: Any, source: str = "queues") -> QueueTable:
         raise SpecError(pydantic_errors(exc, prefix=f"{source}: ")) from None
     return QueueTable(
         queues=tuple(Queue(q.name, q.guaranteed_gpus, q.borrow_limit_gpus,
-                           None if q.tenants is None else tuple(q.tenants)) for q in model.queues),
+                           None if q.tenants is None else tuple(q.tenants), q.gpu_types or {})
+                     for q in model.queues),
         preemption=model.preemption, policy=model.policy,
         limits={role: m.model_dump(exclude_none=True) for role, m in model.limits.items()})
 

@@ -21,8 +21,10 @@ from kuangchao.api.server.schemas.jobs import (
     MetricPointList,
     SamplesPublic,
 )
+from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.control import operations as jobs
 from kuangchao.platform.errors import AdmissionRefused, InvalidTransition, SpecError
+from kuangchao.platform.placement.pools import island_problem
 from kuangchao.platform.security.apikeys import Principal
 from kuangchao.platform.spec.defaults import value
 from kuangchao.platform.spec.jobspec import validate_spec
@@ -50,6 +52,22 @@ def _validated(body: str, bundled: bool) -> Any:
     return validate_spec(parse_bundle(body) if bundled else parse_spec_text(body))
 
 
+def _check_islands(store: Any, spec: Any) -> None:
+    """Refuse a tensor-parallel group no node of the job's GPU types could ever hold:
+    it would wait forever. Checked against the registry's published nodes; before
+    there are any, the scheduler says why the job waits. `parallel: auto` is left
+    to the planner, which sizes groups to the islands it is given."""
+    if spec.parallel.auto:
+        return
+    view = store.info("nodes") or {}
+    nodes = [NodeInfo.from_json(n) for n in view.get("nodes") or ()]
+    par = spec.parallel
+    problem = island_problem(nodes, spec.resources.gpu_types, par.tensor_parallel_size,
+                             par.gpus_per_rank)
+    if problem is not None:
+        raise SpecError([problem])
+
+
 @router.post("", status_code=201, summary="Submit a job: JSON or YAML, or a bundle of a YAML and "
              f"the files its extends: names (Content-Type: {BUNDLE_TYPE})",
              response_model=JobPublic, response_model_exclude_unset=True,
@@ -64,6 +82,7 @@ async def submit_job(request: Request, store: Store, who: Submitter,
     try:
         spec = (_validated(body, bundled) if len(body) <= INLINE_PARSE_BYTES
                 else await run_in_threadpool(_validated, body, bundled))
+        _check_islands(store, spec)
         if dry_run:  # a 200 of its own shape: it bypasses the 201's response model
             checked = DryRunPublic.model_validate(await run_in_threadpool(
                 jobs.dry_run, store, spec, role=who.role, tenant=who.tenant))

@@ -4,11 +4,16 @@ Plugins read it; only the composition writes it, through `apply`, once per
 decision a plugin returned. GPUs only ever become taken (admitted) or held
 (reserved) within a cycle, never free again, so a shape that failed to place
 keeps failing: such failures are remembered and larger jobs of that shape
-fail fast (a cache: it changes no outcome).
+fail fast (a cache: it changes no outcome). Per-type quota room only shrinks
+within a cycle too, and is part of the remembered shape.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
+
+from kuangchao.platform.placement.pools import capacity_problem
 from kuangchao.platform.placement.solver import Infeasible, JobShape, PlacementPlan, Traffic, place
 from kuangchao.platform.scheduling.plugins.decisions import (
     Admit,
@@ -17,8 +22,15 @@ from kuangchao.platform.scheduling.plugins.decisions import (
     Preempt,
     Resize,
     Step,
+    Wait,
 )
-from kuangchao.platform.scheduling.plugins.snapshot import JobView, Snapshot, plan_gpus, union
+from kuangchao.platform.scheduling.plugins.snapshot import (
+    JobView,
+    Snapshot,
+    add_by_type,
+    plan_gpus,
+    union,
+)
 
 
 class Cycle:
@@ -28,6 +40,7 @@ class Cycle:
         self.snap = snap
         self.used = snap.used_gpus()
         self.usage = snap.queue_usage()
+        self.type_usage = snap.queue_type_usage()
         self.reserved: GpuMap = {}
         self.total = snap.total_gpus
         self.free_unreserved = sum(len(ids) for ids in snap.free_gpus.values())
@@ -35,7 +48,10 @@ class Cycle:
         self.head: str | None = None
         self.preempted: set[str] = set()
         self.preempting = False
-        self._failed: dict[tuple[int, int, int], tuple[int, str]] = {}
+        self._failed: dict[tuple, tuple[int, str]] = {}
+        self._never: dict[tuple, str | None] = {}
+        self.admitted: set[str] = set()
+        self.wait_pools: dict[str, str] = {}  # queued job -> the GPU pool it waits for
         self.awaiting: dict[str, GpuMap] = {}
         self.awaiting_ids: dict[str, set[str]] = {}
         self.awaiting_shrink: dict[str, bool] = {}
@@ -56,15 +72,32 @@ class Cycle:
         """GPUs nobody may take any more this cycle: used or held."""
         return union(self.used, self.reserved)
 
-    def try_place(self, shape: JobShape, gpus: int,
-                  traffic: Traffic | None = None) -> PlacementPlan | Infeasible:
+    def type_caps(self, queue: str) -> dict[str, int] | None:
+        """GPUs of each type `queue` may still take under its per-type limits; None
+        when it has none (or is unknown)."""
+        q = self.snap.queues.get(queue)
+        if q is None or not q.gpu_types:
+            return None
+        return q.type_room(self.type_usage.get(queue, {}))
+
+    def never_fits(self, shape: JobShape, gpus: int) -> str | None:
+        """Why a job of `shape`'s GPU types could never get `gpus` GPUs here, or None
+        (remembered per types and size: many queued jobs ask alike)."""
+        key = (shape.gpu_types, shape.heterogeneous, gpus)
+        if key not in self._never:
+            self._never[key] = capacity_problem(self.snap.nodes, shape.gpu_types,
+                                                shape.heterogeneous, gpus)
+        return self._never[key]
+
+    def try_place(self, shape: JobShape, gpus: int, traffic: Traffic | None = None,
+                  caps: Mapping[str, int] | None = None) -> PlacementPlan | Infeasible:
         if self.free < gpus:
             return Infeasible(f"needs {gpus} GPUs, {self.free} of {self.total} are free")
-        key = (shape.tp, shape.pp, shape.gpus_per_rank)
+        key = (replace(shape, dp=0), tuple(sorted((caps or {}).items())))
         failed = self._failed.get(key)
         if failed is not None and shape.dp >= failed[0]:
             return Infeasible(failed[1])
-        plan = place(self.snap.nodes, self.blocked(), shape, traffic)
+        plan = place(self.snap.nodes, self.blocked(), shape, traffic, caps)
         if isinstance(plan, Infeasible):
             self._failed[key] = (min(shape.dp, failed[0]) if failed else shape.dp, plan.reason)
         return plan
@@ -77,7 +110,10 @@ class Cycle:
             self._hold(step.gpus)
         elif isinstance(step, Admit):
             job = self.job(step.job_id)
+            self.admitted.add(job.id)
             self._take(plan_gpus(step.plan), job, step.replicas * job.rng.gpus_per_replica)
+        elif isinstance(step, Wait) and step.pool is not None:
+            self.wait_pools[step.job_id] = step.pool
         elif isinstance(step, Preempt):
             self._yield(step.job_id, self.job(step.job_id).gpus())
         elif isinstance(step, Resize) and step.cause == "preemption":
@@ -94,6 +130,7 @@ class Cycle:
             self.free_unreserved -= len(ids)
         queue = job.record.queue
         self.usage[queue] = self.usage.get(queue, 0) + quota_gpus
+        add_by_type(self.type_usage.setdefault(queue, {}), gpus, self.snap.node_types)
 
     def _yield(self, job_id: str, gpus: GpuMap) -> None:
         """A running job gives GPUs up (evicted or shrunk): held for the job it yields to."""

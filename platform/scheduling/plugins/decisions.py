@@ -21,6 +21,7 @@ class Admit:
 class Wait:
     job_id: str
     reason: str
+    pool: str | None = None  # the GPU pool (type) a one-type job waits for, on a mixed cluster
 
 
 @dataclass(frozen=True)

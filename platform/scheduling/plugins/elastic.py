@@ -10,13 +10,15 @@
   job waits for GPUs: a queued job always comes first, and growing into GPUs
   another job is about to need would only shrink it again. The added replicas
   are placed by the same solver as any job, as one unit, so every replica
-  keeps its tensor-parallel groups inside an island and its pipeline inside a leaf.
+  keeps its tensor-parallel groups inside an island and its pipeline inside a leaf,
+  and stays on the job's GPU type (its own pool for a one-type job).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.jobs.state import JobState
 from kuangchao.platform.placement.solver import JobShape, PlacementPlan, place
 from kuangchao.platform.scheduling.plugins.cycle import Cycle
@@ -76,9 +78,10 @@ class ElasticShrink:
             return []
         chosen: list[tuple[JobView, int]] = []
         freed: GpuMap = {}
+        caps = cycle.type_caps(job.record.queue)
         for a in cands:
             for n in a.rng.sizes(upto=a.replicas - 1):
-                if fits_once_freed(shape, union(freed, a.gpus_beyond(n)), cycle):
+                if fits_once_freed(shape, union(freed, a.gpus_beyond(n)), cycle, caps):
                     return [*chosen, (a, n)]
             smallest = a.rng.sizes()[-1]
             freed = union(freed, a.gpus_beyond(smallest))
@@ -95,6 +98,21 @@ class ElasticShrink:
                       f"shrinking to {target} replica(s) as asked (kc scale)")
 
 
+def grow_nodes(job: JobView, cycle: Cycle) -> tuple[NodeInfo, ...]:
+    """The nodes a grow may use: a one-type job's added replicas join its own pool
+    (the type of the nodes it runs on), a mixed job's go to any type it accepts.
+    Empty when a one-type job's nodes are no longer known (recovery will re-place it)."""
+    nodes = cycle.snap.nodes
+    if job.shape.heterogeneous:
+        return nodes
+    kinds = {cycle.snap.node_types[p.node] for p in job.record.placement
+             if p.node in cycle.snap.node_types}
+    if len(kinds) != 1:
+        return ()
+    (kind,) = kinds
+    return tuple(n for n in nodes if n.gpu_type == kind)
+
+
 class ElasticGrow:
     """Grow a running elastic job towards its target, within its queue's quota."""
 
@@ -107,14 +125,17 @@ class ElasticGrow:
         """The largest admissible grow that fits now, or None."""
         rng, cur = job.rng, job.replicas
         target = rng.target(job.record.desired_replicas)
+        nodes = grow_nodes(job, cycle)
+        if not nodes:
+            return None
         for n in rng.sizes(upto=target):
             if n <= cur:
                 break
             added = (n - cur) * rng.gpus_per_replica
             if not self.quota.room(job.record.queue, added, cycle):
                 continue
-            plan = place(cycle.snap.nodes, cycle.blocked(), replace(job.shape, dp=n - cur),
-                         job.traffic)
+            plan = place(nodes, cycle.blocked(), replace(job.shape, dp=n - cur),
+                         job.traffic, cycle.type_caps(job.record.queue))
             if isinstance(plan, PlacementPlan):
                 why = "as asked (kc scale)" if job.record.desired_replicas else "capacity is free"
                 return Resize(job.id, n, "grow", f"growing from {cur} to {n} replica(s): {why}",

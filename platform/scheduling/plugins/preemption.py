@@ -9,6 +9,8 @@ so the next cycle sees its effect.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.placement.solver import JobShape, PlacementPlan, place
 from kuangchao.platform.scheduling.plugins.cycle import Cycle
@@ -43,10 +45,13 @@ def may_yield(job: JobView, need: int, a: JobRecord, cycle: Cycle) -> bool:
     return a.queue != job.record.queue and under_guarantee and borrowing
 
 
-def fits_once_freed(shape: JobShape, freed: GpuMap, cycle: Cycle) -> bool:
-    """Whether `shape` places once the `freed` GPUs are given up (held GPUs stay held)."""
+def fits_once_freed(shape: JobShape, freed: GpuMap, cycle: Cycle,
+                    caps: Mapping[str, int] | None = None) -> bool:
+    """Whether `shape` places once the `freed` GPUs are given up (held GPUs stay held),
+    on its GPU types and within the per-type quota room `caps`: making room on a
+    type the job may not use would evict for nothing."""
     blocked = union(without(cycle.used, freed), cycle.reserved)
-    return isinstance(place(cycle.snap.nodes, blocked, shape), PlacementPlan)
+    return isinstance(place(cycle.snap.nodes, blocked, shape, caps=caps), PlacementPlan)
 
 
 class CheckpointPreemption:
@@ -84,18 +89,20 @@ class CheckpointPreemption:
         if cycle.free + sum(v.record.gpus for v in cands) < need:
             return []
         freed: GpuMap = {}
+        caps = cycle.type_caps(job.record.queue)
         for i, v in enumerate(cands):
             freed = union(freed, v.gpus())
-            if fits_once_freed(shape, freed, cycle):
-                return self._minimal(cands[:i + 1], shape, cycle)
+            if fits_once_freed(shape, freed, cycle, caps):
+                return self._minimal(cands[:i + 1], shape, cycle, caps)
         return []
 
     @staticmethod
-    def _minimal(chosen: list[JobView], shape: JobShape, cycle: Cycle) -> list[JobView]:
+    def _minimal(chosen: list[JobView], shape: JobShape, cycle: Cycle,
+                 caps: Mapping[str, int] | None) -> list[JobView]:
         """Drop victims that turn out not to be needed, newest choices first."""
         keep = list(chosen)
         for v in reversed(chosen):
             trial = [k for k in keep if k.id != v.id]
-            if trial and fits_once_freed(shape, union(*(k.gpus() for k in trial)), cycle):
+            if trial and fits_once_freed(shape, union(*(k.gpus() for k in trial)), cycle, caps):
                 keep = trial
         return keep

@@ -22,10 +22,13 @@ from kuangchao.platform.spec.stored import spec_of
 
 
 def shape_from(spec: JobSpec) -> JobShape:
-    """The parallel layout of a typed spec."""
-    p = spec.parallel
+    """The parallel layout of a typed spec, with the GPU types it accepts: every
+    placement of the job (admission, grow, backfill, room-making, recovery)
+    starts from this shape, so the type filter holds in all of them."""
+    p, r = spec.parallel, spec.resources
     return JobShape(dp=p.data_parallel_size, tp=p.tensor_parallel_size,
-                    pp=p.pipeline_parallel_size, gpus_per_rank=p.gpus_per_rank)
+                    pp=p.pipeline_parallel_size, gpus_per_rank=p.gpus_per_rank,
+                    gpu_types=tuple(r.gpu_types), heterogeneous=r.heterogeneous)
 
 
 def order_key(job: JobRecord) -> tuple:
@@ -104,6 +107,27 @@ class Snapshot:
         for job in self.active:
             usage[job.queue] = usage.get(job.queue, 0) + job.gpus
         return usage
+
+    @cached_property
+    def node_types(self) -> Mapping[str, str | None]:
+        """Each node's GPU type, by name."""
+        return {n.name: n.gpu_type for n in self.nodes}
+
+    def queue_type_usage(self) -> dict[str, dict[str, int]]:
+        """GPUs each queue's active jobs hold, per GPU type (untyped GPUs are not counted)."""
+        usage: dict[str, dict[str, int]] = {}
+        for job in self.active:
+            add_by_type(usage.setdefault(job.queue, {}),
+                        by_node((p.node, p.gpus) for p in job.placement), self.node_types)
+        return usage
+
+
+def add_by_type(into: dict[str, int], gpus: GpuMap, types: Mapping[str, str | None]) -> None:
+    """Count `gpus` into `into` by their nodes' GPU types."""
+    for node, ids in gpus.items():
+        t = types.get(node)
+        if t is not None:
+            into[t] = into.get(t, 0) + len(ids)
 
 
 def by_node(pairs) -> GpuMap:
