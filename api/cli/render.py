@@ -219,8 +219,9 @@ def print_queues(data: dict[str, Any]) -> None:
     say(f"{'QUEUE':<16} {'GUARANTEED':>10} {'LIMIT':>6} {'IN USE':>7} {'RUNNING':>8} {'QUEUED':>7}")
     for q in data["queues"]:
         limit = "-" if q["limit_gpus"] is None else q["limit_gpus"]
+        per_type = ", ".join(f"{t} {n}" for t, n in (q.get("gpu_types") or {}).items())
         say(f"{q['name']:<16} {q['guaranteed_gpus']:>10} {limit:>6} {q['gpus_in_use']:>7} "
-                   f"{q['running']:>8} {q['queued']:>7}")
+                   f"{q['running']:>8} {q['queued']:>7}" + (f"  per type: {per_type}" if per_type else ""))
 
 
 def _gpu_type(n: dict[str, Any]) -> str:

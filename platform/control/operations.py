@@ -264,6 +264,7 @@ def queue_view(store: JobStore) -> dict[str, Any]:
             "running": sum(1 for j in mine if j.state.holds_resources),
             "queued": sum(1 for j in mine if j.state is JobState.QUEUED),
             "tenants": None if q.tenants is None else list(q.tenants),
+            "gpu_types": dict(q.gpu_types) or None,
         })
     return {"queues": out, "preemption": table.preemption, "policy": table.policy,
             "limits": {role: lim.to_json() for role, lim in limits_from_json(table.limits).items()}}

@@ -105,6 +105,8 @@ class QueuePublic(Public):
     queued: int
     tenants: list[str] | None = Field(None, description="the tenants whose jobs it takes; "
                                                         "null: every tenant's")
+    gpu_types: dict[str, int] | None = Field(None, description="GPUs it may hold of each type "
+                                                               "listed; null: no per-type limit")
 
 
 class RoleLimitsPublic(Public):
