@@ -4,9 +4,14 @@
 config.json), or such a config.json itself; a job spec whose model is a
 Hugging Face folder is planned from that folder.
 
+`--gpus` takes a count of one `--gpu` type, or pools of several types
+(`16xh100-80gb,16xa100-80gb`): each pool is planned alone and the pools
+mixed (platform/planning/pools.py), every plan with its pools and, for a mix,
+each type's share of the global batch and the balanced and even step times.
+
 Runs locally: no API, no cluster. Exit 0 with plans, 1 when no layout fits,
 2 for bad input (a missing or malformed model file or config.json, an unknown
-GPU, a batch that no data-parallel size divides).
+GPU or pool, a batch that no data-parallel size divides).
 """
 
 from __future__ import annotations
@@ -21,9 +26,18 @@ from kuangchao.api.cli.common import Json, fail
 from kuangchao.platform.cluster.hardware import CATALOG, get_accelerator
 from kuangchao.platform.errors import SpecError
 from kuangchao.platform.planning.planner import describe, plan
+from kuangchao.platform.planning.pools import (
+    Pool,
+    describe_pools,
+    parse_pools,
+    plan_pools,
+    plan_single,
+)
 from kuangchao.platform.planning.shapes import ClusterShape, ModelShape
 from kuangchao.platform.spec.jobspec import resolve_extends, validate_spec
 from kuangchao.platform.spec.model_folder import CONFIG_LIMIT, folder_field, read_config
+
+POOL_EXAMPLE = "16xh100-80gb,16xa100-80gb"
 
 
 def _hf_config(path: Path) -> dict[str, Any] | None:
@@ -95,8 +109,11 @@ def plan_command(
         model_file: Annotated[Path, typer.Option("--model", help=(
             "A job spec, a model YAML (n_layers, d_model, n_heads, seq_len, vocab_size; "
             "or params: 175e9), or a Hugging Face model folder or its config.json."))],
-        gpus: Annotated[int, typer.Option("--gpus", min=1, help="GPUs to use, all of them.")],
-        gpu: Annotated[str, typer.Option("--gpu", help=f"One of {', '.join(CATALOG)}.")] = "h100-80gb",
+        gpus: Annotated[str, typer.Option("--gpus", help=(
+            "GPUs to use, all of them: a count (of --gpu), or pools of COUNTxTYPE joined by "
+            "commas (16xh100-80gb,16xa100-80gb), planned alone and mixed."))],
+        gpu: Annotated[str | None, typer.Option(
+            "--gpu", help=f"With a plain count: one of {', '.join(CATALOG)} (default h100-80gb).")] = None,
         gpus_per_node: Annotated[int | None, typer.Option(
             "--gpus-per-node", min=1, help="Default: the GPU's usual node (8).")] = None,
         global_batch: Annotated[int | None, typer.Option(
@@ -109,31 +126,81 @@ def plan_command(
         top: Annotated[int, typer.Option("--top", min=1, help="Plans to print.")] = 10,
         as_json: Json = False) -> None:
     """Rank the feasible DP/TP/PP/ZeRO layouts by predicted step time."""
-    try:
-        acc = get_accelerator(gpu)
-    except ValueError as exc:
-        fail(str(exc))
+    count, pools = _gpus(gpus, gpu, gpus_per_node)
     model, doc = _model(model_file, seq_len)
-    per_node = gpus_per_node or acc.gpus_per_node
+    total = count or sum(p.gpus for p in pools)
     if global_batch is None:
-        global_batch = int(doc.get("global_batch") or doc.get("rank_batch", 0) * gpus or 512)
+        global_batch = int(doc.get("global_batch") or doc.get("rank_batch", 0) * total or 512)
+    if count is None and len(pools) > 1:
+        return _plan_pools(model, pools, global_batch, top, as_json)
+    if count is None:  # one typed pool: the plain count of that type
+        count, gpu = pools[0].gpus, pools[0].acc.name
+    gpu = gpu or "h100-80gb"
+    acc = get_accelerator(gpu)
+    per_node = gpus_per_node or acc.gpus_per_node
     try:
-        cluster = ClusterShape(gpus, per_node)
+        cluster = ClusterShape(count, per_node)
         plans = plan(model, cluster, acc, global_batch, top=top)
     except ValueError as exc:
         fail(str(exc))
     if as_json:
         typer.echo(json.dumps([p.to_json() for p in plans], indent=1))
     else:
-        n = model.params
-        size = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
-        kv = f" ({model.kv_heads} key/value)" if model.kv_heads != model.n_heads else ""
-        typer.echo(f"{size} parameters ({model.n_layers} layers, d_model "
-                   f"{model.d_model}, {model.n_heads} heads{kv}, seq {model.seq_len}) on {gpus} x {gpu} "
-                   f"({per_node} per node), global batch {global_batch}")
+        typer.echo(f"{_size(model)} on {count} x {gpu} ({per_node} per node), global batch {global_batch}")
         for i, p in enumerate(plans, 1):
             typer.echo(f"{i:>3}. {describe(p)}")
     if not plans:
-        typer.echo(f"no layout fits {gpus} x {gpu}: even the leanest needs more than "
+        typer.echo(f"no layout fits {count} x {gpu}: even the leanest needs more than "
                    f"{acc.hbm_bytes / 1e9:.0f} GB per GPU; add GPUs or use a larger GPU", err=True)
+        raise typer.Exit(1)
+
+
+def _size(model: ModelShape) -> str:
+    n = model.params
+    size = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+    kv = f" ({model.kv_heads} key/value)" if model.kv_heads != model.n_heads else ""
+    return (f"{size} parameters ({model.n_layers} layers, d_model {model.d_model}, "
+            f"{model.n_heads} heads{kv}, seq {model.seq_len})")
+
+
+def _gpus(text: str, gpu: str | None, per_node: int | None) -> tuple[int | None, list[Pool]]:
+    """`--gpus`: a plain count (of `--gpu`), or pools of COUNTxTYPE; exits 2 on bad input."""
+    text = text.strip()
+    if text.isdigit():
+        if int(text) < 1:
+            fail(f"--gpus {text}: give at least 1 GPU, or pools such as {POOL_EXAMPLE}")
+        if gpu is not None:
+            try:
+                get_accelerator(gpu)
+            except ValueError as exc:
+                fail(str(exc))
+        return int(text), []
+    if gpu is not None:
+        fail(f"--gpus {text} names the GPU types; drop --gpu {gpu}, or give --gpus a plain count")
+    try:
+        pools = parse_pools(text, per_node)
+    except ValueError as exc:
+        fail(f"--gpus: {exc}")
+    return None, pools
+
+
+def _plan_pools(model: ModelShape, pools: list[Pool], global_batch: int, top: int, as_json: bool) -> None:
+    try:
+        plans = plan_pools(model, pools, global_batch, top=top)
+    except ValueError as exc:
+        fail(str(exc))
+    where = " + ".join(p.label for p in pools)
+    if as_json:
+        typer.echo(json.dumps([p.to_json() for p in plans], indent=1))
+    else:
+        typer.echo(f"{_size(model)} on {where}, alone or mixed, global batch {global_batch}")
+        for i, p in enumerate(plans, 1):
+            typer.echo(f"{i:>3}. {describe(p.plan)}\n       {describe_pools(p)}")
+        alone = [(pool, plan_single(model, pool, global_batch, top=1)) for pool in pools]
+        typer.echo("best on one pool: " + "; ".join(
+            f"{pool.label} {best[0].plan.predicted_step_s:.3g} s/step" if best else f"{pool.label} none fits"
+            for pool, best in alone))
+    if not plans:
+        typer.echo(f"no layout fits {where}, alone or mixed: even the leanest needs more memory per "
+                   "GPU than a type has; add GPUs or use a larger GPU", err=True)
         raise typer.Exit(1)

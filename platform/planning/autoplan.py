@@ -49,16 +49,24 @@ The rules (docs/parallelism.md, "parallel: auto", states the same):
 The plan record is `Plan.to_json()` plus `gpu`, `gpus`, `gpus_per_node`,
 `global_batch`, `candidates` (fitting layouts the planner ranked) and `rank`
 (the chosen one's place among them, 1 = the planner's first choice).
+
+A spec whose `resources.gpu_types` lists several types (and no `parallel.gpu`)
+is planned across the cluster's pools of those types instead, alone or, with
+`resources.heterogeneous: true`, mixed (platform/planning/autopools.py); the
+resolved layout is as concrete as any other, and the record adds `pools` and
+the balanced and even splits' predicted step times.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any
 
 from kuangchao.platform.cluster.hardware import CATALOG, Accelerator, get_accelerator
 from kuangchao.platform.cluster.topology import ClusterTopology, NodeInfo
 from kuangchao.platform.errors import SpecError
+from kuangchao.platform.planning import autopools
 from kuangchao.platform.planning.planner import plan
 from kuangchao.platform.planning.shapes import ClusterShape, ModelShape, Plan
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
@@ -222,19 +230,38 @@ def resolve(doc: dict[str, Any], cluster: ClusterTopology | None) -> tuple[dict[
         raise SpecError([(FIELD, "an elastic job's replica range goes with a hand-written "
                                  "layout; remove elastic.min_replicas and elastic.max_replicas, "
                                  "or set the layout and parallel.auto: false")])
+    if autopools.applies(spec):
+        return _resolve_pools(doc, spec, *_model_of(spec), cluster)
     node = largest_node(cluster)
     acc = accelerator_for(spec, node)
     shape = cluster_for(spec, node, acc)
     global_batch = default_global_batch(spec, shape.gpus)
-    hf: HFShape | None = None
-    if spec.model.is_hf:
-        model, hf = hf_shapes(spec)
-    else:
-        try:
-            model = ModelShape.from_spec_model(spec.model.model_dump())
-        except ValueError as exc:
-            raise SpecError([("model", str(exc))]) from None
+    model, hf = _model_of(spec)
     ranked = plan(model, shape, acc, global_batch)
+    taken, first_errs = _first_runnable(doc, spec, ranked, hf)
+    if taken is not None:
+        out, i = taken
+        p = ranked[i]
+        return out, {**p.to_json(), "gpu": acc.name, "gpus": shape.gpus, "gpus_per_node": shape.node_size,
+                     "global_batch": global_batch, "candidates": len(ranked), "rank": i + 1}
+    raise SpecError([(FIELD, no_fit_message(model, shape, acc, global_batch, ranked, first_errs,
+                                            folder_field(spec.model) if hf else None))])
+
+
+def _model_of(spec: JobSpec) -> tuple[ModelShape, HFShape | None]:
+    """The planner's shape of the spec's model, and a Hugging Face model's own shape."""
+    if spec.model.is_hf:
+        return hf_shapes(spec)
+    try:
+        return ModelShape.from_spec_model(spec.model.model_dump()), None
+    except ValueError as exc:
+        raise SpecError([("model", str(exc))]) from None
+
+
+def _first_runnable(doc: dict[str, Any], spec: JobSpec, ranked: Iterable[Plan], hf: HFShape | None
+                    ) -> tuple[tuple[dict[str, Any], int] | None, list[tuple[str, str]]]:
+    """The first plan the spec can run, as (concrete document, its index); else the
+    first plan's reasons."""
     first_errs: list[tuple[str, str]] = []
     for i, p in enumerate(ranked):
         errs = layout_errors(spec, p, hf)
@@ -245,13 +272,37 @@ def resolve(doc: dict[str, Any], cluster: ClusterTopology | None) -> tuple[dict[
             except SpecError as exc:
                 errs = exc.errors
             else:
-                record = {**p.to_json(), "gpu": acc.name, "gpus": shape.gpus,
-                          "gpus_per_node": shape.node_size, "global_batch": global_batch,
-                          "candidates": len(ranked), "rank": i + 1}
-                return out, record
+                return (out, i), []
         first_errs = first_errs or [(f, m) for f, m in errs]
-    raise SpecError([(FIELD, no_fit_message(model, shape, acc, global_batch, ranked, first_errs,
-                                            folder_field(spec.model) if hf else None))])
+    return None, first_errs
+
+
+def _resolve_pools(doc: dict[str, Any], spec: JobSpec, model: ModelShape, hf: HFShape | None,
+                   cluster: ClusterTopology | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`resolve` for a spec that accepts several GPU types (platform/planning/autopools.py):
+    the record adds `pools` (each type's GPUs, replicas and share of the batch) and the
+    balanced and even splits' step times; `gpu` joins a mix's types with '+'."""
+    ranked, global_batch, on = autopools.ranked(spec, model, cluster)
+    taken, errs = _first_runnable(doc, spec, (c.make().plan for c in ranked), hf)
+    if taken is not None:
+        out, i = taken
+        p = ranked[i].make()
+        # The layout was sized and its memory checked for these pools: the scheduler
+        # must place it there, not on another accepted type (a different count of
+        # GPUs, perhaps less memory). A mix keeps its types and may mix them.
+        out["resources"] = {**(out.get("resources") or {}),
+                            "gpu_types": [s.pool.acc.name for s in p.shares]}
+        return out, {**p.to_json(), "gpu": p.gpu, "gpus": p.gpus, "gpus_per_node": p.gpus_per_node,
+                     "global_batch": global_batch, "candidates": len(ranked), "rank": i + 1}
+    if ranked:
+        why = "; ".join(f"{f}: {m}" for f, m in errs[:2])
+        msg = (f"the planner found {len(ranked)} layout(s) that fit {on}, but none this spec can run "
+               f"(the fastest: {why}); change what the message names, or give another parallel.gpus")
+    else:
+        msg = (f"no layout of this model fits {on} (90% of each type's memory) with a global batch "
+               f"of {global_batch} that its replicas split evenly; give more GPUs (parallel.gpus), "
+               "another parallel.global_batch, bigger GPU types (resources.gpu_types) or a smaller model")
+    raise SpecError([(FIELD, msg)])
 
 
 def _batch_splits(model: ModelShape, shape: ClusterShape, global_batch: int) -> bool:

@@ -114,7 +114,8 @@ class CostModel:
         self.act_shard = s * (8 * h + mlp_coef * model.ffn)
         self.logits = 4 * s * model.vocab_size
         self.tokens = global_batch * s
-        self.step_flops = {rec: model.flops_per_token(rec) * self.tokens for rec in (False, True)}
+        self.token_flops = {rec: model.flops_per_token(rec) for rec in (False, True)}
+        self.step_flops = {rec: self.token_flops[rec] * self.tokens for rec in (False, True)}
         self._memo: dict[tuple, Any] = {}
 
     def _coll(self, kind: str, nbytes: float, ranks: int, per_node: int) -> float:
@@ -175,15 +176,29 @@ class CostModel:
             return size
         return max(1, ns // stride) if ns % stride == 0 else 1
 
+    def efficiency(self, tp: int, b: int) -> float:
+        """Share of peak the layers' GEMMs reach at micro-batch `b` and TP width `tp`."""
+        return self.acc.mfu_ceiling * _gemm(b * self.m.seq_len) * _gemm(self.m.d_model / tp)
+
+    def replica_compute(self, tp: int, pp: int, b: int, m: int, rec: bool) -> float:
+        """Seconds one replica (tp x pp ranks of this accelerator) computes m micro-batches of b."""
+        flops = self.token_flops[rec] * self.m.seq_len * b * m
+        return flops / (tp * pp * self.acc.peak_flops * self.efficiency(tp, b))
+
     def times(self, dp: int, tp: int, pp: int, b: int, m: int, zero: int, rec: bool, sched: str,
               v: int, shard: int | None = None) -> tuple[float, float, float, float, float, float, bool]:
         """(compute, tp_comm, bubble, pp_p2p, dp_comm, dp_exposed, hierarchical) in seconds."""
-        m_, c, acc = self.m, self.c, self.acc
-        s, h = m_.seq_len, m_.d_model
         gpus = dp * tp * pp
-        eff = acc.mfu_ceiling * _gemm(b * s) * _gemm(h / tp)
-        compute = self.step_flops[rec] / (gpus * acc.peak_flops * eff)
-        layers = m_.n_layers // pp
+        compute = self.step_flops[rec] / (gpus * self.acc.peak_flops * self.efficiency(tp, b))
+        tp_comm, bubble, pp_p2p = self.stage_times(compute, dp, tp, pp, b, m, zero, rec, sched, v)
+        dp_comm, exposed, hier = self.dp_sync(dp, tp, pp, m, zero, rec, compute + tp_comm, shard)
+        return compute, tp_comm, bubble, pp_p2p, dp_comm, exposed, hier
+
+    def stage_times(self, compute: float, dp: int, tp: int, pp: int, b: int, m: int, zero: int,
+                    rec: bool, sched: str, v: int) -> tuple[float, float, float]:
+        """(tp_comm, bubble, pp_p2p) in seconds of a replica that computes for `compute` s."""
+        s, h, c = self.m.seq_len, self.m.d_model, self.c
+        layers = self.m.n_layers // pp
         tp_comm = 0.0
         if tp > 1:
             per = self._coll("all_reduce", BF16 * s * b * h, tp, tp)
@@ -194,22 +209,28 @@ class CostModel:
             crosses = tp * pp > c.node_size or c.node_size % (tp * pp) != 0
             act = (BF16 if zero >= 2 and dp > 1 else FP32) * s * b * h
             pp_p2p = 2 * (v * m + pp - 1) * self._memoised(("p2p", act, crosses, tp), p2p, act, crosses,
-                                                            tp, acc, c.node_size)
-        dp_comm, exposed, hier = 0.0, 0.0, False
-        if dp > 1:
-            busy = compute + tp_comm
-            if zero >= 2:
-                dp_comm, exposed = self._fsdp(dp, tp, pp, m, zero, rec, busy, layers, shard)
-            elif tp == 1 and pp == 1:
-                dp_comm, exposed, hier = self._ddp(dp, m, rec, busy)
-            else:  # one flat all-reduce after backward
-                grads = FP32 * self.params / (tp * pp)
-                dp_comm = exposed = self._coll("all_reduce", grads, dp, self.per_node(tp * pp, dp))
-            if zero == 1:
-                sync = self._memoised(("zero1", dp, tp, pp), self._zero1_sync, dp, tp, pp)
-                dp_comm += sync
-                exposed += sync
-        return compute, tp_comm, bubble, pp_p2p, dp_comm, exposed, hier
+                                                            tp, self.acc, c.node_size)
+        return tp_comm, bubble, pp_p2p
+
+    def dp_sync(self, dp: int, tp: int, pp: int, m: int, zero: int, rec: bool, busy: float,
+                shard: int | None = None) -> tuple[float, float, bool]:
+        """The data-parallel group's traffic: (dp_comm, dp_exposed, hierarchical) in seconds;
+        `busy` is a replica's compute and TP time, behind which some of it hides."""
+        if dp <= 1:
+            return 0.0, 0.0, False
+        hier = False
+        if zero >= 2:
+            dp_comm, exposed = self._fsdp(dp, tp, pp, m, zero, rec, busy, self.m.n_layers // pp, shard)
+        elif tp == 1 and pp == 1:
+            dp_comm, exposed, hier = self._ddp(dp, m, rec, busy)
+        else:  # one flat all-reduce after backward
+            grads = FP32 * self.params / (tp * pp)
+            dp_comm = exposed = self._coll("all_reduce", grads, dp, self.per_node(tp * pp, dp))
+        if zero == 1:
+            sync = self._memoised(("zero1", dp, tp, pp), self._zero1_sync, dp, tp, pp)
+            dp_comm += sync
+            exposed += sync
+        return dp_comm, exposed, hier
 
     def _ddp(self, dp: int, m: int, rec: bool, busy: float) -> tuple[float, float, bool]:
         """DDP's bucketed all-reduce in the last micro-batch's backward: (total, exposed, two-level)."""
