@@ -138,7 +138,7 @@ class RayWorkerGroup:
                 self.pgs[rank // self.rpr], placement_group_bundle_index=rank % self.rpr),
         ).remote(self.job_id, rank, self.world, worker_settings(self.settings, grant), m.planned,
                  node, (ft.heartbeat_interval_s, ft.heartbeat_timeout_s), grant,
-                 self.credentials.authority)
+                 self.credentials.authority, hardware=self.spares.hardware(node))
 
     def _spec(self) -> JobSpec:
         assert self.spec is not None, "start the group first"
@@ -265,7 +265,7 @@ class RayWorkerGroup:
         rank_doc = {"job_id": self.job_id, "rank": rank, "world_size": self.world,
                     "gpu_ids": self.members[rank].info.get("gpu_ids", []), "node": slot.node,
                     "heartbeat": (ft.heartbeat_interval_s, ft.heartbeat_timeout_s),
-                    "authority": self.credentials.authority}
+                    "authority": self.credentials.authority, "hardware": self.spares.hardware(slot.node)}
         return self.spares.take(slot.node_id, lambda: self._grants([rank])[rank], rank_doc)
 
     # -- live resize -----------------------------------------------------------

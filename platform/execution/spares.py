@@ -26,6 +26,15 @@ class SparePool:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.by_node: dict[str, Any] = {}
+        self._store: Any = None
+
+    def hardware(self, node: str) -> dict[str, Any] | None:
+        """`node_hardware` with the operator's overrides, read from the job store."""
+        if self._store is None and self.settings.redis_url:
+            from kuangchao.platform.jobs.store import JobStore
+
+            self._store = JobStore.from_url(self.settings.redis_url, self.settings.redis_prefix)
+        return node_hardware(node, self._store)
 
     def keep(self, node_ids: set[str]) -> None:
         """Start a spare on each of these nodes that has none."""
@@ -37,8 +46,8 @@ class SparePool:
     def take(self, node_id: str, grant: Callable[[], dict[str, Any]], rank: dict[str, Any]) -> Any:
         """The spare on `node_id`, made the rank `rank` describes; None when there is none.
 
-        `rank` holds job_id, rank, world_size, gpu_ids, node, heartbeat and authority;
-        `grant` fetches the rank's fresh credentials.
+        `rank` holds job_id, rank, world_size, gpu_ids, node, heartbeat, authority and
+        hardware (`node_hardware`); `grant` fetches the rank's fresh credentials.
         """
         spare = self.by_node.pop(node_id, None)
         if spare is None:
@@ -52,7 +61,8 @@ class SparePool:
             token = grant()
             ray.get(spare.adopt.remote(rank["job_id"], rank["rank"], rank["world_size"],
                                        worker_settings(self.settings, token), rank["gpu_ids"],
-                                       rank["node"], rank["heartbeat"], token, rank["authority"]),
+                                       rank["node"], rank["heartbeat"], token, rank["authority"],
+                                       hardware=rank.get("hardware")),
                     timeout=30)
         except ray.exceptions.RayError:
             kill_actor(spare)
@@ -73,3 +83,20 @@ def kill_actor(actor: Any) -> None:
         ray.kill(actor, no_restart=True)
     except Exception:
         pass
+
+
+def node_hardware(node: str, store: Any = None) -> dict[str, Any] | None:
+    """A node's `gpu_type` and `emulated_speed` from the scheduler's node view, for the
+    rank placed there (a spare adopting a rank on another node type takes that node's):
+    its speed decides its share of the work. None when the node is not in the view;
+    the rank then reads KC_GPU_TYPE / KC_EMULATED_SPEED."""
+    from kuangchao.platform.cluster.registry import current_nodes
+
+    try:
+        nodes = current_nodes(store)
+    except Exception:  # the view is an optimisation of the split; the rank still runs
+        return None
+    for n in nodes:
+        if n.name == node:
+            return {"gpu_type": n.gpu_type, "emulated_speed": n.emulated_speed}
+    return None

@@ -245,8 +245,13 @@ def write_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """Load what `read_states` described (and DCP filled in) into the model and optimizer."""
     local = saved_optimizer(optimizer)
     optim_sd = from_saved_names(model, optim_sd)
-    if local is not optimizer:  # back to this rank's partition of each group
-        mine = _names(model, local)
+    mine = _names(model, local)
+    groups = optim_sd.get("param_groups", [])
+    if len(groups) == len(mine):
+        # The saved groups' settings with this rank's own parameters. DCP keeps one rank's
+        # copy of each group (not a tensor: no shards to merge), whose parameter list
+        # names that rank's: another pipeline stage's, or another layer split's, or
+        # under ZeRO-1 the whole model's rather than this rank's partition.
         optim_sd = {**optim_sd, "param_groups": [
-            {**g, "params": names} for g, names in zip(optim_sd["param_groups"], mine, strict=True)]}
+            {**g, "params": names} for g, names in zip(groups, mine, strict=True)]}
     set_state_dict(model, local, model_state_dict=model_sd, optim_state_dict=optim_sd)

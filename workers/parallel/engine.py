@@ -43,6 +43,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kuangchao.platform.spec.jobspec import JobSpec
+from kuangchao.workers.data.shares import Shares
 from kuangchao.workers.errors import TrainingError
 from kuangchao.workers.parallel.comm_clock import CommClock
 from kuangchao.workers.parallel.comm_hooks import Hierarchy
@@ -55,12 +56,13 @@ from kuangchao.workers.parallel.data_parallel import (
     make_optimizer,
 )
 from kuangchao.workers.parallel.layout import Coords, Layout, node_groups
+from kuangchao.workers.parallel.microbatch import ComputeClock, accumulate, evaluate, run_pipeline
 from kuangchao.workers.parallel.pipeline import (
     ChunkSet,
     TiedWeights,
     build_chunks,
-    lm_loss,
     make_schedule,
+    scaled_loss,
 )
 from kuangchao.workers.parallel.precision import Precision
 from kuangchao.workers.parallel.prepare import recompute_blocks
@@ -85,18 +87,26 @@ class Engine:
         log: Where a warning (a compile fallback) is written.
         wrap: Wrap for data parallelism now; with False (plain DDP only) the
             caller sets `wrapped = wrap()` and `wired` later.
+        layer_split: Layers per pipeline stage (from the stages' speeds,
+            workers/parallel/balance.py); None: equal runs.
+        emulation: A slower GPU emulated on CPU (workers/parallel/emulation.py).
+
+    The data-parallel split of each step's samples is `shares` (`set_shares`; None:
+    even). `compute` holds the last step's compute time and samples.
     """
 
     def __init__(self, spec: JobSpec, model: nn.Module, *, rank: int, world_size: int,
                  device: torch.device, node_of: dict[int, str] | None = None,
                  microbatches: int | None = None, clock: CommClock | None = None,
-                 log: Callable[..., None] | None = None, wrap: bool = True) -> None:
+                 log: Callable[..., None] | None = None, wrap: bool = True,
+                 layer_split: tuple[int, ...] | None = None, emulation: Any = None) -> None:
         p = self.p = spec.parallel
         self.spec, self.rank, self.world_size, self.device = spec, rank, world_size, device
         # A Hugging Face model's width is in its folder, not in the spec.
         self.d_model: int = getattr(model, "d_model", spec.model.d_model)
         self.clock, self.node_of = clock, node_of or {}
         self.microbatches = microbatches or p.gradient_accumulation_steps
+        self.microbatches_even = self.microbatches
         self.log = log or (lambda msg, **kw: warnings.warn(msg, stacklevel=2))
         self.layout = Layout.of(p, world_size)
         self.coords: Coords = self.layout.coords(rank)
@@ -107,14 +117,21 @@ class Engine:
         v = p.virtual_stages if pp > 1 else 1
         self.n_chunks = pp * v
         self.chunk_ids = self.layout.stage_chunks(self.coords.pp, v)
+        self.layer_split = layer_split if pp > 1 and v == 1 else None
         if getattr(model, "opaque", False):  # a whole Hugging Face model: one chunk, uncut
             self.chunks = [model]
             self.holder = model
             if p.recompute:
                 recompute_blocks(list(model.blocks.values()))
         else:
-            self.chunks = build_chunks(model, self.n_chunks, self.chunk_ids, p.recompute)
+            self.chunks = build_chunks(model, self.n_chunks, self.chunk_ids, p.recompute,
+                                       self.layer_split)
             self.holder = ChunkSet(self.chunks)
+        self.emulation, self.shares, self.loss_factor = emulation, None, 1.0
+        self.compute = ComputeClock(device, emulation)
+        if pp > 1 and emulation is not None:  # per chunk: the schedule runs them piecemeal
+            for chunk in self.chunks:
+                chunk.emulation = emulation
         self.mesh = None
         if self.distributed and (pp > 1 or tp > 1 or self.fsdp):
             self.mesh = device_mesh(device.type, self.layout)
@@ -232,7 +249,22 @@ class Engine:
         stages = [PipelineStage(module, stage_index=i, num_stages=self.n_chunks, device=self.device,
                                 group=self.pp_group)
                   for module, i in zip(self.wrapped, self.chunk_ids, strict=True)]
-        return make_schedule(self.p.schedule, stages, self.microbatches, lm_loss)
+        return make_schedule(self.p.schedule, stages, self.microbatches,
+                             scaled_loss(self.loss_factor))
+
+    def set_shares(self, shares: Shares | None) -> None:
+        """Take this step's data-parallel split (None or even: the even split). A pipeline
+        replica's micro-batch count and weight follow its share: its schedule is rebuilt
+        when they change (every stage of the replica does so at the same step)."""
+        self.shares = None if shares is None or shares.is_even else shares
+        if self.layout.pp == 1:
+            return
+        d = self.coords.dp
+        count = len(self.shares.sizes(d)) if self.shares is not None else self.microbatches_even
+        factor = self.shares.weight(d) if self.shares is not None else 1.0
+        if (count, factor) != (self.microbatches, self.loss_factor):
+            self.microbatches, self.loss_factor = count, factor
+            self.schedule = self._schedule()
 
     def unwrap(self) -> None:
         """Drop the DDP wrappers (their hooks belong to a process group that is going away)."""
@@ -246,6 +278,7 @@ class Engine:
         if self.mesh is not None:
             raise AssertionError("only plain data-parallel layouts resize in place")
         self.rank, self.world_size, self.microbatches = rank, world_size, microbatches
+        self.microbatches_even, self.shares = microbatches, None
         self.layout = Layout.of(self.p, world_size)
         self.coords = self.layout.coords(rank)
         self.distributed = world_size > 1 and dist.is_initialized()
@@ -276,83 +309,38 @@ class Engine:
         return self.n_chunks - 1 in self.chunk_ids
 
     def forward_backward(self, batches: list[Batch], poison: bool = False) -> float:
-        """Forward and backward over one step's micro-batches; the step's mean loss.
+        """Forward and backward over one step's micro-batches; this rank's mean loss
+        (sample-weighted: `shares.weight` makes it the global batch's in the mean over ranks).
 
         Gradients end up averaged over the data-parallel group, as a single
         process training on the whole global batch would have them.
         `poison` (a fault drill) makes the loss NaN.
         """
+        self.compute = ComputeClock(self.device, self.emulation)
         if self.schedule is not None:
-            loss = self._pipeline(batches, poison)
+            loss = run_pipeline(self, batches, poison, self.compute)
         else:
-            loss = self._accumulate(batches, poison)
+            loss = accumulate(self, batches, poison, self.compute)
         if self.manual_dp:
             allreduce_grads(self.holder, self.dp_group, self.layout.dp)
         if self.tied is not None:
             self.tied.sync(self.holder)
         return loss
 
-    def _accumulate(self, batches: list[Batch], poison: bool) -> float:
-        module = self.wrapped[0]
-        n, total = len(batches), 0.0
-        for i, (x, y) in enumerate(batches):
-            last = i == n - 1
-            with self._no_sync(module, last):
-                with self.precision.autocast():
-                    loss = lm_loss(module(x), y)
-                if poison:
-                    loss = loss * float("nan")
-                self.precision.scale(loss / n).backward()
-            total += float(loss.detach())
-        return total / n
-
     def _no_sync(self, module: nn.Module, last: bool):
+        """Gradients meet once a step, at this rank's last micro-batch (ranks with uneven
+        shares may run different numbers of them)."""
         if isinstance(module, DistributedDataParallel) and not last:
             return module.no_sync()
         if self.fsdp and hasattr(module, "set_requires_gradient_sync"):
             module.set_requires_gradient_sync(last)
         return nullcontext()
 
-    def _pipeline(self, batches: list[Batch], poison: bool) -> float:
-        x = torch.cat([b[0] for b in batches])
-        y = torch.cat([b[1] for b in batches])
-        losses: list[torch.Tensor] = []
-        args = (x,) if self.holds_first else ()
-        kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.holds_last else {}
-        with self.precision.autocast():
-            self.schedule.step(*args, **kwargs)
-        local = torch.stack(losses).mean().detach().double() if losses else \
-            torch.zeros((), dtype=torch.float64)
-        if poison:  # the drill: the loss lives inside the schedule, so poison the gradients
-            local = local * float("nan")
-            for param in self.holder.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(float("nan"))
-        dist.all_reduce(local, group=self.pp_group)  # only the last stage holds a loss
-        return float(local)
-
     def evaluate(self, batches: list[Batch]) -> float:
         """The mean loss of `batches`, forward only, dropout off (the eval split).
 
         With a pipeline, `batches` is one schedule's worth of micro-batches."""
-        for module in self.wrapped:
-            module.eval()
-        try:
-            with torch.no_grad(), self.precision.autocast():
-                if self.schedule is None:
-                    return sum(float(lm_loss(self.wrapped[0](x), y)) for x, y in batches) / len(batches)
-                losses: list[torch.Tensor] = []
-                args = (torch.cat([x for x, _ in batches]),) if self.holds_first else ()
-                kwargs: dict[str, Any] = ({"target": torch.cat([y for _, y in batches]),
-                                           "losses": losses} if self.holds_last else {})
-                self.schedule.eval(*args, **kwargs)
-                local = torch.stack(losses).mean().double() if losses else \
-                    torch.zeros((), dtype=torch.float64)
-                dist.all_reduce(local, group=self.pp_group)  # only the last stage holds a loss
-                return float(local)
-        finally:
-            for module in self.wrapped:
-                module.train()
+        return evaluate(self, batches)
 
     def grad_norm(self) -> float:
         """The global gradient norm, over every stage and shard (the tied head counted once)."""

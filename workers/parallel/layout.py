@@ -111,8 +111,17 @@ class Layout:
         return [stage + v * self.pp for v in range(virtual_stages)]
 
 
-def chunk_layers(n_layers: int, chunks: int, chunk: int) -> range:
-    """The blocks model chunk `chunk` of `chunks` holds (equal runs of whole layers)."""
+def chunk_layers(n_layers: int, chunks: int, chunk: int,
+                 split: tuple[int, ...] | None = None) -> range:
+    """The blocks model chunk `chunk` of `chunks` holds: equal runs of whole layers, or
+    with `split` (layers per chunk, from the stages' speeds: workers/parallel/balance.py)
+    the run `split[chunk]` long after the chunks before it."""
+    if split is not None:
+        if len(split) != chunks or sum(split) != n_layers or min(split) < 1:
+            raise ValueError(f"layer split {list(split)} does not cut {n_layers} layers into "
+                             f"{chunks} chunks of at least one")
+        start = sum(split[:chunk])
+        return range(start, start + split[chunk])
     if n_layers % chunks:
         raise ValueError(f"{chunks} model chunks do not divide {n_layers} layers")
     per = n_layers // chunks

@@ -16,6 +16,7 @@ Megatron does, so both copies take the same update and stay equal.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,15 +59,29 @@ class ModelChunk(nn.Module):
             self.norm = model.norm
             self.lm_head = model.lm_head
 
+    # A slower GPU emulated on CPU (workers/parallel/emulation.py); set on pipeline stages.
+    emulation: Any = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] (first chunk) or hidden states [B, T, D] in; hidden
         states or, on the last chunk, logits [B, T, vocab] out."""
+        emu = self.emulation
+        if emu is None:
+            return self._run(x, None)
+        clock = emu.clock()
+        with emu.timed():  # the forward's CPU time, slept again as (1/s - 1) of it
+            out = self._run(x, clock)
+        return emu.close(out, clock)  # the backward's clock starts where its gradient arrives
+
+    def _run(self, x: torch.Tensor, clock: Any) -> torch.Tensor:
         seq_len = x.size(1)
         if self.first:
             h = self.tok_emb(x)
             if not self.rotary:
                 h = h + self.pos_emb(torch.arange(seq_len, device=x.device))
             x = self.drop(h)
+        if clock is not None:  # and stops (and sleeps) where it leaves the chunk's blocks
+            x = self.emulation.open(x, clock)
         extra = self.rope(seq_len) if self.rotary else ()
         for block in self.blocks.values():
             if self.recompute and self.training:
@@ -92,12 +107,25 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return total / (flat != IGNORE).sum().clamp(min=1)
 
 
-def build_chunks(model: nn.Module, n_chunks: int, indices: list[int],
-                 recompute: bool) -> list[ModelChunk]:
-    """The chunks with the given indices of `model` split into `n_chunks`."""
+def build_chunks(model: nn.Module, n_chunks: int, indices: list[int], recompute: bool,
+                 split: tuple[int, ...] | None = None) -> list[ModelChunk]:
+    """The chunks with the given indices of `model` split into `n_chunks` (equal runs of
+    layers, or `split[i]` layers for chunk i)."""
     n_layers = len(model.blocks)
-    return [ModelChunk(model, chunk_layers(n_layers, n_chunks, i), first=i == 0,
+    return [ModelChunk(model, chunk_layers(n_layers, n_chunks, i, split), first=i == 0,
                        last=i == n_chunks - 1, recompute=recompute) for i in indices]
+
+
+def scaled_loss(factor: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`lm_loss` times `factor`: a replica's weight by sample count when replicas run
+    different numbers of pipeline micro-batches (workers/data/shares.py)."""
+    if factor == 1.0:
+        return lm_loss
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets) * factor
+
+    return loss
 
 
 class ChunkSet(nn.Module):

@@ -11,6 +11,9 @@ def describe(engine: Any) -> str:
     parts = [f"dp={lay.dp} tp={lay.tp} pp={lay.pp}"]
     if lay.pp > 1:
         parts.append(f"schedule {p.schedule}" + (f" x{p.virtual_stages}" if p.virtual_stages > 1 else ""))
+        split = getattr(engine, "layer_split", None)
+        if split is not None and len(set(split)) > 1:
+            parts.append(f"layers per stage {list(split)} (by speed)")
     dp_kind = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2 (FSDP2)", 3: "ZeRO-3 (FSDP2)"}[p.zero_stage]
     parts.append(dp_kind + (" + manual all-reduce" if engine.manual_dp else ""))
     if lay.shard_group:
@@ -26,6 +29,9 @@ def describe(engine: Any) -> str:
         parts.append(p.precision)
     if p.recompute:
         parts.append("recompute")
+    emu = getattr(engine, "emulation", None)
+    if emu is not None:
+        parts.append(f"emulated at {emu.speed:g} of full speed")
     return ", ".join(parts)
 
 

@@ -54,6 +54,11 @@ class TrainContext:
             (`kuangchao.workers.trainer.live_resize`); otherwise they end the train function.
         telemetry: This rank's Prometheus gauges (`kuangchao.workers.runtime.telemetry`),
             or None when worker metrics are off.
+        gpu_type, emulated_speed: This rank's node's hardware (its catalogue GPU type;
+            on a fake cluster, the fraction of full speed it emulates), from the
+            controller's node view; they set the rank's speed for balancing work.
+        shares: The data-parallel split of each step's samples
+            (`kuangchao.workers.data.shares.Shares`); None: even.
     """
 
     job_id: str
@@ -78,6 +83,10 @@ class TrainContext:
     group_store: Any = None
     telemetry: WorkerTelemetry | None = None
     node: str = ""  # this rank's node (kc.io/node)
+    gpu_type: str | None = None
+    emulated_speed: float | None = None
+    shares: Any = None
+    balance: Any = None  # the trainer's balancing state (workers/trainer/balanced.py)
     eval_source: Any = None  # the held-out split's batches (`data.eval_fraction`), if any
     # The platform's calls for a user's own function (workers/trainer/own.py), handed in
     # by the runner that starts it; the methods below delegate to it.
@@ -329,6 +338,7 @@ class TrainContext:
         self.rank, self.world_size = rank, world_size
         self.dp_rank, self.dp_size = rank, world_size
         self.accum_steps, self.generation = accum_steps, generation
+        self.shares = None  # even until the new group's speeds are exchanged
         self.checkpoint.regroup(rank, world_size)
         self.sink.rank = rank
         self._step_mark = None  # the resize is no training step

@@ -29,6 +29,7 @@ from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
 from kuangchao.workers.checkpoint.manager import CheckpointManager
 from kuangchao.workers.elastic.generation import join_generation
 from kuangchao.workers.errors import EntrypointError, PlacementMismatch, TrainingError
+from kuangchao.workers.parallel.emulation import check_emulation
 from kuangchao.workers.parallel.layout import Layout
 from kuangchao.workers.runtime import telemetry
 from kuangchao.workers.runtime.context import TrainContext
@@ -79,6 +80,20 @@ def granted_gpu_ids(assigned: dict[str, float]) -> list[int]:
     return sorted(ids)
 
 
+def node_hardware(given: dict[str, Any] | None) -> dict[str, Any]:
+    """This rank's node's `gpu_type` and `emulated_speed`, as the controller passed them;
+    a rank started without the controller reads KC_GPU_TYPE and KC_EMULATED_SPEED."""
+    if given is not None:
+        return dict(given)
+    speed = os.environ.get("KC_EMULATED_SPEED")
+    try:
+        emulated = float(speed) if speed else None
+    except ValueError:
+        raise TrainingError(f"KC_EMULATED_SPEED={speed!r}: give emulated_speed as a number in "
+                            "(0, 1]") from None
+    return {"gpu_type": os.environ.get("KC_GPU_TYPE") or None, "emulated_speed": emulated}
+
+
 class TrainWorker:
     """Hosts one rank. Methods are called by the job controller in order:
     `describe`, `join`, `run`."""
@@ -86,8 +101,10 @@ class TrainWorker:
     def __init__(self, job_id: str, rank: int, world_size: int, settings: Settings,
                  planned_gpus: tuple[int, ...] | None = None, node: str = "",
                  heartbeat: tuple[float, float] | None = None,
-                 grant: dict[str, Any] | None = None, authority: Any = None) -> None:
+                 grant: dict[str, Any] | None = None, authority: Any = None,
+                 hardware: dict[str, Any] | None = None) -> None:
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
+        self.hardware = hardware
         if grant is not None and grant.get("redis_url"):
             # The job's own Redis user: this process never holds the admin credentials.
             settings = dataclasses.replace(settings, redis_url=grant["redis_url"])
@@ -281,6 +298,8 @@ class TrainWorker:
         rng = spec.elastic_range
         replicas = self.world_size // rng.ranks_per_replica
         coords = Layout.of(spec.parallel, self.world_size).coords(self.rank)
+        hw = node_hardware(self.hardware)
+        speed = check_emulation(hw.get("emulated_speed"), torch.cuda.is_available(), self.node)
         return TrainContext(job_id=self.job_id, rank=self.rank, world_size=self.world_size,
                             local_rank=0, spec=spec, device=device, checkpoint=ckpt,
                             sink=self.sink, store=self.store, dp_rank=coords.dp,
@@ -290,7 +309,8 @@ class TrainWorker:
                             generation=gen.gen if gen else 0,
                             joining=bool(gen and self.rank in gen.joining),
                             live_resize=spec.live_resize and rng.elastic and self.store is not None,
-                            group_store=self._group_store, telemetry=self.telemetry)
+                            group_store=self._group_store, telemetry=self.telemetry,
+                            gpu_type=hw.get("gpu_type"), emulated_speed=speed)
 
     def _record_checkpoint(self, info: Any) -> None:
         """List a committed checkpoint on the job; the files on disk are what counts,
@@ -348,10 +368,11 @@ class SpareWorker(TrainWorker):
 
     def adopt(self, job_id: str, rank: int, world_size: int, settings: Settings,
               gpu_ids: list[int], node: str, heartbeat: tuple[float, float] | None,
-              grant: dict[str, Any] | None = None, authority: Any = None) -> int:
+              grant: dict[str, Any] | None = None, authority: Any = None,
+              hardware: dict[str, Any] | None = None) -> int:
         """Become `rank` of the job, on the failed rank's GPUs; returns this pid."""
         TrainWorker.__init__(self, job_id, rank, world_size, settings, None, node, heartbeat,
-                             grant, authority)
+                             grant, authority, hardware)
         self.gpu_ids = list(gpu_ids)
         if self.holder is not None:
             # The failed rank's GPUs: planned ones (its token names them), or, on a

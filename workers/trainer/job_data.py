@@ -23,7 +23,8 @@ from torch import nn
 
 from kuangchao.platform.settings import data_roots
 from kuangchao.platform.spec.jobspec import JobSpec
-from kuangchao.workers.data.sampling import BatchSource, batch_indices, load_corpus
+from kuangchao.workers.data.sampling import BatchSource, load_corpus
+from kuangchao.workers.data.shares import Shares
 from kuangchao.workers.parallel.engine import Engine
 from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.trainer.job_model import dims, tokenizer_folder
@@ -96,11 +97,13 @@ def eval_loss(engine: Engine, ctx: TrainContext) -> float:
     spec, source = ctx.spec, ctx.eval_source
     if source is None:
         return float("nan")
-    mb, accum = spec.parallel.micro_batch_size, ctx.accum_steps
+    # The training split's shares: a pipeline replica's schedule takes its own number of
+    # micro-batches, and the caller weights this rank's mean by its share.
+    shares = ctx.shares or Shares.even(ctx.dp_size, spec.parallel.micro_batch_size, ctx.accum_steps)
     total = 0.0
     rounds = spec.training.eval_batches
     for r in range(rounds):
-        batches = [tuple(b.to(ctx.device) for b in source.get(
-            batch_indices(r, micro, ctx.dp_rank, ctx.dp_size, mb, accum))) for micro in range(accum)]
+        batches = [tuple(b.to(ctx.device) for b in source.get(idx))
+                   for idx in shares.spans(r, ctx.dp_rank)]
         total += engine.evaluate(batches)
     return total / rounds

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kuangchao.workers.data.sampling import batch_indices
+from kuangchao.workers.data.shares import Shares
 from kuangchao.workers.elastic.generation import (
     await_generation,
     broadcast_state,
@@ -50,15 +50,15 @@ def rejoin(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Opt
     return finish_rejoin(ctx, model, optimizer, guard, pos, joined)
 
 
-def join_next(ctx: TrainContext, pos: Position) -> tuple[int, int, int] | None:
+def join_next(ctx: TrainContext, pos: Position) -> tuple[int, int, int, Any] | None:
     """Leave the old group and join the next generation, state untouched.
 
-    Returns the old layout (data-parallel size, accumulation, first step) for
+    Returns the old layout (data-parallel size, accumulation, first step, shares) for
     `finish_rejoin`, or None when this rank is not in the next generation. A
     user's own function re-runs between the two (workers/trainer/own.py): its
     model is built and wrapped again on the new group before the state moves.
     """
-    old = (ctx.dp_size, ctx.accum_steps, ctx.generation_start)
+    old = (ctx.dp_size, ctx.accum_steps, ctx.generation_start, ctx.shares)
     with ctx.phase("rejoin"):
         ctx.checkpoint.settle(grace_s=min(30.0, ctx.spec.fault_tolerance.stop_grace_s))
         leave_group()
@@ -81,7 +81,7 @@ def join_next(ctx: TrainContext, pos: Position) -> tuple[int, int, int] | None:
 
 
 def finish_rejoin(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  guard: GradNormGuard, pos: Position | None, old: tuple[int, int, int] | None,
+                  guard: GradNormGuard, pos: Position | None, old: tuple[int, int, int, Any] | None,
                   scheduler: Any = None) -> Position:
     """Take the newest state in the new group (`pos`/`old` None: a rank that just joined),
     then tell the controller this rank is ready."""
@@ -96,13 +96,13 @@ def finish_rejoin(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.op
 
 def sync_state(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                guard: GradNormGuard, pos: Position | None,
-               old_layout: tuple[int, int, int] | None = None, scheduler: Any = None) -> Position:
+               old_layout: tuple[int, int, int, Any] | None = None, scheduler: Any = None) -> Position:
     """Agree on the newest state in the group and send it to every rank that lacks it.
 
     Collective over the new group. `pos` is None on a rank without state (it
     just joined). When a survivor was one step behind (the old group broke
     while its all-reduce was still running elsewhere), it takes the newer state.
-    `old_layout` (data-parallel size, accumulation, first step) describes the
+    `old_layout` (data-parallel size, accumulation, first step, shares) describes the
     generation that just ended, on survivors. A user's LR `scheduler` moves too.
     """
     steps = gather_steps(None if pos is None else pos.step)
@@ -129,17 +129,18 @@ def sync_state(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim
         # The last step was applied, so its all-reduce completed, so every rank of the
         # old layout had contributed its micro-batches, including a rank that died
         # before recording them: record the whole step.
-        record_samples(ctx, pos.step - 1, pos, layout=old_layout[:2])
+        record_samples(ctx, pos.step - 1, pos, layout=old_layout[:2], shares=old_layout[3])
     optimizer.zero_grad(set_to_none=True)
     return pos
 
 
 def record_samples(ctx: TrainContext, step: int, pos: Position,
-                   layout: tuple[int, int] | None = None) -> None:
+                   layout: tuple[int, int] | None = None, shares: Any = None) -> None:
     """With `data.record_samples`, record the global samples trained on in `step`.
 
     Without `layout`, this rank's own micro-batches at the current size; with
-    `layout` (data-parallel size, accumulation), every rank's of that layout.
+    `layout` (data-parallel size, accumulation), every rank's of that layout, split
+    by its `shares` (None: even).
     One hash field per (step, data-parallel size, data-parallel rank): writing
     the same fact twice leaves one record, while the same step trained at two
     sizes shows up as two.
@@ -148,11 +149,13 @@ def record_samples(ctx: TrainContext, step: int, pos: Position,
         return
     dp_size, accum = layout or (ctx.dp_size, ctx.accum_steps)
     ranks = range(dp_size) if layout else [ctx.dp_rank]
+    shares = shares if layout else ctx.shares
     index = data_index(step, pos.skipped)
-    micro = ctx.spec.parallel.micro_batch_size
+    if shares is None or shares.dp_size != dp_size:
+        shares = Shares.even(dp_size, ctx.spec.parallel.micro_batch_size, accum)
     fields = {}
     for r in ranks:
-        spans = [batch_indices(index, m, r, dp_size, micro, accum) for m in range(accum)]
+        spans = shares.spans(index, r)
         fields[f"{step}/{dp_size}/{r}"] = ",".join(f"{s.start}:{s.stop}" for s in spans)
     try:
         ctx.store.record_samples(ctx.job_id, fields)

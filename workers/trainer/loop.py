@@ -21,15 +21,16 @@ import torch.distributed as dist
 
 from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.workers.collectives import permit
-from kuangchao.workers.data.sampling import BatchSource, Prefetcher, batch_indices
+from kuangchao.workers.data.sampling import BatchSource
 from kuangchao.workers.elastic.generation import is_collective_failure, mark_ready
 from kuangchao.workers.errors import NumericFault, ResizeNow, TrainingError
 from kuangchao.workers.parallel.engine import Engine
 from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.runtime.telemetry import model_flops_per_token
-from kuangchao.workers.trainer import debug_step
+from kuangchao.workers.trainer import balanced, debug_step
 from kuangchao.workers.trainer import live_resize as resize
 from kuangchao.workers.trainer.checkpoints import save_step, settles_checkpoints
+from kuangchao.workers.trainer.feed import Feed, even_shares, loss_weight
 from kuangchao.workers.trainer.job_data import eval_loss, job_sources
 from kuangchao.workers.trainer.job_model import build_job_model, dims
 from kuangchao.workers.trainer.numerics import GradNormGuard, data_index
@@ -49,16 +50,6 @@ def lr_factor(step: int, spec: JobSpec) -> float:
     else:
         decay = 0.5 * (1.0 + math.cos(math.pi * progress))
     return o.min_lr_ratio + (1.0 - o.min_lr_ratio) * decay
-
-
-def _batches(source: BatchSource, spec: JobSpec, ctx: TrainContext,
-             pos: Position) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    micro_batch, accum = spec.parallel.micro_batch_size, ctx.accum_steps
-    for step in range(pos.step, spec.training.steps):
-        index = data_index(step, pos.skipped)
-        for micro in range(accum):
-            idx = batch_indices(index, micro, ctx.dp_rank, ctx.dp_size, micro_batch, accum)
-            yield source.get(idx)
 
 
 def global_mean(value: float, ctx: TrainContext) -> float:
@@ -99,7 +90,11 @@ def train(ctx: TrainContext) -> dict[str, Any]:
     seed_everything(spec.training.seed)
     whole = build_job_model(spec).to(ctx.device)
     n_params = whole.num_params()
-    engine = build_engine(ctx, whole)
+    # A pipeline is cut by its stages' speeds, so they are exchanged first; without one
+    # the exchange waits for the top of the generation (a rank joining a live resize
+    # takes the state before any other collective).
+    speeds = balanced.exchange_speeds(ctx) if spec.parallel.pipeline_parallel_size > 1 else None
+    engine = build_engine(ctx, whole, balanced.layer_split(ctx, whole, speeds) if speeds else None)
     model, optimizer = engine.holder, engine.optimizer
     ft = spec.fault_tolerance
     guard = GradNormGuard(ft.grad_norm_spike_factor, ft.grad_norm_window)
@@ -123,6 +118,8 @@ def train(ctx: TrainContext) -> dict[str, Any]:
             f"{ctx.world_size} rank(s): {engine.describe()}")
     while True:
         wire(ctx, engine)
+        balanced.form(ctx, engine, speeds)
+        speeds = None  # a later group exchanges them again
         moving = False
         try:
             return _train_from(ctx, pos, engine, source, guard)
@@ -151,7 +148,8 @@ def train(ctx: TrainContext) -> dict[str, Any]:
             engine.regroup(ctx.rank, ctx.world_size, ctx.accum_steps)
 
 
-def build_engine(ctx: TrainContext, whole: torch.nn.Module) -> Engine:
+def build_engine(ctx: TrainContext, whole: torch.nn.Module,
+                 layer_split: tuple[int, ...] | None = None) -> Engine:
     """Wire the layout; the token must allow every collective it will run.
 
     Plain data parallelism is left unwrapped here: DDP's constructor is
@@ -164,7 +162,7 @@ def build_engine(ctx: TrainContext, whole: torch.nn.Module) -> Engine:
     engine = Engine(ctx.spec, whole, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
                     node_of=None if plain else _nodes(ctx), microbatches=ctx.accum_steps,
                     clock=ctx.telemetry.clock if ctx.telemetry is not None else None, log=ctx.log,
-                    wrap=not plain)
+                    wrap=not plain, layer_split=layer_split, emulation=balanced.emulation_of(ctx))
     if ctx.world_size > 1:
         for interface in engine.collectives():
             permit(interface)
@@ -205,26 +203,28 @@ def _train_from(ctx: TrainContext, pos: Position, engine: Engine, source: BatchS
     meter = _Throughput(global_batch * spec.model.seq_len)
     loss_value = float("nan")
     first = pos.step
-    with Prefetcher(_batches(source, spec, ctx, pos), depth=max(1, spec.data.prefetch)) as it:
-        micro_batch = spec.parallel.micro_batch_size
+    with Feed(source, ctx, pos) as it:
         for step in range(first, t.steps):
             if ctx.telemetry is not None:
                 ctx.telemetry.begin_step()
             if ctx.capture is not None and ctx.capture.req.kind == "profile":
                 debug_step.profile(ctx, step)
-            loss_value = _train_step(engine, it, step, ctx, pos, guard)
+            # Weighted by this step's share: the plain mean over ranks is the global batch's.
+            loss_value = _train_step(engine, it, step, ctx, pos, guard) * loss_weight(ctx)
             resize.record_samples(ctx, step, pos)
             done = pos.step = step + 1  # applied: a rejoin continues after it
             meter.tick()
             if ctx.telemetry is not None:
-                samples = micro_batch * ctx.accum_steps
+                samples = (ctx.shares or even_shares(ctx)).counts[ctx.dp_rank]
                 ctx.telemetry.end_step(done, samples, samples * spec.model.seq_len)
+            if balanced.after_step(ctx, engine):  # re-balanced by measured speeds
+                it.restart()  # the batches prefetched for the old shares are made again
             if ctx.capture is not None and ctx.capture.profiler is not None:
                 debug_step.profiled(ctx, done == t.steps)
             evaluated = {}
             if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
                 with ctx.phase("eval"):
-                    evaluated = {"eval_loss": global_mean(eval_loss(engine, ctx), ctx)}
+                    evaluated = {"eval_loss": global_mean(eval_loss(engine, ctx) * loss_weight(ctx), ctx)}
                 if ctx.is_chief:
                     ctx.log(f"step {done} eval loss {evaluated['eval_loss']:.4f}", step=done,
                             **evaluated)
@@ -336,8 +336,7 @@ def _train_step(engine: Engine, it: Iterator, step: int, ctx: TrainContext, pos:
     for group in optimizer.param_groups:
         group["lr"] = spec.optimizer.lr * lr_factor(step, spec)
     with ctx.phase("data"):
-        batches = [tuple(b.to(ctx.device, non_blocking=True) for b in next(it))
-                   for _ in range(ctx.accum_steps)]
+        batches = [tuple(b.to(ctx.device, non_blocking=True) for b in micro) for micro in next(it)]
     # Forward and backward; the data-parallel gradient all-reduce runs inside backward.
     with ctx.phase("forward"):
         loss = engine.forward_backward(batches, poison=poison)  # a fault drill: NaN on rank 0
