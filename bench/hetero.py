@@ -286,17 +286,20 @@ def main() -> None:
     even = [step_time(r) for r in dp["even"]]
     fast = [step_time(r) for r in dp["speed"]]
     log(f"data parallel: even {spread_of(even)} s/step, by speed {spread_of(fast)} s/step")
-    speedups = [a / b for a, b in zip(even, fast, strict=True)]
-    emit(BENCH, "hetero_speedup", "x", median(even) / median(fast), 1.0, 1.35, better="higher",
-         target_on="ours", spread={"ours": speedups},
-         settings=SETTINGS + "; ours = median step time with balance: even / with balance: speed "
-         "(baseline 1.0: the even split); GPT 4x192, seq 256, micro-batch 4, global batch 24",
+    # Throughput, steps per second: the ratio of the two sides is the speedup the
+    # issue asks for (even step time over balanced), both sides measured here.
+    emit(BENCH, "hetero_speedup", "steps/s", 1.0 / median(fast), 1.0 / median(even), 1.35,
+         better="higher", target_on="ratio",
+         spread={"ours": [1.0 / t for t in fast], "baseline": [1.0 / t for t in even]},
+         settings=SETTINGS + "; ours = steps per second with balance: speed, baseline = with "
+         "balance: even (ratio = the speedup); GPT 4x192, seq 256, micro-batch 4, global batch 24",
          step_s={"even": median(even), "speed": median(fast)}, machine=machine,
          shares={"speed": dp["speed"][0]["shares"], "even": dp["even"][0]["shares"]})
     gaps = [loss_gap(a, b) for a, b in zip(dp["speed"], dp["even"], strict=True)]
-    emit(BENCH, "hetero_loss_match", "relative", max(gaps), 1e-5, 1.0, better="lower",
-         target_on="ratio", settings=SETTINGS + "; ours = the largest relative loss difference "
-         "of balance: speed against balance: even at every step; baseline = the 1e-5 bound")
+    # No baseline: the two runs are each other's reference; the target bounds the gap.
+    emit(BENCH, "hetero_loss_match", "relative", max(gaps), None, 1e-5, better="lower",
+         target_on="ours", settings=SETTINGS + "; ours = the largest relative loss difference "
+         "of balance: speed against balance: even at every step (fp32)")
     split = [step_time(r) for r in pp["speed"]]
     flat = [step_time(r) for r in pp["even"]]
     log(f"pipeline: layers by speed {spread_of(split)}, even {spread_of(flat)}")
