@@ -192,3 +192,34 @@ def store():
 
     with redis_prefix("kctest-store") as (url, prefix):
         yield JobStore.from_url(url, prefix)
+
+
+@contextmanager
+def small_stack(root: Path, cluster: str, label: str, joined: tuple[str, ...] = ()) -> Iterator[Stack]:
+    """A stack of a module's own on `cluster` (a YAML beside this file), with a Redis key
+    prefix of its own; on exit, the nodes a test joined (`joined`, by name) are stopped,
+    the stack is brought down and its keys deleted."""
+    from kuangchao.platform.runtime import procs
+
+    env = {**os.environ, "KC_HOME": str(root / "home"),
+           "KC_REDIS_PREFIX": f"{label}-{uuid.uuid4().hex[:8]}:", "KC_QUARANTINE_FAILURES": "0"}
+    env.pop("KC_API_URL", None)
+    url = shared_redis_url()
+    if url:
+        env["KC_REDIS_URL"] = url
+    out = kc("up", "--cluster", str(HERE / cluster), "--api-port", "0",
+             "--dashboard-port", "0", "--json", env=env)
+    try:
+        assert out.returncode == 0, f"kc up failed:\n{out.stdout}\n{out.stderr}"
+        yield Stack(env, json.loads(out.stdout))
+    finally:
+        for name in joined:
+            pids = procs.matching([f'"kc.io/node": "{name}"'])
+            if pids:
+                procs.stop(pids)
+        down = kc("down", env=env, timeout=120)
+        if url:
+            client = redis.Redis.from_url(url)
+            for key in client.scan_iter(match=env["KC_REDIS_PREFIX"] + "*", count=1000):
+                client.delete(key)
+        assert down.returncode == 0, down.stderr

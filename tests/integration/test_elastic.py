@@ -15,18 +15,14 @@ The node test runs last: it replaces a node of the cluster.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import uuid
 
 import pytest
-import redis
 
 from kuangchao.api.sdk.client import ApiError, Client
-from kuangchao.platform.runtime import procs
 
-from .conftest import HERE, Stack, kc, raylet_of, shared_redis_url, wait_for
+from .conftest import Stack, kc, raylet_of, small_stack, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_stack]
 
@@ -44,27 +40,8 @@ LOSS_RTOL = 1e-4
 @pytest.fixture(scope="module")
 def elastic(tmp_path_factory):
     root = tmp_path_factory.mktemp("kcelastic")
-    env = {**os.environ, "KC_HOME": str(root / "home"),
-           "KC_REDIS_PREFIX": f"kcelastic-{uuid.uuid4().hex[:8]}:", "KC_QUARANTINE_FAILURES": "0"}
-    env.pop("KC_API_URL", None)
-    url = shared_redis_url()
-    if url:
-        env["KC_REDIS_URL"] = url
-    out = kc("up", "--cluster", str(HERE / "cluster-3x1.yaml"), "--api-port", "0",
-             "--dashboard-port", "0", "--json", env=env)
-    try:
-        assert out.returncode == 0, f"kc up failed:\n{out.stdout}\n{out.stderr}"
-        yield Stack(env, json.loads(out.stdout))
-    finally:
-        joined = procs.matching([f'"kc.io/node": "{JOINED}"'])
-        if joined:
-            procs.stop(joined)
-        down = kc("down", env=env, timeout=120)
-        if url:
-            client = redis.Redis.from_url(url)
-            for key in client.scan_iter(match=env["KC_REDIS_PREFIX"] + "*", count=1000):
-                client.delete(key)
-        assert down.returncode == 0, down.stderr
+    with small_stack(root, "cluster-3x1.yaml", "kcelastic", (JOINED,)) as stack:
+        yield stack
 
 
 def elastic_doc(stack: Stack, name: str, steps: int, **elastic) -> dict:
