@@ -296,10 +296,15 @@ def main() -> None:
          step_s={"even": median(even), "speed": median(fast)}, machine=machine,
          shares={"speed": dp["speed"][0]["shares"], "even": dp["even"][0]["shares"]})
     gaps = [loss_gap(a, b) for a, b in zip(dp["speed"], dp["even"], strict=True)]
-    # No baseline: the two runs are each other's reference; the target bounds the gap.
-    emit(BENCH, "hetero_loss_match", "relative", max(gaps), None, 1e-5, better="lower",
+    # The baseline is the even split against itself across repeats: how far two runs of
+    # one layout drift on this machine (0 when they are deterministic; with one repeat,
+    # the run against itself). The target bounds our gap.
+    evens = dp["even"]
+    floor = max(loss_gap(a, b) for a, b in zip(evens, evens[1:] or evens, strict=True))
+    emit(BENCH, "hetero_loss_match", "relative", max(gaps), floor, 1e-5, better="lower",
          target_on="ours", settings=SETTINGS + "; ours = the largest relative loss difference "
-         "of balance: speed against balance: even at every step (fp32)")
+         "of balance: speed against balance: even at every step (fp32); baseline = the same "
+         "between repeats of balance: even")
     split = [step_time(r) for r in pp["speed"]]
     flat = [step_time(r) for r in pp["even"]]
     log(f"pipeline: layers by speed {spread_of(split)}, even {spread_of(flat)}")

@@ -46,7 +46,9 @@ def test_the_trainer_balanced_by_speed_trains_the_even_splits_samples_to_its_los
     even, fast = run_cases(cases, tmp_path)
     assert "error" not in even, even["error"]
     assert "error" not in fast, fast["error"]
-    assert even["shares"] == [12, 12] and fast["shares"] == [16, 8]
+    # The speeds' split from the first step; the measured re-balance (a few steps in)
+    # may move it by what a busy machine measures, never towards the slow rank.
+    assert even["shares"] == [12, 12] and fast["shares"][0] > fast["shares"][1]
     assert [e["type"] for e in fast["events"]][:1] == ["rebalanced"]
     assert fast["events"][0]["new"] == [16, 8] and fast["events"][0]["cause"] == "speeds"
     assert even["events"] == []
@@ -56,7 +58,8 @@ def test_the_trainer_balanced_by_speed_trains_the_even_splits_samples_to_its_los
         for record in (even, fast):
             got = [_spans(record["samples"][f"{step}/2/{r}"]) for r in range(2)]
             assert sorted(got[0] + got[1]) == block
-        assert len(_spans(fast["samples"][f"{step}/2/0"])) == 16
+        took = len(_spans(fast["samples"][f"{step}/2/0"]))
+        assert took == 16 if step < 3 else took > 12, (step, took)
     assert loss_gap(fast, even) <= FP32
     assert fast["final_loss"] == pytest.approx(even["final_loss"], rel=FP32)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 LIVE = [Path(__file__).resolve().parents[1] / d for d in ("integration", "security")]
 # What a fixture that brings a stack up calls: `kc up`, or a Ray head by hand.
-STARTS_A_STACK = ('kc("up"', '"start", "--head"')
+# `small_stack(` is tests/integration/conftest.py's `kc up` for a module's own stack.
+STARTS_A_STACK = ('kc("up"', '"start", "--head"', "small_stack(")
 
 
 def _is_fixture(node: ast.FunctionDef) -> bool:
