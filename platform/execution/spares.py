@@ -7,6 +7,7 @@ instead of a fresh actor starting from nothing (`spare_workers`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,9 @@ from kuangchao.workers.runtime.rank_actor import SpareActor
 SPARE_WAIT_S = 60.0
 
 
+VIEW_TTL_S = 5.0
+
+
 class SparePool:
     """The warm spares of one job, by Ray node id."""
 
@@ -27,14 +31,22 @@ class SparePool:
         self.settings = settings
         self.by_node: dict[str, Any] = {}
         self._store: Any = None
+        self._view: tuple[float, dict[str, dict[str, Any]]] | None = None
 
     def hardware(self, node: str) -> dict[str, Any] | None:
-        """`node_hardware` with the operator's overrides, read from the job store."""
+        """This node's entry of `node_hardware_view` with the operator's overrides, read from the job store.
+
+        The node view is read once and kept for VIEW_TTL_S: a job's ranks start in one
+        burst, and one `ray.nodes()` plus two Redis reads per rank would grow start-up
+        with the job's size."""
         if self._store is None and self.settings.redis_url:
             from kuangchao.platform.jobs.store import JobStore
 
             self._store = JobStore.from_url(self.settings.redis_url, self.settings.redis_prefix)
-        return node_hardware(node, self._store)
+        now = time.monotonic()
+        if self._view is None or now - self._view[0] > VIEW_TTL_S:
+            self._view = (now, node_hardware_view(self._store))
+        return self._view[1].get(node)
 
     def keep(self, node_ids: set[str]) -> None:
         """Start a spare on each of these nodes that has none."""
@@ -47,7 +59,7 @@ class SparePool:
         """The spare on `node_id`, made the rank `rank` describes; None when there is none.
 
         `rank` holds job_id, rank, world_size, gpu_ids, node, heartbeat, authority and
-        hardware (`node_hardware`); `grant` fetches the rank's fresh credentials.
+        hardware (`node_hardware_view`); `grant` fetches the rank's fresh credentials.
         """
         spare = self.by_node.pop(node_id, None)
         if spare is None:
@@ -85,18 +97,15 @@ def kill_actor(actor: Any) -> None:
         pass
 
 
-def node_hardware(node: str, store: Any = None) -> dict[str, Any] | None:
-    """A node's `gpu_type` and `emulated_speed` from the scheduler's node view, for the
-    rank placed there (a spare adopting a rank on another node type takes that node's):
-    its speed decides its share of the work. None when the node is not in the view;
-    the rank then reads KC_GPU_TYPE / KC_EMULATED_SPEED."""
+def node_hardware_view(store: Any = None) -> dict[str, dict[str, Any]]:
+    """Each node's `gpu_type` and `emulated_speed` from the scheduler's node view, for the
+    ranks placed there (a spare adopting a rank on another node type takes that node's):
+    a rank's speed decides its share of the work. A node missing from the view (or no
+    view at all) gives its ranks no hardware; they then read KC_GPU_TYPE / KC_EMULATED_SPEED."""
     from kuangchao.platform.cluster.registry import current_nodes
 
     try:
         nodes = current_nodes(store)
     except Exception:  # the view is an optimisation of the split; the rank still runs
-        return None
-    for n in nodes:
-        if n.name == node:
-            return {"gpu_type": n.gpu_type, "emulated_speed": n.emulated_speed}
-    return None
+        return {}
+    return {n.name: {"gpu_type": n.gpu_type, "emulated_speed": n.emulated_speed} for n in nodes}

@@ -312,12 +312,13 @@ def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_a_rank_takes_its_nodes_hardware_from_the_controller_else_the_environment(monkeypatch):
     from kuangchao.platform.cluster import registry
     from kuangchao.platform.cluster.topology import NodeInfo
-    from kuangchao.platform.execution.spares import node_hardware as controller_side
+    from kuangchao.platform.execution.spares import node_hardware_view
     from kuangchao.workers.runtime.worker import node_hardware
 
     nodes = (NodeInfo("node-h1", 1, ((0,),), "leaf-0", gpu_type="h100-80gb"),
              NodeInfo("node-a1", 1, ((0,),), "leaf-0", gpu_type="a100-80gb", emulated_speed=0.5))
     monkeypatch.setattr(registry, "current_nodes", lambda store=None: nodes)
+    controller_side = node_hardware_view().get
     assert controller_side("node-a1") == {"gpu_type": "a100-80gb", "emulated_speed": 0.5}
     assert controller_side("node-h1") == {"gpu_type": "h100-80gb", "emulated_speed": None}
     assert controller_side("elsewhere") is None
