@@ -85,6 +85,11 @@ class StoreUnavailable(KuangchaoError):
     """Redis cannot be reached or refused the credentials."""
 
 
+class StorageError(KuangchaoError):
+    """An object store (s3:// and other fsspec URLs) cannot be used: an unknown scheme,
+    a missing bucket, missing or wrong credentials, or a store that stopped answering."""
+
+
 class JobNotFound(KuangchaoError):
     """No job with this id exists in the store."""
 

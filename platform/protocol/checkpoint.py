@@ -123,18 +123,25 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        raw = (path / MANIFEST).read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no {MANIFEST}; the checkpoint is partial") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}/{MANIFEST} is corrupt: {exc}") from None
     except OSError as exc:
         raise CheckpointError(f"{path}/{MANIFEST} cannot be read: {exc}") from None
+    return parse_manifest(raw, str(path))
+
+
+def parse_manifest(raw: bytes | str, where: str) -> dict[str, Any]:
+    """A manifest's text checked as `read_manifest` checks one (`where` names its folder)."""
+    try:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{where}/{MANIFEST} is corrupt: {exc}") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{path}/{MANIFEST} is malformed: no file list")
+        raise CheckpointError(f"{where}/{MANIFEST} is malformed: no file list")
     fmt = manifest.get("format")
     if fmt not in READABLE_FORMATS:
-        raise CheckpointError(f"{path}: checkpoint format {fmt!r} is not one this kuangchao reads "
+        raise CheckpointError(f"{where}: checkpoint format {fmt!r} is not one this kuangchao reads "
                               f"{READABLE_FORMATS}; it was written by another version")
     return manifest
 

@@ -28,9 +28,8 @@ saved asynchronously holds one host copy of the model and optimizer state.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ from kuangchao.platform.protocol.checkpoint import (
     read_manifest,
     step_dir_name,
 )
+from kuangchao.platform.storage.urls import is_url
 from kuangchao.workers.checkpoint.async_save import (
     PendingCheckpoint,
     StagingBuffers,
@@ -53,11 +53,10 @@ from kuangchao.workers.checkpoint.async_save import (
 from kuangchao.workers.checkpoint.export import load_model_state
 from kuangchao.workers.checkpoint.files import (
     load_rank_state,
-    retire,
-    retire_leftovers,
-    start_reaper,
 )
 from kuangchao.workers.checkpoint.paths import check_roots
+from kuangchao.workers.checkpoint.pruning import Pruner
+from kuangchao.workers.checkpoint.remote import RemoteTarget, local_dir, remote_for
 from kuangchao.workers.checkpoint.state_reader import StateDictReader, read_states, write_states
 from kuangchao.workers.checkpoint.writer import SaveJob, write
 from kuangchao.workers.errors import CheckpointError
@@ -80,9 +79,21 @@ class CheckpointManager:
     def __init__(self, root: str | Path, job_id: str, rank: int, world_size: int,
                  spec_hash: str, keep_last: int = 3,
                  on_commit: Callable[[CheckpointInfo], None] | None = None,
-                 roots: tuple[str, ...] | None = None) -> None:
+                 roots: tuple[str, ...] | None = None, local_staging: str | None = None,
+                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.root, self.roots = root, roots
-        self.dir = protocol.job_dir(root, job_id)
+        # checkpoint.path an object-store URL: the store holds the checkpoints, and
+        # self.dir is this node's folder of local copies (remote.py).
+        self.remote: RemoteTarget | None = None
+        if is_url(str(root)):
+            self.remote = RemoteTarget(remote_for(str(root), job_id), staging=bool(local_staging),
+                                       on_event=lambda e: self.on_event and self.on_event(e))
+            self.dir = local_dir(str(root), job_id, local_staging)
+            self._staging_dir = local_staging
+        else:
+            self.dir = protocol.job_dir(root, job_id)
+        self.on_event = on_event  # told of what the job should hear of (upload retries)
+        self._verified: set[Path] = set()  # local copies of remote steps fetched and verified
         self._check_roots()
         self.rank, self.world_size = rank, world_size
         self.spec_hash, self.keep_last = spec_hash, keep_last
@@ -102,26 +113,59 @@ class CheckpointManager:
         self._read_state = StateDictReader()
         self._group: dist.ProcessGroup | None = None
         self._group_ready = False
-        # Pruning: the thread deleting retired checkpoints, and the folders
-        # being read (verified or loaded), which are never retired.
-        self._reaper: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._reading: dict[Path, int] = {}
+        self._pruner = Pruner()
 
     # -- listing --------------------------------------------------------------
 
     def _check_roots(self) -> None:
-        if self.roots is not None:
+        if self.roots is None:
+            return
+        if self.remote is None:
             check_roots(self.root, self.dir, self.roots)
+        elif self._staging_dir:  # the node cache is the platform's own; staging is the job's
+            check_roots(self._staging_dir, self.dir, self.roots)
+
+    @property
+    def location(self) -> str:
+        """Where the job's checkpoints are kept: its folder, or its URL in the store."""
+        return str(self.remote.store.url) if self.remote is not None else str(self.dir)
 
     def list(self) -> list[Path]:
-        """Committed checkpoint folders, oldest first (not yet verified)."""
+        """Committed checkpoint folders, oldest first (not yet verified).
+
+        For a URL checkpoint path, the local folders each would be fetched into:
+        `verify` or `load` fetches it.
+        """
         self._check_roots()
+        if self.remote is not None:
+            return self.remote.paths(self.dir)
         return protocol.committed(self.dir)
+
+    def verify(self, path: Path) -> dict[str, Any]:
+        """The manifest of the checkpoint at `path` (from `list`) if every file verifies.
+
+        For a URL checkpoint path, the step is fetched into `path` first (only
+        what this node lacks) and verified there.
+
+        Raises:
+            CheckpointError: Saying which file is missing, truncated or altered.
+        """
+        path = Path(path)
+        if self.remote is None:
+            return protocol.verify(path)
+        with self._reading_from(path):
+            manifest = self.remote.fetch(path)
+        self._verified.add(path)
+        return manifest
 
     def latest_verified(self) -> tuple[Path, dict[str, Any]] | None:
         """The newest checkpoint whose manifest verifies, skipping broken ones."""
         self._check_roots()
+        if self.remote is not None:
+            for path in reversed(self.list()):
+                with contextlib.suppress(CheckpointError):
+                    return path, self.verify(path)
+            return None
         return protocol.latest_verified(self.dir, hold=self._reading_from)
 
     def wait_pruned(self, timeout: float | None = None) -> bool:
@@ -130,12 +174,7 @@ class CheckpointManager:
         Only for callers that want the disk space or the CPU back now: retired
         checkpoints are already out of `list()`, and the next commit waits anyway.
         """
-        reaper = self._reaper
-        if reaper is not None:
-            reaper.join(timeout)
-            if reaper.is_alive():
-                return False
-        return True
+        return self._pruner.wait(timeout)
 
     # -- saving ---------------------------------------------------------------
 
@@ -173,25 +212,21 @@ class CheckpointManager:
                    ) -> PendingCheckpoint:
         """Start a checkpoint; return once the state is copied to CPU memory.
 
-        The caller may step the optimizer right away: the write works on a
-        private copy. The DCP write, fsync, checksums, manifest and rename run
+        The caller may step the optimizer right away: the write (DCP shards,
+        fsync, checksums, manifest, rename or upload) works on a private copy,
         on a background thread. Same arguments and collective rules as `save`.
 
-        Memory: the CPU copy of the model and optimizer state is kept after
-        the write, and the next `save_async` copies into it in place when the
-        state has the same keys, shapes and dtypes (fresh memory for anything
-        that changed): a copy into pages never touched costs several times one
-        into pages in use. So from the first call on, this manager holds one host
-        copy of this rank's model and optimizer state, as torch's own async
-        checkpointing does with its cached staging buffers. It is overwritten
-        only after the previous write is over (this call waits for it first),
-        and dropped after a failed write.
+        Memory: the CPU copy is kept and overwritten in place by the next
+        `save_async` when the state has the same keys, shapes and dtypes (a
+        copy into pages never touched costs several times one into pages in
+        use), as torch's own async checkpointing caches its staging buffers:
+        from the first call on, this manager holds one host copy of this rank's
+        model and optimizer state, dropped after a failed write.
 
-        Time: the state is what `get_state_dict` returns, read with the FQN
-        map of the previous call when the model and optimizer are unchanged
-        (`StateDictReader`), and copied along the previous copy's layout in one
-        fused call when it is the same (`StagingBuffers`). What remains is
-        mostly the copy itself (~5 ms for 88 MB on the bench machine).
+        Time: `get_state_dict` with the previous call's FQN map when nothing
+        changed (`StateDictReader`), and one fused copy along the previous
+        copy's layout (`StagingBuffers`): mostly the copy itself (~5 ms for
+        88 MB on the bench machine).
 
         Returns:
             A handle; `result()` waits for the commit. A failure of the write
@@ -209,7 +244,7 @@ class CheckpointManager:
         staged = self._staging.stage({"model": model_sd, "optim": optim_sd})
         job = self._job(step, staged, stage_to_cpu(rank_state), extra)
         blocked_s = time.perf_counter() - t0
-        pending = PendingCheckpoint(step, str(job.final), blocked_s)
+        pending = PendingCheckpoint(step, self._where(step, job.final), blocked_s)
 
         def write() -> CheckpointInfo:
             size, write_s = self._write(job)
@@ -254,14 +289,17 @@ class CheckpointManager:
         # The step names the state, so a second save of it (periodic and preemption
         # checkpoints at one step) would write the same bytes again.
         last = self.last_committed
-        return last is not None and last.step == step and Path(last.path).exists()
+        return last is not None and last.step == step and (
+            self.remote is not None or Path(last.path).exists())
 
     def _job(self, step: int, state: dict[str, Any], rank_state: dict[str, Any],
              extra: dict[str, Any] | None) -> SaveJob:
+        tmp = (self.remote.tmp_for(self.dir, step, self.rank) if self.remote is not None
+               else self.dir / f".{step_dir_name(step)}.tmp")
         return SaveJob(step=step, state=state, rank_state=rank_state, extra=dict(extra or {}),
-                       group=self._checkpoint_group(), tmp=self.dir / f".{step_dir_name(step)}.tmp",
+                       group=self._checkpoint_group(), tmp=tmp,
                        final=self.dir / step_dir_name(step), rank=self.rank,
-                       world_size=self.world_size, spec_hash=self.spec_hash)
+                       world_size=self.world_size, spec_hash=self.spec_hash, remote=self.remote)
 
     def settle(self, grace_s: float) -> None:
         """Before the process group changes: end the write in flight, or drop it after `grace_s`."""
@@ -293,49 +331,27 @@ class CheckpointManager:
 
     def _committed(self, job: SaveJob, size: int, write_s: float,
                    blocked_s: float) -> CheckpointInfo:
-        info = CheckpointInfo(step=job.step, path=str(job.final), bytes=size,
+        info = CheckpointInfo(step=job.step, path=self._where(job.step, job.final), bytes=size,
                               blocked_s=blocked_s, write_s=write_s)
         self.last_committed = info
         if self.rank == 0 and self.on_commit is not None:
             self.on_commit(info)
         return info
 
+    def _where(self, step: int, final: Path) -> str:
+        return str(self.remote.store.step_url(step)) if self.remote is not None else str(final)
+
     def _prune(self, keep: Path) -> None:
-        """Retire the checkpoints beyond `keep_last`, and stale temporary folders.
+        """After a commit: retire what is beyond `keep_last` (pruning.py; remote.py for a store)."""
+        if self.remote is not None:
+            self._pruner.wait()
+            self._pruner.reaper = self.remote.start_prune(self.keep_last, keep)
+        else:
+            self._pruner.prune(self.dir, self.list(), self.keep_last, keep)
 
-        Each is renamed at once to a hidden name never used again, so that no
-        listing shows it and no save writes into it; a background thread then
-        deletes those names only, so the next save's commit never races with
-        it. `keep` (just committed: the newest verified checkpoint) and
-        checkpoints being verified or loaded are never retired.
-        """
-        self.wait_pruned()  # the previous deletion; long done in any real training loop
-        self._reaper = None
-        with self._lock:
-            reading = set(self._reading)
-            old = [p for p in self.list()[:-self.keep_last] if p != keep and p.resolve() not in reading]
-            for path in old:
-                with contextlib.suppress(OSError):  # gone already: nothing to do
-                    retire(path)
-        # Only one save is ever in flight, and it has just been renamed, so no
-        # temporary folder left is live.
-        doomed = retire_leftovers(self.dir)
-        if doomed:
-            self._reaper = start_reaper(doomed)
-
-    @contextlib.contextmanager
-    def _reading_from(self, path: Path) -> Iterator[None]:
+    def _reading_from(self, path: Path) -> contextlib.AbstractContextManager[None]:
         """Keep the pruning of this manager's commits away from `path` meanwhile."""
-        key = Path(path).resolve()
-        with self._lock:
-            self._reading[key] = self._reading.get(key, 0) + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._reading[key] -= 1
-                if not self._reading[key]:
-                    del self._reading[key]
+        return self._pruner.reading_from(path)
 
     # -- loading --------------------------------------------------------------
 
@@ -348,6 +364,8 @@ class CheckpointManager:
         t0 = time.perf_counter()
         path = Path(path)
         self._check_roots()
+        if self.remote is not None and path not in self._verified:
+            self.verify(path)  # fetch it to this node first
         with self._reading_from(path):
             model_sd, optim_sd = read_states(model, optimizer)
             if "converted_from" in read_manifest(path):

@@ -45,7 +45,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from kuangchao.platform.protocol.checkpoint import verify
 from kuangchao.workers.data.rank_data import RankData
 from kuangchao.workers.elastic.generation import is_collective_failure
 from kuangchao.workers.errors import CheckpointError, NumericFault, ResizeNow, TrainingError
@@ -135,7 +134,7 @@ class OwnKit:
         with ctx.phase("restore"):
             for path in reversed(ctx.checkpoint.list()):
                 try:
-                    manifest = verify(path)
+                    manifest = ctx.checkpoint.verify(path)
                 except CheckpointError as exc:
                     ctx.log(f"skipped checkpoint {path.name}: {exc.message}", level="WARNING")
                     continue

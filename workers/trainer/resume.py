@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kuangchao.platform.protocol.checkpoint import verify
 from kuangchao.platform.version import __version__
 from kuangchao.workers.errors import CheckpointError, NumericFault, TrainingError
 from kuangchao.workers.runtime.context import TrainContext
@@ -67,7 +66,7 @@ def restore_latest(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.o
     ctx.checkpoint.wait()
     for path in reversed(ctx.checkpoint.list()):
         try:
-            manifest = verify(path)
+            manifest = ctx.checkpoint.verify(path)
         except CheckpointError as exc:
             _event(ctx, {"type": "checkpoint_skipped", "path": str(path),
                          "message": f"skipped checkpoint {path.name}: {exc.message}"})

@@ -1,0 +1,130 @@
+"""Checkpoints whose `checkpoint.path` is an object-store URL (s3://…): how a
+save reaches the store, and where each node keeps its local copies.
+
+Every rank writes its DCP shards and rank file to a folder of its own on its own
+node (`.step_X.rN.tmp`: nothing is shared between nodes, not even a disk),
+checksumming them on the way out as on disk; then uploads them itself, so the
+upload is spread over ranks as the write is. Once every rank has uploaded, rank 0
+uploads the manifest: the commit (platform/storage/mirror.py). With
+`checkpoint.local_staging` the written files stay on the node as the local copy
+that a restore there reads instead of downloading them again; without it they are
+deleted once uploaded.
+
+Split from writer.py (the phases every save goes through) and manager.py (when
+saves run); imported only for URL checkpoint paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kuangchao.platform.protocol.checkpoint import step_dir_name, step_of
+from kuangchao.platform.storage import access
+from kuangchao.platform.storage.mirror import UPLOAD_DEADLINE_S, RemoteCheckpoints
+from kuangchao.platform.storage.urls import parse
+from kuangchao.workers.errors import CheckpointError
+
+# Local step folders a node keeps beyond the newest one; the store keeps `keep_last`.
+LOCAL_KEEP = 1
+
+
+def remote_for(root: str, job_id: str) -> RemoteCheckpoints:
+    """The store side of `job_id`'s checkpoints under the URL `root`, opened with this
+    process's credentials (a rank's are its job's, scoped to its prefix)."""
+    url = parse(root).join(job_id)
+    return RemoteCheckpoints(url, access.open_filesystem(url.scheme))
+
+
+def local_dir(root: str, job_id: str, staging: str | None) -> Path:
+    """Where this node keeps the local copies of a job's checkpoints under URL `root`:
+    `{staging}/{job_id}`, or a cache folder of this node's named after the URL."""
+    if staging:
+        return Path(staging).expanduser() / job_id
+    digest = hashlib.sha256(root.rstrip("/").encode()).hexdigest()[:16]
+    return access.cache_dir("checkpoints") / digest / job_id
+
+
+class RemoteTarget:
+    """The remote half of one manager's saves: set on `SaveJob.remote` for URL roots."""
+
+    def __init__(self, store: RemoteCheckpoints, staging: bool,
+                 on_event: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        self.store, self.staging, self.on_event = store, staging, on_event
+
+    def on_retry(self, attempt: int, what: str, error: str) -> None:
+        """An upload failed and is tried again: the job hears of it."""
+        if self.on_event is not None:
+            self.on_event({"type": "checkpoint_retry", "attempt": attempt,
+                           "message": f"{what}: try {attempt} failed ({error}); retrying"})
+
+    def paths(self, folder: Path) -> list[Path]:
+        """The local folders of the store's committed steps, oldest first (not fetched)."""
+        return [folder / step_dir_name(s) for s in self.store.committed_steps()]
+
+    def fetch(self, path: Path) -> dict[str, Any]:
+        """Fetch the step `path` names into it and verify it there; its manifest."""
+        step = step_of(path)
+        if step is None:
+            raise CheckpointError(f"{path} is not a step folder of {self.store.url}")
+        return self.store.fetch(step, path)
+
+    def start_prune(self, keep_last: int, keep: Path) -> threading.Thread:
+        """`prune_store` on a daemon thread: the next commit waits for it."""
+        step = step_of(keep)
+        thread = threading.Thread(target=self.prune_store,
+                                  args=(keep_last, step if step is not None else -1),
+                                  name="kc-checkpoint-prune", daemon=True)
+        thread.start()
+        return thread
+
+    def tmp_for(self, folder: Path, step: int, rank: int) -> Path:
+        """Each rank's own write folder: ranks of one node never share one."""
+        return folder / f".{step_dir_name(step)}.r{rank}.tmp"
+
+    def prepare(self, tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    def upload(self, step: int, tmp: Path, own_files: dict[str, Any], started: float) -> None:
+        """Put this rank's files; retried until the deadline counted from `started`."""
+        self.store.upload(step, {name: tmp / name for name in own_files}, self.on_retry,
+                          deadline=started + UPLOAD_DEADLINE_S)
+
+    def commit(self, step: int, manifest: dict[str, Any], started: float) -> None:
+        self.store.commit(step, manifest, self.on_retry, deadline=started + UPLOAD_DEADLINE_S)
+
+    def settle_local(self, tmp: Path, final: Path) -> None:
+        """After the commit: keep this rank's files as the node's local copy (staging), or
+        drop them. Local copies beyond the newest `LOCAL_KEEP` + 1 are removed."""
+        if not self.staging:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        final.mkdir(parents=True, exist_ok=True)
+        for f in tmp.iterdir():
+            os.replace(f, final / f.name)
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.prune_local(final.parent, keep=final)
+
+    def prune_local(self, folder: Path, keep: Path) -> None:
+        steps = sorted(p for p in folder.glob("step_*") if p.is_dir())
+        for old in steps[:-(LOCAL_KEEP + 1)]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def prune_store(self, keep_last: int, keep_step: int) -> None:
+        """Retire the store's checkpoints beyond `keep_last` (rank 0, after a commit)."""
+        steps = self.store.committed_steps()
+        for step in steps[:-keep_last]:
+            if step != keep_step:
+                with contextlib.suppress(Exception):  # the next commit tries again
+                    self.store.retire(step)
+        with contextlib.suppress(Exception):
+            self.store.retire_partial(keep={keep_step})
+
