@@ -10,7 +10,9 @@ from __future__ import annotations
 import configparser
 import json
 import os
+import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from kuangchao.platform.cluster.quarantine import QuarantinePolicy
@@ -28,18 +30,51 @@ def kc_home() -> Path:
     return Path(os.environ.get("KC_HOME") or Path.home() / ".kuangchao").expanduser()
 
 
+@lru_cache(maxsize=64)
+def roots_from(value: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    """A `:`-separated list of folders as absolute, normalised paths (cached: every
+    submit asks). Also `kuangchao.platform.security.admission.roots_from`."""
+    parts = [p for p in (value or "").split(os.pathsep) if p.strip()] or default
+    return tuple(os.path.normpath(os.path.abspath(os.path.expanduser(p))) for p in parts)
+
+
 def data_roots() -> tuple[str, ...]:
     """The folders a job's `data.path` may name (`KC_DATA_ROOTS`, default `$KC_HOME/data`)."""
-    from kuangchao.platform.security.admission import roots_from
-
     return roots_from(os.environ.get("KC_DATA_ROOTS"), (str(kc_home() / "data"),))
 
 
 def checkpoint_roots() -> tuple[str, ...]:
     """The folders a job's `checkpoint.path` may name (`KC_CHECKPOINT_ROOTS`, default `$KC_HOME`)."""
-    from kuangchao.platform.security.admission import roots_from
-
     return roots_from(os.environ.get("KC_CHECKPOINT_ROOTS"), (str(kc_home()),))
+
+
+def url_prefixes(value: str | None) -> tuple[str, ...]:
+    """A comma- or whitespace-separated list of object-store URL prefixes, as written."""
+    return tuple(p for p in re.split(r"[,\s]+", value or "") if p)
+
+
+def data_urls() -> tuple[str, ...]:
+    """The object-store prefixes a job's `data.path` may name (`KC_DATA_URLS`, e.g.
+    `s3://datasets/public, s3://team-a/data`; default none: no object-store data)."""
+    return url_prefixes(os.environ.get("KC_DATA_URLS"))
+
+
+def checkpoint_urls() -> tuple[str, ...]:
+    """The object-store prefixes a job's `checkpoint.path` may name (`KC_CHECKPOINT_URLS`,
+    same form as `KC_DATA_URLS`; default none)."""
+    return url_prefixes(os.environ.get("KC_CHECKPOINT_URLS"))
+
+
+# What the operator's object-store setup is made of: the standard AWS variables
+# (credentials, endpoint, region, profile and config files) and kuangchao's own.
+STORAGE_ENV_PREFIXES = ("AWS_", "KC_OBJECT_STORE_")
+STORAGE_ENV_NAMES = ("KC_CHECKPOINT_URLS", "KC_DATA_URLS")
+
+
+def operator_storage_env() -> dict[str, str]:
+    """The object-store part of this process's environment (see `Settings.object_store_env`)."""
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(STORAGE_ENV_PREFIXES) or k in STORAGE_ENV_NAMES}
 
 
 def credentials_file() -> Path:
@@ -60,8 +95,6 @@ def read_credentials() -> dict[str, str]:
 def audit_roots() -> tuple[str, ...]:
     """The folders a job's `permission.audit_log` may name (`KC_AUDIT_ROOT`, `:`-separated,
     default `$KC_HOME/audit`)."""
-    from kuangchao.platform.security.admission import roots_from
-
     return roots_from(os.environ.get("KC_AUDIT_ROOT"), (str(kc_home() / "audit"),))
 
 
@@ -132,6 +165,11 @@ class Settings:
         dev: Local dev mode (`KC_DEV_MODE=1`, set by `kc up`).
         job_acl: Give each job's workers a Redis ACL user of their own
             (`KC_REDIS_JOB_ACL`, default 1; 0 for a Redis without ACLs).
+        object_store_env: The operator's object-store settings (`AWS_*`,
+            `KC_OBJECT_STORE_*`, `KC_CHECKPOINT_URLS`, `KC_DATA_URLS`) as the
+            starter read them, handed to the control plane's actors, which apply
+            them in their own process (`storage.access.apply_operator_env`): no
+            raylet's environment holds them, and ranks never get them.
     """
 
     redis_url: str | None
@@ -144,6 +182,7 @@ class Settings:
     signing_key_pem: str | None = field(default=None, repr=False)
     dev: bool = False
     job_acl: bool = True
+    object_store_env: dict[str, str] | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -167,4 +206,5 @@ class Settings:
             signing_key_file=os.environ.get("KC_SIGNING_KEY_FILE") or state.get("signing_key_file"),
             dev=dev_mode() or bool(state.get("dev_mode")),
             job_acl=os.environ.get("KC_REDIS_JOB_ACL", "1") != "0",
+            object_store_env=operator_storage_env(),
         )

@@ -117,10 +117,18 @@ class NodeInfo:
                    problems=tuple(str(p) for p in d.get("problems") or ()))
 
 
+# `node_storage` of a local cluster's YAML: "shared" (every node sees $KC_HOME, as
+# one machine does) or "private" (each node gets a folder of its own, $KC_NODE_DIR,
+# and may keep checkpoints only there: a job then needs an object-store
+# checkpoint.path, and nothing can lean on a shared disk by accident).
+NODE_STORAGE = ("shared", "private")
+
+
 @dataclass(frozen=True)
 class ClusterTopology:
     name: str
     nodes: tuple[NodeInfo, ...] = field(default_factory=tuple)
+    node_storage: str = "shared"
 
     @property
     def total_gpus(self) -> int:
@@ -243,7 +251,11 @@ def load_topology(path: str | Path) -> ClusterTopology:
     names = [n.name for n in nodes]
     if len(set(names)) != len(names):
         raise TopologyError(f"{path}: node names must be unique, got {names}")
-    return ClusterTopology(name=str(doc.get("name", path.stem)), nodes=nodes)
+    storage = doc.get("node_storage", "shared")
+    if storage not in NODE_STORAGE:
+        raise TopologyError(f"{path}: node_storage must be one of {list(NODE_STORAGE)}, "
+                            f"got {storage!r}")
+    return ClusterTopology(name=str(doc.get("name", path.stem)), nodes=nodes, node_storage=storage)
 
 
 def node_from_labels(node_id: str, labels: dict[str, str], gpus: int, cpus: float,

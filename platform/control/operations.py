@@ -22,12 +22,13 @@ from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.planning import autoplan
 from kuangchao.platform.scheduling.plugins.snapshot import order_key
 from kuangchao.platform.security.admission import check_paths, check_request, limits_from_json
-from kuangchao.platform.settings import audit_roots, checkpoint_roots, data_roots, kc_home
+from kuangchao.platform.settings import audit_roots, checkpoint_roots, data_roots, data_urls, kc_home
 from kuangchao.platform.spec.elastic import samples_seen
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
 from kuangchao.platform.spec.model_folder import check_model_folder
 from kuangchao.platform.spec.queues import QueueTable
 from kuangchao.platform.spec.stored import spec_of, stored_form
+from kuangchao.platform.storage.urls import is_url
 
 
 def new_job_id(name: str) -> str:
@@ -43,6 +44,8 @@ def resolve_checkpoint_path(spec: JobSpec) -> JobSpec:
     checkpoints where `kc` and operators can find them.
     """
     spec = _expand_home(spec)
+    if is_url(spec.checkpoint.path):  # an object store: the same URL from everywhere
+        return spec
     path = Path(spec.checkpoint.path).expanduser()
     if path.is_absolute():
         return spec
@@ -84,7 +87,7 @@ def check_queue(store: JobStore, spec: JobSpec, role: str | None = None,
     check_paths(spec.data.path, spec.checkpoint.path, data_roots(), checkpoint_roots(),
                 read_paths=(("model.checkpoint" if m.type == "llama" else "model.path", m.hf_folder),
                             ("data.tokenizer", spec.data.tokenizer)),
-                audit_log=spec.permission.audit_log, audit_roots=audit_roots())
+                audit_log=spec.permission.audit_log, audit_roots=audit_roots(), data_urls=data_urls())
     check_model_folder(spec)
     if role is not None:
         check_request(role, tenant, spec.task.priority_value, queue.tenants, queue.name,

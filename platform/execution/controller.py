@@ -35,6 +35,8 @@ from kuangchao.platform.jobs.state import Change, JobRecord, JobState, cancel, f
 from kuangchao.platform.protocol.checkpoint import job_dir, latest_verified, verify
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
+from kuangchao.platform.storage.mirror import job_checkpoints, verify_step_url
+from kuangchao.platform.storage.urls import is_url
 from kuangchao.workers.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -65,7 +67,8 @@ class JobController:
                  name: str = "driver", authority: Any = None, group: Any = None,
                  watch_factory: Callable[..., Any] = RankWatch,
                  credentials: Credentials | None = None,
-                 latest_checkpoint: Callable[[JobSpec, str], Path | None] | None = None) -> None:
+                 latest_checkpoint: Callable[[JobSpec, str], Path | str | None] | None = None,
+                 ) -> None:
         if store is None:
             from kuangchao.platform.jobs.store import JobStore
 
@@ -245,12 +248,13 @@ class JobController:
     def _finish(self, spec: JobSpec, results: list[Any]) -> None:
         first = (results[0] or {}) if results else {}
         ckpt = first.get("checkpoint")
-        path = Path(ckpt["path"]) if ckpt else self.latest_checkpoint(spec, self.job_id)
+        path = ckpt["path"] if ckpt else self.latest_checkpoint(spec, self.job_id)
         if path is None:
             raise KuangchaoError("the train function returned without saving a checkpoint; "
                                  "call ctx.checkpoint.save(...) before returning")
         try:
-            manifest = verify(self.credentials.within_job(path))
+            where = self.credentials.within_job(path)
+            manifest = verify_step_url(str(where)) if is_url(str(where)) else verify(Path(where))
         except CheckpointError as exc:
             raise KuangchaoError(f"final checkpoint does not verify: {exc.message}") from None
         final_loss = first.get("final_loss")
@@ -274,7 +278,12 @@ class JobController:
         self.formation.stop_watching()
 
 
-def _latest_verified(spec: JobSpec, job_id: str) -> Path | None:
-    """The newest verified checkpoint in the job's folder."""
+def _latest_verified(spec: JobSpec, job_id: str) -> Path | str | None:
+    """The newest verified checkpoint in the job's folder (a step URL in an object store:
+    its objects all there at their sizes)."""
+    if is_url(spec.checkpoint.path):
+        store = job_checkpoints(spec.checkpoint.path, job_id)
+        found = store.latest()
+        return str(store.step_url(found[0])) if found else None
     latest = latest_verified(job_dir(spec.checkpoint.path, job_id))
     return latest[0] if latest else None

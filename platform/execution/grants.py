@@ -12,8 +12,16 @@ import ray
 
 from kuangchao.platform.errors import ClusterError, KuangchaoError, TokenError
 from kuangchao.platform.security.authority import AUTHORITY_NAME
-from kuangchao.platform.security.tokens import Claims, Verifier, check, load_public, within_prefix
+from kuangchao.platform.security.tokens import (
+    Claims,
+    Verifier,
+    check,
+    load_public,
+    within_prefix,
+    within_url_prefix,
+)
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings
+from kuangchao.platform.storage.urls import is_url
 from kuangchao.workers.checkpoint.paths import anchor, check_step_folder, leads_inside
 
 log = logging.getLogger(__name__)
@@ -23,7 +31,8 @@ def worker_settings(settings: Settings, grant: dict[str, Any]) -> Settings:
     """What a rank is handed: the job's Redis user instead of the admin's, and no
     API key, signing key or its path."""
     return dataclasses.replace(settings, redis_url=grant.get("redis_url") or settings.redis_url,
-                               api_key=None, signing_key_file=None, signing_key_pem=None)
+                               api_key=None, signing_key_file=None, signing_key_pem=None,
+                               object_store_env=None)
 
 
 class Credentials:
@@ -76,7 +85,7 @@ class Credentials:
                 grant["token"])
         return self.own_claims
 
-    def within_job(self, path: Path | str) -> Path:
+    def within_job(self, path: Path | str) -> Path | str:
         """`path` if it lies in the job's checkpoint folder, as the controller's token
         scopes it; a final checkpoint elsewhere (another job's) never counts, nor
         one reached through a symlink the job's code planted, nor one holding a
@@ -85,6 +94,8 @@ class Credentials:
         prefix = claims.scope.checkpoint_prefix
         try:
             check(claims, "checkpoint_read")
+            if is_url(prefix) or is_url(str(path)):  # an object store: no symlinks to follow
+                return within_url_prefix(prefix, str(path))
             full = Path(within_prefix(prefix, str(path)))
         except TokenError as exc:
             raise KuangchaoError(f"the final checkpoint {path} is not this job's: {exc.message}; "

@@ -35,6 +35,7 @@ from kuangchao.platform.scheduling.orphans import RECONCILE_S, OrphanCheck
 from kuangchao.platform.scheduling.scheduler import Scheduler
 from kuangchao.platform.security.authority import AUTHORITY_NAME, load_signing_key
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings
+from kuangchao.platform.storage.access import apply_operator_env
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class JobControllerActor:
     def __init__(self, job_id: str, settings: Settings) -> None:
         name = ray.get_runtime_context().get_actor_name() or f"kc-job-{job_id}"
         use_json_logs("controller", job_id=job_id)
+        apply_operator_env(settings.object_store_env)  # final checkpoints in an object store
         self.controller = JobController(job_id, settings, name=name)
         self._ran = False
         # What Ray and torch built at import is never garbage: moving it out of

@@ -32,6 +32,7 @@ from kuangchao.platform.security.audit import AuditLog, AuditRecord, DenialSampl
 from kuangchao.platform.security.authority import TokenAuthority, load_signing_key
 from kuangchao.platform.security.tokens import generate_key
 from kuangchao.platform.settings import Settings, audit_file, audit_roots
+from kuangchao.platform.storage.access import apply_operator_env
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class TokenAuthorityActor:
 
     def __init__(self, settings: Settings, ephemeral: bool = False) -> None:
         use_json_logs("authority")
+        apply_operator_env(settings.object_store_env)  # per-job object-store credentials
         store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
         key, self.key_source = ((generate_key(), "ephemeral") if ephemeral else
                                 load_signing_key(settings.signing_key_file, settings.dev,

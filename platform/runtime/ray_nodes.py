@@ -20,7 +20,7 @@ from kuangchao.platform.cluster.topology import LABEL_ROLE, ClusterTopology, gpu
 from kuangchao.platform.errors import ClusterError
 from kuangchao.platform.runtime import procs
 from kuangchao.platform.runtime.ray_connect import CONTROL_CAPACITY, CONTROL_RESOURCE, ray_token_env
-from kuangchao.platform.settings import kc_home
+from kuangchao.platform.settings import kc_home, operator_storage_env
 
 if TYPE_CHECKING:
     from kuangchao.platform.runtime.localcluster import UpOptions
@@ -58,11 +58,30 @@ def ray_env(state: dict[str, Any], admin: bool = True) -> dict[str, str]:
     env.update({k: v for k, v in RAY_QUIET.items() if k not in env})
     for secret in SECRET_ENV:
         env.pop(secret, None)
+    # The operator's object-store credentials stay with the control plane's actors
+    # (Settings.object_store_env); ranks get their job's scoped ones in their grant,
+    # and botocore on a raylet finds no credentials file or instance role to fall back on.
+    for name in operator_storage_env():
+        env.pop(name, None)
+    env.update(AWS_SHARED_CREDENTIALS_FILE=os.devnull, AWS_CONFIG_FILE=os.devnull,
+               AWS_EC2_METADATA_DISABLED="true")
     env.update(ray_token_env(state))
     if admin:
         env["KC_REDIS_URL"] = state["redis_url"]
     env["KC_REDIS_PREFIX"] = state["redis_prefix"]
     env["KC_HOME"] = str(kc_home())
+    return env
+
+
+def node_env(state: dict[str, Any], topo: ClusterTopology, name: str) -> dict[str, str]:
+    """A node raylet's environment: `ray_env`, plus, with `node_storage: private`, a
+    folder of the node's own (`KC_NODE_DIR`) that is also the only place its ranks
+    may keep checkpoints (`KC_CHECKPOINT_ROOTS`): nothing is shared between nodes."""
+    env = ray_env(state, admin=False)
+    if topo.node_storage == "private":
+        own = kc_home() / "nodes" / name
+        own.mkdir(parents=True, exist_ok=True)
+        env["KC_NODE_DIR"] = env["KC_CHECKPOINT_ROOTS"] = str(own)
     return env
 
 
@@ -138,7 +157,7 @@ def start_ray(state: dict[str, Any], topo: ClusterTopology, opts: UpOptions) -> 
         proc = ray_start([f"--address=127.0.0.1:{port}", f"--num-cpus={int(node.cpus)}",
                           f"--num-gpus={node.gpus}", f"--labels={labels}",
                           f"--resources={pinned}", "--include-log-monitor=False"],
-                         ray_env(state, admin=False), f"ray-{node.name}.log")
+                         node_env(state, topo, node.name), f"ray-{node.name}.log")
         if proc.wait(timeout=300) != 0:
             log = kc_home() / "logs" / f"ray-{node.name}.log"
             raise ClusterError(f"`ray start` for {node.name} failed; the end of {log}:"

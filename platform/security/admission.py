@@ -18,6 +18,11 @@ workers can reach (`$KC_HOME/credentials`, another job's checkpoints,
   on the path as written, normalised (the API may not see the workers'
   disks), and again by the worker on the path resolved, symlinks and all,
   before it opens anything (workers/data/corpus.py).
+- **Object-store data**: a `data.path` that is a URL (`s3://bucket/prefix`, a
+  glob such as `s3://bucket/d/*.jsonl`) must lie under one of the operator's
+  prefixes (`KC_DATA_URLS`; none by default) and name a scheme this install
+  can open. Checked on the URL as written, without asking the store; the rank
+  copies it to its node's cache (workers/data/remote.py).
 
 Pure: no Ray, Redis or torch.
 """
@@ -26,10 +31,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from typing import Any
 
 from kuangchao.platform.errors import AdmissionRefused, SpecError
+from kuangchao.platform.settings import roots_from  # noqa: F401 -- re-exported
+from kuangchao.platform.storage import objects, urls
 
 
 @dataclass(frozen=True)
@@ -89,14 +95,6 @@ def check_request(role: str, tenant: str, priority: int, queue_tenants: tuple[st
         raise AdmissionRefused(errors)
 
 
-@lru_cache(maxsize=64)
-def roots_from(value: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
-    """A `:`-separated list of folders as absolute, normalised paths (cached: every
-    submit asks)."""
-    parts = [p for p in (value or "").split(os.pathsep) if p.strip()] or default
-    return tuple(os.path.normpath(os.path.abspath(os.path.expanduser(p))) for p in parts)
-
-
 def under(path: str, roots: tuple[str, ...]) -> bool:
     """Whether `path` (absolute, normalised) is one of `roots` or inside one."""
     return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
@@ -104,21 +102,28 @@ def under(path: str, roots: tuple[str, ...]) -> bool:
 
 def check_paths(data_path: str | None, checkpoint_path: str, data_roots: tuple[str, ...],
                 checkpoint_roots: tuple[str, ...], *, read_paths: tuple[tuple[str, str | None], ...] = (),
-                audit_log: str | None = None, audit_roots: tuple[str, ...] = ()) -> None:
+                audit_log: str | None = None, audit_roots: tuple[str, ...] = (),
+                data_urls: tuple[str, ...] = ()) -> None:
     """Refuse a data, model, checkpoint or audit path outside its roots, as written.
 
     `read_paths` are more `(field, path)` pairs the job reads, held to the data roots
     (a Hugging Face model's folder, a tokenizer). A glob in `data.path` is checked by
-    the folder it starts in.
+    the folder it starts in. A `data.path` that is an object-store URL is held to
+    `data_urls` instead (`url_problem`).
 
     Raises:
         SpecError: Naming the field, the roots, and the setting that adds one.
     """
+    errors = []
+    if data_path is not None and urls.is_url(data_path):
+        problem = url_problem(data_path, data_urls, "KC_DATA_URLS")
+        if problem is not None:
+            errors.append(("data.path", problem))
+        data_path = None
     checks = [("data.path", _glob_base(data_path), data_roots, "KC_DATA_ROOTS"),
               *((field, raw, data_roots, "KC_DATA_ROOTS") for field, raw in read_paths),
               ("checkpoint.path", checkpoint_path, checkpoint_roots, "KC_CHECKPOINT_ROOTS"),
               ("permission.audit_log", audit_log, audit_roots, "KC_AUDIT_ROOT")]
-    errors = []
     for field, raw, roots, setting in checks:
         if raw is None:
             continue
@@ -129,6 +134,51 @@ def check_paths(data_path: str | None, checkpoint_path: str, data_roots: tuple[s
                                   f"operator to add a root ({setting})"))
     if errors:
         raise SpecError(errors)
+
+
+def url_problem(url: str, prefixes: tuple[str, ...], setting: str) -> str | None:
+    """Why the object-store `url` (a glob allowed after its bucket) may not be used,
+    or None: a scheme not installed here, a malformed URL or pattern, or a place
+    outside `prefixes` (the URLs the operator listed in `setting`). No network."""
+    try:
+        base, _ = split_url_glob(url)
+    except ValueError as exc:
+        return str(exc)
+    problem = objects.check_scheme(base)
+    if problem is not None:
+        return problem
+    if not prefixes:
+        return (f"{url!r} is in an object store, and this cluster lets jobs read none; use a "
+                f"local path, or ask an operator to allow a prefix ({setting})")
+    if not urls.under_prefixes(base, prefixes):
+        return (f"{url!r} is outside the object-store prefixes jobs may use here "
+                f"({', '.join(prefixes)}); put it under one of them, or ask an operator to add "
+                f"a prefix ({setting})")
+    return None
+
+
+def split_url_glob(url: str) -> tuple[str, str | None]:
+    """An object-store URL as (the prefix before its first wildcard's segment, the
+    pattern after it, or None when it has no wildcard):
+    `s3://b/d/*.jsonl` -> (`s3://b/d`, `*.jsonl`).
+
+    Raises:
+        ValueError: A wildcard in the bucket, or a pattern segment that is empty,
+            `.` or `..` (it would reach outside the prefix), saying which.
+    """
+    at = min((i for i in (url.find(c) for c in "*?[") if i >= 0), default=-1)
+    if at < 0:
+        return url, None
+    scheme_end = url.find("://")
+    cut = url.rfind("/", 0, at)
+    if scheme_end < 0 or cut <= scheme_end + 2:
+        raise ValueError(f"{url!r}: a wildcard may not stand in the bucket name; name the bucket, "
+                         "then a pattern (s3://bucket/folder/*.jsonl)")
+    pattern = url[cut + 1:]
+    if any(s in ("", ".", "..") or "\\" in s or "\0" in s for s in pattern.split("/")):
+        raise ValueError(f"{url!r}: the pattern {pattern!r} has an empty, '.' or '..' segment or "
+                         "a backslash; write it plainly (s3://bucket/folder/**/*.jsonl)")
+    return url[:cut], pattern
 
 
 def _glob_base(path: str | None) -> str | None:

@@ -40,6 +40,8 @@ from kuangchao.platform.security.tokens import (
     public_pem,
 )
 from kuangchao.platform.spec.jobspec import JobSpec
+from kuangchao.platform.storage.urls import is_url
+from kuangchao.platform.storage.urls import parse as parse_url
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,10 @@ def load_signing_key(path: str | None, dev: bool,
 
 
 def checkpoint_dir(root: str, job_id: str) -> str:
-    """The job's checkpoint folder as an absolute, normalised path."""
+    """The job's checkpoint folder as an absolute, normalised path, or its prefix in an
+    object store (`s3://bucket/prefix/{job_id}`)."""
+    if is_url(root):
+        return str(parse_url(root).join(job_id))
     return os.path.normpath(os.path.join(os.path.abspath(os.path.expanduser(root)), job_id))
 
 

@@ -26,6 +26,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from kuangchao.platform.errors import TokenError
 from kuangchao.platform.protocol.interfaces import INTERFACES
+from kuangchao.platform.storage.urls import is_url
+from kuangchao.platform.storage.urls import parse as parse_url
 
 ALGORITHM = "EdDSA"
 ISSUER = "kuangchao"
@@ -238,6 +240,25 @@ def _ids(ids: tuple[int, ...]) -> str:
     return ", ".join(map(str, ids)) or "none"
 
 
+def within_url_prefix(prefix: str, url: str) -> str:
+    """`url` (normalised) if it is the object-store prefix `prefix` or lies beneath it.
+
+    The URL is taken apart first (urls.parse refuses `..`, empty and `.`
+    segments, which a store keeps as literal keys), so no spelling of another
+    job's prefix passes; a local path against a URL prefix, or the reverse, never does.
+
+    Raises:
+        TokenError: ("denied") naming the URL and the prefix.
+    """
+    try:
+        root, target = parse_url(prefix), parse_url(url)
+    except ValueError as exc:
+        raise TokenError("denied", f"checkpoint location {url!r}: {exc}") from None
+    if not root.contains(target):
+        raise TokenError("denied", f"checkpoint location {url!r} is outside {prefix}")
+    return str(target)
+
+
 def within_prefix(prefix: str, path: str) -> PurePosixPath:
     """`path` as an absolute path inside `prefix`, refusing `..` and anything outside.
 
@@ -246,6 +267,9 @@ def within_prefix(prefix: str, path: str) -> PurePosixPath:
     """
     if not prefix:
         raise TokenError("denied", "the token grants no checkpoint path")
+    if is_url(prefix) or is_url(path):
+        within_url_prefix(prefix, path)
+        return PurePosixPath(path)  # never used as a local path: callers check is_url first
     if ".." in PurePosixPath(path).parts:
         raise TokenError("denied", f"checkpoint path {path!r} contains '..'")
     root = PurePosixPath(prefix)

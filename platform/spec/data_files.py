@@ -5,7 +5,9 @@ file and line; this looks only at the first file's first row, so that the common
 mistakes (a field that is not in the rows, chat data without `messages`) come
 back as a 422 at submission instead of a job that fails once it has GPUs. A path
 the API server cannot see is left to the ranks (`KC_MODEL_FOLDER_CHECK=start`
-skips this look too). No torch; pyarrow only for a parquet file.
+skips this look too), and so is an object-store URL: submission asks no store
+(the ranks copy it to their node and report a bad row there). No torch;
+pyarrow only for a parquet file.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from kuangchao.platform.storage.urls import is_url
 
 SUFFIXES = {"jsonl": (".jsonl", ".json"), "chat": (".jsonl", ".json"), "parquet": (".parquet",)}
 FIRST_LINE_LIMIT = 16 << 20
@@ -57,7 +61,7 @@ def data_file_errors(spec: Any) -> list[tuple[str, str]]:
     """What the first row of the job's data says against `data.field` or the chat format."""
     d = spec.data
     fmt = d.format
-    if d.path is None or fmt not in SUFFIXES:
+    if d.path is None or fmt not in SUFFIXES or is_url(d.path):
         return []
     file = _first_file(d.path, fmt)
     if file is None:

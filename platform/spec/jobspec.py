@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kuangchao.platform.errors import SpecError
+from kuangchao.platform.spec.checkpoint import CheckpointSection
 from kuangchao.platform.spec.data import DataSection, data_errors
 from kuangchao.platform.spec.elastic import ElasticRange, range_errors, range_from
 from kuangchao.platform.spec.model import BUILTIN_MODELS, IMPORT_REF, ModelSection, model_errors
@@ -73,14 +74,6 @@ class TrainingSection(_Section):
     eval_interval: int | None = Field(None, ge=1)
     # Micro-batches per rank each evaluation averages over.
     eval_batches: int = Field(4, ge=1, le=10_000)
-
-
-class CheckpointSection(_Section):
-    interval_steps: int = Field(50, ge=1)
-    path: str = "checkpoints"
-    keep_last: int = Field(3, ge=1)
-    # Periodic checkpoints block training only while the state is copied to CPU memory.
-    async_save: bool = True
 
 
 class FaultToleranceSection(_Section):

@@ -60,6 +60,17 @@ def open_filesystem(scheme: str) -> Any:
     return filesystem(scheme, creds)
 
 
+def apply_operator_env(env: dict[str, str] | None) -> None:
+    """Take the operator's object-store settings into this process's environment.
+
+    For the control plane's actors (the token authority, the controllers) on
+    the head, whose raylet's environment holds none of them; see
+    `Settings.object_store_env`.
+    """
+    for key, value in (env or {}).items():
+        os.environ.setdefault(key, value)
+
+
 def node_dir() -> Path:
     """This node's own folder for local copies (checkpoint staging, data cache)."""
     own = os.environ.get("KC_NODE_DIR")

@@ -261,6 +261,36 @@ class RemoteCheckpoints:
                         self.fs.rm(self.step_url(step).path, recursive=True)
 
 
+def job_checkpoints(root: str, job_id: str) -> RemoteCheckpoints:
+    """The store side of `job_id`'s checkpoints under the URL `root`, opened with this
+    process's credentials (access.py: a rank's job's, else the operator's)."""
+    from kuangchao.platform.storage.access import open_filesystem
+
+    url = parse(root).join(job_id)
+    return RemoteCheckpoints(url, open_filesystem(url.scheme))
+
+
+def verify_step_url(step_url: str) -> dict[str, Any]:
+    """The manifest of the checkpoint at `step_url` (`…/{job_id}/step_X`) if every file it
+    lists is in the store at its size (`shallow_verify`; the ranks checksummed each
+    file as they wrote it, and check every checksum again when they restore).
+
+    Raises:
+        CheckpointError: Not a step URL, or incomplete in the store.
+    """
+    from kuangchao.platform.protocol.checkpoint import step_of
+
+    url = parse(step_url)
+    parent, _, name = url.key.rpartition("/")
+    step = step_of(Path(name))
+    if step is None or not parent:
+        raise CheckpointError(f"{step_url} is not a checkpoint step (…/<job>/step_XXXXXXXX)")
+    from kuangchao.platform.storage.access import open_filesystem
+
+    store = RemoteCheckpoints(ObjectUrl(url.scheme, url.bucket, parent), open_filesystem(url.scheme))
+    return store.shallow_verify(step)
+
+
 def retrying(fn: Callable[[], Any], what: str, deadline: float,
              on_retry: RetryHook | None = None) -> Any:
     """`fn()`, tried again with backoff on any failure until `deadline` (monotonic)."""

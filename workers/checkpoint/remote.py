@@ -44,9 +44,10 @@ def remote_for(root: str, job_id: str) -> RemoteCheckpoints:
 
 def local_dir(root: str, job_id: str, staging: str | None) -> Path:
     """Where this node keeps the local copies of a job's checkpoints under URL `root`:
-    `{staging}/{job_id}`, or a cache folder of this node's named after the URL."""
-    if staging:
-        return Path(staging).expanduser() / job_id
+    `{staging}/{job_id}` (a relative staging folder is under this node's own folder,
+    `access.node_dir()`), or a cache folder of this node's named after the URL."""
+    if staging:  # relative: under this node's own folder
+        return access.node_dir() / Path(staging).expanduser() / job_id
     digest = hashlib.sha256(root.rstrip("/").encode()).hexdigest()[:16]
     return access.cache_dir("checkpoints") / digest / job_id
 

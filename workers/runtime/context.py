@@ -293,6 +293,16 @@ class TrainContext:
         self._arm(bool(flags[2].item()))
         return bool(flags[0].item()), int(flags[1].item())
 
+    def any_rank(self, flag: bool, what: str) -> bool:
+        """Whether `flag` holds on any rank: one collective every rank calls at the same point."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return flag
+        flags = torch.tensor([float(flag)], dtype=torch.float64)
+        permit("all_reduce")
+        with self.collective(f"all_reduce ({what})"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0].item())
+
     def _pending_capture(self) -> DebugRequest | None:
         if self.store is None:
             return None

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kuangchao.platform.errors import TokenError
+from kuangchao.platform.protocol.checkpoint import step_of
 from kuangchao.platform.security.tokens import (
     DATASET_READ,
     Claims,
@@ -35,7 +36,9 @@ from kuangchao.platform.security.tokens import (
     check_role,
     load_public,
     within_prefix,
+    within_url_prefix,
 )
+from kuangchao.platform.storage.urls import is_url
 from kuangchao.workers import collectives
 from kuangchao.workers.checkpoint.manager import CheckpointManager
 from kuangchao.workers.checkpoint.paths import anchor, leads_inside
@@ -148,6 +151,9 @@ class TokenHolder:
         try:
             check(collectives.valid_claims(), interface)
             prefix = self.claims.scope.checkpoint_prefix
+            if is_url(prefix) or is_url(str(path)):  # an object-store prefix: no symlinks there
+                within_url_prefix(prefix, str(path))
+                return Path(str(path))
             full = Path(within_prefix(prefix, str(path)))
             if not leads_inside(full, anchor(prefix)):
                 raise TokenError("denied", f"checkpoint path {str(path)!r} leads outside {prefix} "
@@ -203,22 +209,37 @@ class GuardedCheckpoints(CheckpointManager):
     def __init__(self, *args: Any, holder: TokenHolder, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.holder = holder
-        holder.check_path("checkpoint_read", self.dir)
+        holder.check_path("checkpoint_read", self.location)
 
     def save(self, *args: Any, **kw: Any):
-        self.holder.check_path("checkpoint_write", self.dir)
+        self.holder.check_path("checkpoint_write", self.location)
         return super().save(*args, **kw)
 
     def save_async(self, *args: Any, **kw: Any):
-        self.holder.check_path("checkpoint_write", self.dir)
+        self.holder.check_path("checkpoint_write", self.location)
         return super().save_async(*args, **kw)
 
     def latest_verified(self):
-        self.holder.check_path("checkpoint_read", self.dir)
+        self.holder.check_path("checkpoint_read", self.location)
         return super().latest_verified()
 
+    def verify(self, path: Path):
+        self._check_read(path)
+        return super().verify(path)
+
     def load(self, path: Path, *args: Any, **kw: Any):
-        return super().load(self.holder.check_path("checkpoint_read", path), *args, **kw)
+        return super().load(self._check_read(path), *args, **kw)
+
+    def _check_read(self, path: Path) -> Path:
+        """A step folder of this job's: the store's step URL when the checkpoints are
+        in an object store (its local copy is this node's own), else the path."""
+        if self.remote is None:
+            return self.holder.check_path("checkpoint_read", path)
+        step = step_of(Path(path))
+        if step is None or Path(path).parent != self.dir:
+            raise PermissionError(f"{path} is not a local copy of a checkpoint of {self.location}")
+        self.holder.check_path("checkpoint_read", str(self.remote.store.step_url(step)))
+        return Path(path)
 
 
 def authority_client(handle: Any, timeout_s: float = 30.0) -> tuple[Callable[[str], str],

@@ -7,6 +7,7 @@ takes no Ray dependency beyond reading its own node and GPU ids.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -26,6 +27,8 @@ from kuangchao.platform.observability import metrics
 from kuangchao.platform.protocol.generation import Generation
 from kuangchao.platform.settings import Settings, checkpoint_roots
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
+from kuangchao.platform.storage.access import use_job_credentials
+from kuangchao.platform.storage.objects import StoreCredentials
 from kuangchao.workers.checkpoint.manager import CheckpointManager
 from kuangchao.workers.elastic.generation import join_generation
 from kuangchao.workers.errors import EntrypointError, PlacementMismatch, TrainingError
@@ -108,6 +111,9 @@ class TrainWorker:
         if grant is not None and grant.get("redis_url"):
             # The job's own Redis user: this process never holds the admin credentials.
             settings = dataclasses.replace(settings, redis_url=grant["redis_url"])
+        if grant is not None:  # its job's object-store credentials (or none), never its node's
+            use_job_credentials(StoreCredentials.from_json(grant["storage"])
+                                if grant.get("storage") else None)
         self.settings = settings
         self.planned_gpus = planned_gpus
         self.store: JobStore | None = None
@@ -291,7 +297,8 @@ class TrainWorker:
                 spec.checkpoint.keep_last)
         # The API checked checkpoint.path against the roots as written; where it leads
         # (symlinks followed) is checked here, on this node, before each save and load.
-        kw = {"on_commit": on_commit, "roots": checkpoint_roots()}
+        kw = {"on_commit": on_commit, "roots": checkpoint_roots(),
+              "local_staging": spec.checkpoint.local_staging, "on_event": self._checkpoint_event}
         ckpt = (GuardedCheckpoints(*args, **kw, holder=self.holder)
                 if self.holder is not None else CheckpointManager(*args, **kw))
         gen = self.generation
@@ -312,6 +319,12 @@ class TrainWorker:
                             group_store=self._group_store, telemetry=self.telemetry,
                             gpu_type=hw.get("gpu_type"), emulated_speed=speed)
 
+    def _checkpoint_event(self, event: dict[str, Any]) -> None:
+        """An upload retried: a log line, and from rank 0 an event (Redis down: no event)."""
+        self.sink.emit(event.get("message", ""), level="WARNING", module="checkpoint")
+        with contextlib.suppress(Exception):
+            self.rank == 0 and self.store is not None and self.store.add_event(self.job_id, event)
+
     def _record_checkpoint(self, info: Any) -> None:
         """List a committed checkpoint on the job; the files on disk are what counts,
         so a Redis outage only costs the listing, never the training."""
@@ -328,11 +341,8 @@ class TrainWorker:
                            level="WARNING", module="worker")
 
     def reset(self) -> None:
-        """Leave the process group after a peer failed, keeping the process warm.
-
-        The in-place recovery path calls this on survivors, then `join` with
-        a new rendezvous and `run` again.
-        """
+        """Leave the process group after a peer failed, keeping the process warm (the
+        in-place recovery path calls this on survivors, then `join` and `run` again)."""
         if dist.is_initialized():
             dist.destroy_process_group()
         self._group_store = None

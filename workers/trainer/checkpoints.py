@@ -9,6 +9,7 @@ manager's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -74,6 +75,14 @@ def save_step(ctx: TrainContext, step: int, model: torch.nn.Module, optimizer: t
         # preemption_requested() is a collective: fine, every rank reaches save_step at the same step.
         sync = (not spec.checkpoint.async_save or step >= spec.training.steps
                 or ctx.preemption_requested())
+    if not sync and getattr(ctx.checkpoint, "remote", None) is not None:
+        # An object store that stopped answering holds the previous upload up (it
+        # retries until its deadline); training goes on, and this checkpoint is skipped
+        # rather than waited for. Agreed by every rank: they save together or not at all.
+        previous = ctx.checkpoint.pending
+        if ctx.any_rank(previous is not None and not previous.done(), "checkpoint in flight"):
+            skip_event(ctx, step, previous)
+            return previous  # type: ignore[return-value]
     state = rank_state(step, pos.skipped, guard)
     extra = {"parallel": spec.parallel.model_dump(),
              "data_position": data_position(step, pos.skipped),
@@ -94,6 +103,19 @@ def save_step(ctx: TrainContext, step: int, model: torch.nn.Module, optimizer: t
                 "writing in the background", step=step, blocked_s=pending.blocked_s)
         pending.add_done_callback(lambda p: _log_commit(ctx, p))
     return pending
+
+
+def skip_event(ctx: TrainContext, step: int, previous: PendingCheckpoint | None) -> None:
+    """Say that the checkpoint of `step` was skipped because an upload is still running."""
+    busy = previous.step if previous is not None else "?"
+    message = (f"checkpoint step {step} skipped: step {busy} is still being uploaded to "
+               f"{ctx.checkpoint.location} (the store is slow or not answering; the upload is "
+               "retried until its deadline)")
+    ctx.log(message, level="WARNING", step=step)
+    if ctx.is_chief and ctx.store is not None:
+        with contextlib.suppress(Exception):  # Redis away costs the event, never the step
+            ctx.store.add_event(ctx.job_id, {"type": "checkpoint_skipped", "step": step,
+                                             "message": message})
 
 
 def _log_commit(ctx: TrainContext, pending: PendingCheckpoint) -> None:

@@ -12,6 +12,10 @@ Two kinds of data feed the same index-based sampler (workers/data/sampling.py):
 A Hugging Face model given no `data.path` trains on the built-in corpus
 through its own tokenizer: the standard library's sources, one document per
 module, written once as a text folder under the user's cache.
+
+A `data.path` in an object store (`s3://...`) is copied to this node's cache
+first (workers/data/remote.py) and read from there: the readers, and the
+tokenized cache, see only local files.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import nn
 
 from kuangchao.platform.settings import data_roots
 from kuangchao.platform.spec.jobspec import JobSpec
+from kuangchao.platform.storage.urls import is_url
 from kuangchao.workers.data.sampling import BatchSource, load_corpus
 from kuangchao.workers.data.shares import Shares
 from kuangchao.workers.parallel.engine import Engine
@@ -38,12 +43,13 @@ def job_sources(spec: JobSpec, model: nn.Module) -> tuple[BatchSource, BatchSour
     """
     d, m = spec.data, spec.model
     _, _, vocab = dims(spec, model)
+    path, roots = data_location(d.path)
     if not (d.tokenized or m.is_hf):
-        corpus = load_corpus(d.path, d.max_bytes, vocab, roots=data_roots())
+        corpus = load_corpus(path, d.max_bytes, vocab, roots=roots)
         return BatchSource(corpus, m.seq_len, spec.training.seed), None
     from kuangchao.workers.data.tokenized import MaskedBatchSource, load_tokenized
 
-    data, roots = d, data_roots()
+    data = d if path == d.path else d.model_copy(update={"path": path})
     if d.path is None:  # the built-in corpus, through the model's tokenizer
         data = d.model_copy(update={"path": str(stdlib_documents(d.max_bytes)), "format": "text"})
         roots = None  # the platform's own files, not the user's
@@ -57,6 +63,19 @@ def job_sources(spec: JobSpec, model: nn.Module) -> tuple[BatchSource, BatchSour
     held = (MaskedBatchSource(td.eval_tokens, td.eval_mask, m.seq_len, spec.training.seed)
             if td.eval_tokens is not None else None)
     return train, held
+
+
+def data_location(path: str | None) -> tuple[str | None, tuple[str, ...] | None]:
+    """(`data.path` as this rank reads it, the roots it is held to there).
+
+    A local path is read as written, held to `KC_DATA_ROOTS` with symlinks resolved.
+    An object-store URL, checked against `KC_DATA_URLS` at submission, becomes its
+    local copy in the node's cache, a folder of the platform's own: no roots."""
+    if path is not None and is_url(path):
+        from kuangchao.workers.data.remote import local_copy
+
+        return str(local_copy(path)), None
+    return path, data_roots()
 
 
 def stdlib_documents(max_bytes: int) -> Path:
