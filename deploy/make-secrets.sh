@@ -2,6 +2,8 @@
 # Generate the secrets of the docker-compose stack (deploy/docker-compose.yml).
 #
 #   deploy/make-secrets.sh [--force] [DIR]     DIR defaults to deploy/secrets
+#   AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... \
+#     deploy/make-secrets.sh --object-store [--force] [DIR]
 #
 # Writes, each mode 0600 in a 0700 folder:
 #   redis-password          the Redis admin user's password (hex: URL-safe as it is,
@@ -17,24 +19,65 @@
 #
 # Refuses to overwrite an existing secret unless --force: replacing them on a
 # running stack rotates every credential at once (see docs/operator-guide.md).
+#
+# --object-store writes only the object store's keys, for
+# deploy/compose/object-store.yml, taken from the environment (not arguments,
+# which other users see in `ps`) and touching no other file:
+#   object-store-access-key-id      AWS_ACCESS_KEY_ID
+#   object-store-secret-access-key  AWS_SECRET_ACCESS_KEY
+# --force then replaces just those two.
 set -euo pipefail
 
 FILES=(redis-password redis-users.acl signing-key.pem admin-api-key metrics-token
        grafana-admin-password ray-token)
+OBJECT_STORE_FILES=(object-store-access-key-id object-store-secret-access-key)
 
-usage() { echo "usage: $0 [--force] [DIR]" >&2; exit 2; }
+usage() { echo "usage: $0 [--force] [--object-store] [DIR]" >&2; exit 2; }
 
 force=0
+object_store=0
 dir=
 for arg in "$@"; do
   case "$arg" in
     --force) force=1 ;;
+    --object-store) object_store=1 ;;
     -h|--help) usage ;;
     -*) echo "unknown option $arg" >&2; usage ;;
     *) [[ -z $dir ]] || usage; dir=$arg ;;
   esac
 done
 dir=${dir:-"$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/secrets"}
+
+if [[ $object_store == 1 ]]; then
+  # One line each, no blanks: kc-entrypoint reads them back into the variables.
+  for var in AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY; do
+    val=${!var:-}
+    [[ -n $val && $val != *[[:space:]]* ]] || {
+      echo "$0 --object-store: set $var (the store's key, one word) in the environment" >&2
+      exit 2; }
+  done
+  if [[ $force == 0 ]]; then
+    existing=()
+    for f in "${OBJECT_STORE_FILES[@]}"; do [[ -e $dir/$f ]] && existing+=("$f"); done
+    if (( ${#existing[@]} )); then
+      echo "$dir already holds ${existing[*]}; not overwriting. Pass --force to replace them." >&2
+      exit 1
+    fi
+  fi
+  umask 077
+  mkdir -p "$dir"
+  chmod 0700 "$dir"
+  tmp=$(mktemp -d "$dir/.new.XXXXXX")
+  trap 'rm -rf "$tmp"' EXIT
+  printf '%s\n' "$AWS_ACCESS_KEY_ID" >"$tmp/object-store-access-key-id"
+  printf '%s\n' "$AWS_SECRET_ACCESS_KEY" >"$tmp/object-store-secret-access-key"
+  for f in "${OBJECT_STORE_FILES[@]}"; do
+    chmod 0600 "$tmp/$f"
+    mv -f "$tmp/$f" "$dir/$f"
+  done
+  echo "wrote ${OBJECT_STORE_FILES[*]} to $dir (mode 0600)"
+  exit 0
+fi
 
 command -v openssl >/dev/null || { echo "$0 needs openssl on PATH" >&2; exit 2; }
 

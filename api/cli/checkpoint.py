@@ -22,7 +22,9 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from kuangchao.api.cli import checkpoint_store
 from kuangchao.api.cli.render import terminal_safe
+from kuangchao.platform.errors import StorageError
 from kuangchao.platform.protocol.checkpoint import (
     MANIFEST,
     read_manifest,
@@ -30,6 +32,8 @@ from kuangchao.platform.protocol.checkpoint import (
     verify,
 )
 from kuangchao.platform.spec.defaults import value
+from kuangchao.platform.storage.urls import is_url
+from kuangchao.platform.storage.urls import parse as parse_url
 from kuangchao.workers.checkpoint.paths import anchor, check_step_folder, leads_inside
 from kuangchao.workers.errors import CheckpointError
 
@@ -51,8 +55,8 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 # -- finding the checkpoints --------------------------------------------------
 
-def job_checkpoint_dir(job_id: str) -> Path:
-    """`{checkpoint.path}/{job_id}` of a job recorded in Redis."""
+def job_checkpoint_dir(job_id: str) -> Path | str:
+    """`{checkpoint.path}/{job_id}` of a job recorded in Redis (a URL for an object store)."""
     from kuangchao.platform.errors import KuangchaoError
     from kuangchao.platform.jobs.store import JobStore
     from kuangchao.platform.settings import Settings, kc_home
@@ -63,10 +67,32 @@ def job_checkpoint_dir(job_id: str) -> Path:
     except KuangchaoError as exc:
         fail(f"{job_id!r} is not a folder, and looking it up as a job failed: {exc.message}. "
              "Pass a checkpoint folder instead, e.g. ~/.kuangchao/checkpoints/<job id>")
-    root = Path(value(job.spec, "checkpoint", "path")).expanduser()
+    raw = value(job.spec, "checkpoint", "path")
+    if is_url(raw):
+        return str(parse_url(raw).join(job.id))
+    root = Path(raw).expanduser()
     if not root.is_absolute():  # records from before paths were resolved at submission
         root = kc_home() / root
     return root / job.id
+
+
+def store_url(target: str) -> str | None:
+    """The object-store URL `target` stands for (a URL, or a job whose checkpoints are
+    in a store), else None (a folder: the rest of this module)."""
+    if is_url(target):
+        return target
+    if Path(target).expanduser().exists() or os.sep in target or target.startswith((".", "~")):
+        return None
+    found = job_checkpoint_dir(target)
+    return found if isinstance(found, str) else None
+
+
+def from_store(do: Callable[[], Any]) -> Any:
+    """Run `do`; a store's refusal or a bad checkpoint ends kc with exit 2 and the reason."""
+    try:
+        return do()
+    except (StorageError, CheckpointError) as exc:
+        fail(exc.message)
 
 
 def resolve(target: str) -> Path:
@@ -77,7 +103,10 @@ def resolve(target: str) -> Path:
     if not path.exists():
         if os.sep in target or target.startswith((".", "~")):
             fail(f"{path} does not exist; pass an existing checkpoint folder or a job id")
-        path = job_checkpoint_dir(target)
+        found = job_checkpoint_dir(target)
+        if isinstance(found, str):
+            fail(f"job {target}'s checkpoints are in an object store: {found}")
+        path = found
     elif not path.is_dir():
         fail(f"{path} is a file; pass a checkpoint folder (a job's or one step_* folder) or a job id")
     if not leads_inside(path, anchor(path)):
@@ -151,9 +180,17 @@ def _when(ts: float | None) -> str:
 
 @checkpoint_app.command("list")
 def list_(target: Target, as_json: Json = False) -> None:
-    """List a job's checkpoints: step, size, time, and whether each verifies."""
-    folder = resolve(target)
-    rows = [describe(p, anchor(folder)) for p in step_folders(folder)]
+    """List a job's checkpoints: step, size, time, and whether each verifies.
+
+    In an object store, "verifies" means its manifest and every object at its size
+    are there (nothing is downloaded); `kc checkpoint verify` checks the checksums."""
+    url = store_url(target)
+    if url is not None:
+        rows = from_store(lambda: checkpoint_store.rows(url))
+        folder: Path | str = url
+    else:
+        folder = resolve(target)
+        rows = [describe(p, anchor(folder)) for p in step_folders(folder)]
     if as_json:
         typer.echo(json.dumps(rows))
         return
@@ -175,7 +212,16 @@ def verify_(target: Target, as_json: Json = False) -> None:
 
     Exit 0 when every file matches the manifest, 2 with the reason when not.
     """
-    row = describe(*newest(target))
+    url = store_url(target)
+    if url is not None:  # fetched into this machine's cache and checksummed there
+        try:
+            row = checkpoint_store.fetch_newest(url)[1]
+        except CheckpointError as exc:
+            row = {"verified": False, "reason": exc.message, "path": url}
+        except StorageError as exc:
+            fail(exc.message)
+    else:
+        row = describe(*newest(target))
     if as_json:
         typer.echo(json.dumps(row))
         if not row["verified"]:
@@ -221,7 +267,14 @@ def _shard_bytes(text: str) -> int:
 
 
 def _verified_step(target: str, doing: str) -> Path:
-    """The step folder `target` stands for, refused (exit 2) unless it verifies."""
+    """The step folder `target` stands for, refused (exit 2) unless it verifies (from
+    an object store: fetched into this machine's cache, then verified there)."""
+    url = store_url(target)
+    if url is not None:
+        try:
+            return checkpoint_store.fetch_newest(url)[0]
+        except (CheckpointError, StorageError) as exc:
+            fail(f"{exc.message}; not {doing} it.\n{LIST_HINT.format(target=target)}")
     path, inside = newest(target)
     try:
         check_step_folder(path, inside)

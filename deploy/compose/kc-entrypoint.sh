@@ -6,7 +6,11 @@
 #    unset and KC_REDIS_PASSWORD_FILE is set, the URL is built here:
 #      redis://${KC_REDIS_USER:-kc-admin}:PASSWORD@${KC_REDIS_HOST:-redis}:${KC_REDIS_PORT:-6379}/${KC_REDIS_DB:-0}
 #    Only this process tree sees it, never the compose file or `docker inspect`.
-# 2. KC_CONTROL_PLANE_ARGS. When set, `kc control-plane start $KC_CONTROL_PLANE_ARGS`
+# 2. The operator's object-store keys. For each of AWS_ACCESS_KEY_ID,
+#    AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN that is unset, while
+#    NAME_FILE names a file, NAME is read from that file (one line), for the
+#    control plane and the API (compose/object-store.yml).
+# 3. KC_CONTROL_PLANE_ARGS. When set, `kc control-plane start $KC_CONTROL_PLANE_ARGS`
 #    runs beside the command (the Ray head). It must share the head's
 #    container: a Ray driver attaches to a raylet it finds among its own
 #    processes, through the head's /tmp/ray sockets and /dev/shm. It starts once
@@ -16,10 +20,12 @@
 #    head's exit status.
 #    The command itself (the Ray head's raylet, whose environment every worker
 #    and driver on the head inherits) runs without the secrets: without
-#    KC_REDIS_URL, KC_REDIS_PASSWORD_FILE, KC_SIGNING_KEY_FILE and
-#    KC_ADMIN_KEY_FILE. With KC_REDIS_URL_FILE set, the admin URL is written
-#    there (mode 0600) for `ray job submit` drivers, which read it from the file.
-# 3. Otherwise the command replaces this script.
+#    KC_REDIS_URL, KC_REDIS_PASSWORD_FILE, KC_SIGNING_KEY_FILE,
+#    KC_ADMIN_KEY_FILE and the object-store keys (AWS_ACCESS_KEY_ID,
+#    AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN and their _FILE names). With
+#    KC_REDIS_URL_FILE set, the admin URL is written there (mode 0600) for
+#    `ray job submit` drivers, which read it from the file.
+# 4. Otherwise the command replaces this script.
 set -euo pipefail
 
 log() { echo "kc-entrypoint: $*" >&2; }
@@ -35,6 +41,19 @@ if [[ -z ${KC_REDIS_URL:-} && -n ${KC_REDIS_PASSWORD_FILE:-} ]]; then
   export KC_REDIS_URL="redis://${KC_REDIS_USER:-kc-admin}:${password}@${KC_REDIS_HOST:-redis}:${KC_REDIS_PORT:-6379}/${KC_REDIS_DB:-0}"
   unset password
 fi
+
+for name in AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_SESSION_TOKEN; do
+  file_var=${name}_FILE
+  [[ -z ${!name:-} && -n ${!file_var:-} ]] || continue
+  [[ -r ${!file_var} ]] || die "cannot read $file_var=${!file_var}"
+  value=$(<"${!file_var}")
+  # One line, no blanks: a stray newline or space would reach the store's
+  # signature check as part of the key.
+  [[ -n $value && $value != *[[:space:]]* ]] ||
+    die "$file_var=${!file_var} must hold one line without spaces (the key, as the store gave it)"
+  export "$name=$value"
+done
+unset name file_var value
 
 (( $# )) || set -- kc --help
 [[ -n ${KC_CONTROL_PLANE_ARGS:-} ]] || exec "$@"
@@ -65,7 +84,9 @@ if [[ -n ${KC_REDIS_URL_FILE:-} && -n ${KC_REDIS_URL:-} ]]; then
   mkdir -p "$(dirname "$KC_REDIS_URL_FILE")"
   (umask 077 && printf '%s\n' "$KC_REDIS_URL" >"$KC_REDIS_URL_FILE")
 fi
-env -u KC_REDIS_URL -u KC_REDIS_PASSWORD_FILE -u KC_SIGNING_KEY_FILE -u KC_ADMIN_KEY_FILE "$@" &
+env -u KC_REDIS_URL -u KC_REDIS_PASSWORD_FILE -u KC_SIGNING_KEY_FILE -u KC_ADMIN_KEY_FILE \
+  -u AWS_ACCESS_KEY_ID -u AWS_SECRET_ACCESS_KEY -u AWS_SESSION_TOKEN \
+  -u AWS_ACCESS_KEY_ID_FILE -u AWS_SECRET_ACCESS_KEY_FILE -u AWS_SESSION_TOKEN_FILE "$@" &
 main=$!
 
 until (exec 3<>"/dev/tcp/${address%:*}/${address##*:}") 2>/dev/null; do

@@ -22,12 +22,20 @@ from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.planning import autoplan
 from kuangchao.platform.scheduling.plugins.snapshot import order_key
 from kuangchao.platform.security.admission import check_paths, check_request, limits_from_json
-from kuangchao.platform.settings import audit_roots, checkpoint_roots, data_roots, data_urls, kc_home
+from kuangchao.platform.settings import (
+    audit_roots,
+    checkpoint_roots,
+    checkpoint_urls,
+    data_roots,
+    data_urls,
+    kc_home,
+)
 from kuangchao.platform.spec.elastic import samples_seen
 from kuangchao.platform.spec.jobspec import JobSpec, validate_spec
 from kuangchao.platform.spec.model_folder import check_model_folder
 from kuangchao.platform.spec.queues import QueueTable
 from kuangchao.platform.spec.stored import spec_of, stored_form
+from kuangchao.platform.storage.objects import probe
 from kuangchao.platform.storage.urls import is_url
 
 
@@ -87,12 +95,35 @@ def check_queue(store: JobStore, spec: JobSpec, role: str | None = None,
     check_paths(spec.data.path, spec.checkpoint.path, data_roots(), checkpoint_roots(),
                 read_paths=(("model.checkpoint" if m.type == "llama" else "model.path", m.hf_folder),
                             ("data.tokenizer", spec.data.tokenizer)),
-                audit_log=spec.permission.audit_log, audit_roots=audit_roots(), data_urls=data_urls())
+                audit_log=spec.permission.audit_log, audit_roots=audit_roots(), data_urls=data_urls(),
+                checkpoint_urls=checkpoint_urls(), local_staging=spec.checkpoint.local_staging)
     check_model_folder(spec)
+    check_store(spec.checkpoint.path)
     if role is not None:
         check_request(role, tenant, spec.task.priority_value, queue.tenants, queue.name,
                       spec.fault_tolerance.max_restarts,
                       spec.data.max_bytes, limits_from_json(table.limits))
+
+
+# A store that answered is asked again only after this long: a burst of submissions
+# to one bucket costs one round trip, and a bucket deleted since is noticed soon.
+STORE_CHECK_TTL_S = 60.0
+_store_ok: dict[str, float] = {}
+
+
+def check_store(url: str) -> None:
+    """Refuse an object-store `checkpoint.path` whose bucket does not exist or whose
+    credentials (the operator's, here) the store refuses, before anything is queued.
+
+    Raises:
+        SpecError: Naming `checkpoint.path` and what to change.
+    """
+    if not is_url(url) or _store_ok.get(url, 0.0) > time.monotonic():
+        return
+    problem = probe(url)
+    if problem is not None:
+        raise SpecError([("checkpoint.path", problem)])
+    _store_ok[url] = time.monotonic() + STORE_CHECK_TTL_S
 
 
 def resolve_auto(store: JobStore, spec: JobSpec,

@@ -103,7 +103,8 @@ def under(path: str, roots: tuple[str, ...]) -> bool:
 def check_paths(data_path: str | None, checkpoint_path: str, data_roots: tuple[str, ...],
                 checkpoint_roots: tuple[str, ...], *, read_paths: tuple[tuple[str, str | None], ...] = (),
                 audit_log: str | None = None, audit_roots: tuple[str, ...] = (),
-                data_urls: tuple[str, ...] = ()) -> None:
+                data_urls: tuple[str, ...] = (), checkpoint_urls: tuple[str, ...] = (),
+                local_staging: str | None = None) -> None:
     """Refuse a data, model, checkpoint or audit path outside its roots, as written.
 
     `read_paths` are more `(field, path)` pairs the job reads, held to the data roots
@@ -115,14 +116,24 @@ def check_paths(data_path: str | None, checkpoint_path: str, data_roots: tuple[s
         SpecError: Naming the field, the roots, and the setting that adds one.
     """
     errors = []
+    orig_checkpoint = checkpoint_path
     if data_path is not None and urls.is_url(data_path):
         problem = url_problem(data_path, data_urls, "KC_DATA_URLS")
         if problem is not None:
             errors.append(("data.path", problem))
         data_path = None
+    if urls.is_url(checkpoint_path):
+        problem = url_problem(checkpoint_path, checkpoint_urls, "KC_CHECKPOINT_URLS")
+        if problem is not None:
+            errors.append(("checkpoint.path", problem))
+        # A relative staging folder lies under each node's own folder; an absolute one
+        # is held to the checkpoint roots as a checkpoint folder would be.
+        checkpoint_path = local_staging if local_staging and os.path.isabs(
+            os.path.expanduser(local_staging)) else None
     checks = [("data.path", _glob_base(data_path), data_roots, "KC_DATA_ROOTS"),
               *((field, raw, data_roots, "KC_DATA_ROOTS") for field, raw in read_paths),
-              ("checkpoint.path", checkpoint_path, checkpoint_roots, "KC_CHECKPOINT_ROOTS"),
+              ("checkpoint.local_staging" if urls.is_url(orig_checkpoint) else "checkpoint.path",
+               checkpoint_path, checkpoint_roots, "KC_CHECKPOINT_ROOTS"),
               ("permission.audit_log", audit_log, audit_roots, "KC_AUDIT_ROOT")]
     for field, raw, roots, setting in checks:
         if raw is None:

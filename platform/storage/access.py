@@ -68,7 +68,7 @@ def apply_operator_env(env: dict[str, str] | None) -> None:
     `Settings.object_store_env`.
     """
     for key, value in (env or {}).items():
-        os.environ.setdefault(key, value)
+        os.environ[key] = value  # over the raylet's /dev/null credential files: these win
 
 
 def node_dir() -> Path:

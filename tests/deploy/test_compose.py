@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 GPU_FILE = DEPLOY / "compose" / "gpu-workers.yml"
+OBJECT_FILE = DEPLOY / "compose" / "object-store.yml"
 MAKE_SECRETS = DEPLOY / "make-secrets.sh"
 SECRETS_INIT = DEPLOY / "compose" / "secrets-init.sh"
 SCHEMA = json.loads((Path(check_jsonschema.__file__).parent / "builtin_schemas" / "vendor"
@@ -57,7 +58,7 @@ def validator():
     return cls(SCHEMA)
 
 
-@pytest.mark.parametrize("path", [COMPOSE_FILE, GPU_FILE], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE_FILE, GPU_FILE, OBJECT_FILE], ids=lambda p: p.name)
 def test_compose_files_match_the_compose_specification(path):
     doc = yaml.safe_load(path.read_text())
     assert "version" not in doc, "the Compose Specification has no `version:`"
@@ -97,10 +98,10 @@ def secret_dir(service: dict) -> str | None:
     return None
 
 
-def handed_out() -> dict[str, tuple[int, int, set[str]]]:
+def handed_out(services: dict | None = None) -> dict[str, tuple[int, int, set[str]]]:
     """secrets-init's mapping: consumer folder -> (uid, gid, secret files)."""
     out = {}
-    for spec in SERVICES["secrets-init"]["command"]:
+    for spec in (services or SERVICES)["secrets-init"]["command"]:
         consumer, uid, gid, files = spec.split(":")
         out[consumer] = (int(uid), int(gid), set(files.split(",")))
     return out
@@ -497,3 +498,204 @@ def test_redis_config_and_acl_file_on_a_real_server(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# --- deploy/compose/object-store.yml: checkpoints on an object store ---------------
+
+OBJECT = yaml.safe_load(OBJECT_FILE.read_text())
+OBJECT_SECRETS = ("object-store-access-key-id", "object-store-secret-access-key")
+# Not secrets although their names match SECRETISH: a mode (scoped/shared), not a credential.
+NOT_SECRET = {"KC_OBJECT_STORE_CREDENTIALS"}
+# Keys of a service merged by one of their fields (Compose Specification, "Merge").
+_MERGE_BY = {"volumes": "target", "devices": "target", "secrets": "source", "configs": "source"}
+_REPLACED = {"command", "entrypoint"}
+
+
+def _by(entries: list, field: str) -> dict:
+    out = {}
+    for e in entries:
+        if isinstance(e, str):
+            key = e.split(":")[1] if field == "target" and ":" in e else e
+        else:
+            key = e[field]
+        out[key] = e
+    return out
+
+
+def _mapping(value) -> dict:
+    if isinstance(value, list):
+        return dict(e.partition("=")[::2] for e in value)
+    return dict(value or {})
+
+
+def merge_service(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if key in _REPLACED or key not in out:
+            out[key] = copy.deepcopy(value)
+        elif key in ("environment", "labels"):
+            out[key] = {**_mapping(out[key]), **_mapping(value)}
+        elif key in _MERGE_BY:
+            out[key] = list({**_by(out[key], _MERGE_BY[key]), **_by(value, _MERGE_BY[key])}.values())
+        elif isinstance(value, dict):
+            out[key] = {**out[key], **copy.deepcopy(value)}
+        elif isinstance(value, list):
+            out[key] = out[key] + [v for v in value if v not in out[key]]
+        else:
+            out[key] = value
+    return out
+
+
+def merged(*docs: dict) -> dict:
+    """`docker compose -f A -f B config`'s merge, for the keys these files use."""
+    out = copy.deepcopy(docs[0])
+    for doc in docs[1:]:
+        for top, value in doc.items():
+            if top == "services":
+                for name, svc in value.items():
+                    out["services"][name] = merge_service(out["services"].get(name, {}), svc)
+            elif isinstance(value, dict):
+                out[top] = {**out.get(top, {}), **copy.deepcopy(value)}
+            else:
+                out[top] = copy.deepcopy(value)
+    return out
+
+
+def test_merge_follows_the_specification():
+    base = {"services": {"s": {"command": ["a", "b"], "environment": {"A": "1", "B": "2"},
+                               "volumes": ["v:/x", {"type": "volume", "source": "w", "target": "/y"}],
+                               "secrets": ["s1"]}}}
+    over = {"services": {"s": {"command": ["c"], "environment": ["B=3", "C=4"],
+                               "volumes": [{"type": "volume", "source": "z", "target": "/x"}],
+                               "secrets": ["s1", "s2"]}}}
+    s = merged(base, over)["services"]["s"]
+    assert s["command"] == ["c"] and s["environment"] == {"A": "1", "B": "3", "C": "4"}
+    assert [m["source"] if isinstance(m, dict) else m for m in s["volumes"]] == ["z", "w"]
+    assert s["secrets"] == ["s1", "s2"]
+
+
+OBJECT_STACK = merged(COMPOSE, OBJECT)
+OBJECT_SERVICES = OBJECT_STACK["services"]
+
+
+def test_object_store_stack_matches_the_compose_specification():
+    errors = [f"{'/'.join(map(str, e.path))}: {e.message}" for e in validator().iter_errors(OBJECT_STACK)]
+    assert not errors, "\n".join(errors)
+    gpu_too = merged(COMPOSE, yaml.safe_load(GPU_FILE.read_text()), OBJECT)
+    assert not list(validator().iter_errors(gpu_too))
+    # The override adds no service of its own: every one it names is the base file's.
+    assert set(OBJECT["services"]) <= set(SERVICES)
+
+
+def test_object_store_keys_go_to_the_head_and_the_api_only():
+    base, given = handed_out(), handed_out(OBJECT_SERVICES)
+    # The override restates secrets-init's list (a `command` is replaced, not merged):
+    # the base file's, plus the two key files for ray-head and api, nothing else.
+    assert set(given) == set(base)
+    for consumer, (uid, gid, files) in given.items():
+        extra = set(OBJECT_SECRETS) if consumer in ("ray-head", "api") else set()
+        want = (base[consumer][0], base[consumer][1], base[consumer][2] | extra)
+        assert (uid, gid, files) == want, consumer
+    assert set(OBJECT_SERVICES["secrets-init"]["secrets"]) == set(SECRET_FILES) | set(OBJECT_SECRETS)
+    for name in OBJECT_SECRETS:
+        assert OBJECT["secrets"][name] == {"file": f"./secrets/{name}"}
+        ignored = subprocess.run(["git", "check-ignore", "-q", f"deploy/secrets/{name}"], cwd=ROOT)
+        assert ignored.returncode == 0, f"deploy/secrets/{name} must be git-ignored"
+    # Every file a service of the merged stack reads is handed to its folder.
+    for name, svc in OBJECT_SERVICES.items():
+        files = {v for v in env_of(svc).values() if v.startswith(SECRET_TARGET + "/")}
+        if files:
+            assert {Path(f).name for f in files} <= given[secret_dir(svc)][2], name
+    # The workers are the base file's, untouched: Ray's token, nothing of the store.
+    for name, svc in workers(OBJECT_STACK).items():
+        assert svc == SERVICES[name], name
+        assert env_of(svc) == RAY_AUTH and secret_dir(svc) == "ray-worker"
+    assert given["ray-worker"][2] == {"ray-token"}
+
+
+def test_object_store_settings_of_the_head_and_the_api():
+    for name in ("ray-head", "api"):
+        env = env_of(OBJECT_SERVICES[name])
+        assert env["AWS_ACCESS_KEY_ID_FILE"] == f"{SECRET_TARGET}/object-store-access-key-id"
+        assert env["AWS_SECRET_ACCESS_KEY_FILE"] == f"{SECRET_TARGET}/object-store-secret-access-key"
+        assert "AWS_ACCESS_KEY_ID" not in env and "AWS_SECRET_ACCESS_KEY" not in env
+        # The checkpoint prefix is required; the rest have defaults.
+        assert env["KC_CHECKPOINT_URLS"].startswith("${KC_OBJECT_STORE_URL:?")
+        assert env["KC_OBJECT_STORE_CREDENTIALS"] == "${KC_OBJECT_STORE_CREDENTIALS:-scoped}"
+        assert env["AWS_ENDPOINT_URL"] == "${KC_OBJECT_STORE_ENDPOINT:-}"
+        assert env["AWS_REGION"] == "${KC_OBJECT_STORE_REGION:-}"
+        assert {"KC_DATA_URLS", "KC_OBJECT_STORE_ROLE_ARN"} <= set(env)
+        # What the base file set is still there.
+        assert env_of(SERVICES[name]).items() <= env.items()
+    # The head's control plane is still what it was.
+    assert OBJECT_SERVICES["ray-head"]["command"] == SERVICES["ray-head"]["command"]
+
+
+def test_no_plaintext_secret_in_the_object_store_override():
+    text = OBJECT_FILE.read_text()
+    assert not re.search(r"://[^/\s:@]+:[^/\s@]*@", text), "credentials in a URL"
+    assert not re.search(r"AKIA[0-9A-Z]{12,}|-----BEGIN", text)
+    for name, svc in OBJECT_SERVICES.items():
+        for k, v in env_of(svc).items():
+            if k in RAY_AUTH or k in NOT_SECRET:
+                continue
+            if SECRETISH.search(k):
+                assert k.endswith("_FILE") and v.startswith(SECRET_TARGET + "/"), f"{name}: {k}={v}"
+        if name != "secrets-init":
+            assert not svc.get("secrets"), f"{name}: only secrets-init mounts the originals"
+
+
+def test_make_secrets_object_store_writes_only_the_keys(tmp_path):
+    out = tmp_path / "secrets"
+    keys = {"AWS_ACCESS_KEY_ID": "AKIAEXAMPLE0001", "AWS_SECRET_ACCESS_KEY": "wJalr/XUtnF+EMI"}
+
+    def run(*args: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(MAKE_SECRETS), *args],
+                              env={"PATH": os.environ["PATH"], **env}, capture_output=True,
+                              text=True, timeout=60)
+
+    first = run("--object-store", str(out), **keys)
+    assert first.returncode == 0, first.stderr
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+    assert sorted(p.name for p in out.iterdir()) == sorted(OBJECT_SECRETS), "no leftovers, nothing else"
+    assert (out / "object-store-access-key-id").read_text() == "AKIAEXAMPLE0001\n"
+    assert (out / "object-store-secret-access-key").read_text() == "wJalr/XUtnF+EMI\n"
+    for f in OBJECT_SECRETS:
+        assert stat.S_IMODE((out / f).stat().st_mode) == 0o600
+    assert keys["AWS_SECRET_ACCESS_KEY"] not in first.stdout + first.stderr
+    # Refuses to overwrite; --force replaces only these two.
+    again = run("--object-store", str(out), AWS_ACCESS_KEY_ID="AKIAOTHER", AWS_SECRET_ACCESS_KEY="x")
+    assert again.returncode == 1 and "--force" in again.stderr
+    assert (out / "object-store-access-key-id").read_text() == "AKIAEXAMPLE0001\n"
+    assert make_secrets(str(out)).returncode == 0  # the stack's own set lives beside them
+    before = read_all(out)
+    forced = run("--object-store", "--force", str(out), AWS_ACCESS_KEY_ID="AKIAOTHER",
+                 AWS_SECRET_ACCESS_KEY="x")
+    assert forced.returncode == 0, forced.stderr
+    assert (out / "object-store-access-key-id").read_text() == "AKIAOTHER\n" and read_all(out) == before
+    # Keys come from the environment, whole: missing or with blanks, nothing is written.
+    assert run("--object-store", str(tmp_path / "none")).returncode == 2
+    assert run("--object-store", str(tmp_path / "none"), AWS_ACCESS_KEY_ID="a b",
+               AWS_SECRET_ACCESS_KEY="x").returncode == 2
+    assert not (tmp_path / "none").exists()
+
+
+def test_secrets_init_hands_out_the_object_store_keys(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    assert make_secrets(str(src)).returncode == 0
+    keys = {"AWS_ACCESS_KEY_ID": "AKIAEXAMPLE0001", "AWS_SECRET_ACCESS_KEY": "secret0001"}
+    made = subprocess.run(["bash", str(MAKE_SECRETS), "--object-store", str(src)], capture_output=True,
+                          env={"PATH": os.environ["PATH"], **keys}, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    out.mkdir()
+    uid, gid = os.getuid(), os.getgid()
+    env = {"PATH": os.environ["PATH"], "KC_SECRETS_SRC": str(src), "KC_SECRETS_OUT": str(out)}
+    given = handed_out(OBJECT_SERVICES)
+    specs = [f"{c}:{uid}:{gid}:{','.join(sorted(files))}" for c, (_, _, files) in given.items()]
+    run = subprocess.run(["sh", str(SECRETS_INIT), *specs], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    for consumer in given:
+        have = {p.name for p in (out / consumer).iterdir()}
+        assert bool(have & set(OBJECT_SECRETS)) == (consumer in ("ray-head", "api")), consumer
+    assert (out / "api" / "object-store-access-key-id").read_text() == "AKIAEXAMPLE0001\n"

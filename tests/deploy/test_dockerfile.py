@@ -458,3 +458,59 @@ def test_entrypoint_without_control_plane_execs_the_command():
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0 and int(out) == proc.pid
     assert entry(["bash", "-c", "exit 9"], {}).returncode == 9
+
+
+def test_entrypoint_reads_the_object_store_keys_from_files(tmp_path):
+    (tmp_path / "id").write_text("AKIAEXAMPLE0001\n")
+    (tmp_path / "secret").write_text("wJalr/XUtnF+EMI\n")
+    files = {"AWS_ACCESS_KEY_ID_FILE": str(tmp_path / "id"),
+             "AWS_SECRET_ACCESS_KEY_FILE": str(tmp_path / "secret")}
+    out = entry(["env"], files)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "AWS_ACCESS_KEY_ID=AKIAEXAMPLE0001" in lines and "AWS_SECRET_ACCESS_KEY=wJalr/XUtnF+EMI" in lines
+    assert not any(line.startswith("AWS_SESSION_TOKEN=") for line in lines)  # no file, no variable
+    # A value already given wins; the file is not even read.
+    out = entry(["env"], {**files, "AWS_ACCESS_KEY_ID": "AKIAGIVEN",
+                          "AWS_ACCESS_KEY_ID_FILE": str(tmp_path / "absent")})
+    assert out.returncode == 0 and "AWS_ACCESS_KEY_ID=AKIAGIVEN" in out.stdout.splitlines()
+    # A missing file, or one that is not one word, stops the container without showing it.
+    out = entry(["env"], {**files, "AWS_SECRET_ACCESS_KEY_FILE": str(tmp_path / "absent")})
+    assert out.returncode == 2 and "AWS_SECRET_ACCESS_KEY_FILE" in out.stderr
+    (tmp_path / "secret").write_text("two words\n")
+    out = entry(["env"], files)
+    assert out.returncode == 2 and "two words" not in out.stderr and "one line" in out.stderr
+
+
+def test_the_head_runs_without_the_object_store_keys(tmp_path, fake_gcs):
+    """compose/object-store.yml: the control plane gets the operator's keys, the
+    head's raylet (every worker and driver on the head) does not."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "kc").write_text(f"""#!/bin/bash
+env > {tmp_path}/kc.env
+trap 'exit 0' TERM
+while :; do sleep 0.1; done
+""")
+    (bindir / "kc").chmod(0o755)
+    (tmp_path / "id").write_text("AKIAEXAMPLE0001\n")
+    (tmp_path / "secret").write_text("secret0001\n")
+    (tmp_path / "token").write_text("session0001\n")
+    out = entry(["bash", "-c", f"sleep 3; env > {tmp_path / 'head.env'}"],
+                {"PATH": f"{bindir}:{os.environ['PATH']}",
+                 "AWS_ACCESS_KEY_ID_FILE": str(tmp_path / "id"),
+                 "AWS_SECRET_ACCESS_KEY_FILE": str(tmp_path / "secret"),
+                 "AWS_SESSION_TOKEN_FILE": str(tmp_path / "token"),
+                 "KC_CHECKPOINT_URLS": "s3://b/p", "AWS_ENDPOINT_URL": "http://minio:9000",
+                 "KC_CONTROL_PLANE_ARGS": f"--address {fake_gcs} --watch 30"})
+    assert out.returncode == 0, out.stderr
+    head = (tmp_path / "head.env").read_text()
+    names = {line.partition("=")[0] for line in head.splitlines()}
+    assert not names & {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                        "AWS_ACCESS_KEY_ID_FILE", "AWS_SECRET_ACCESS_KEY_FILE", "AWS_SESSION_TOKEN_FILE"}
+    assert "secret0001" not in head and "session0001" not in head
+    # Not secret: which prefixes jobs may name, and where the store is.
+    assert {"KC_CHECKPOINT_URLS", "AWS_ENDPOINT_URL"} <= names
+    cp = (tmp_path / "kc.env").read_text().splitlines()
+    assert {"AWS_ACCESS_KEY_ID=AKIAEXAMPLE0001", "AWS_SECRET_ACCESS_KEY=secret0001",
+            "AWS_SESSION_TOKEN=session0001"} <= set(cp)

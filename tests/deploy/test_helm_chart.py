@@ -7,6 +7,7 @@ no helm binary and no cluster are involved (`lookup` finds nothing there).
 from __future__ import annotations
 
 import base64
+import copy
 import functools
 import hashlib
 import json
@@ -34,6 +35,9 @@ CRD_DIRS = [Path(p) for p in (os.environ.get("KC_KUBERAY_CRDS"),) if p] + [
     ROOT.parent / "shared" / "data" / "kuberay", Path("/work/shared/data/kuberay")]
 K8S_VERSION = "1.34.0"
 GPU_VALUES = yaml.safe_load((CHART / "ci" / "gpu-values.yaml").read_text())
+# Checkpoints and data on an object store, no shared volume.
+OBJECT_VALUES = yaml.safe_load((CHART / "ci" / "object-store-values.yaml").read_text())
+CI_FILES = sorted((CHART / "ci").glob("*.yaml"))
 # yaml.safe_load_all's loader, in C when PyYAML has it: the dashboards' JSON strings take
 # the pure-Python scanner seconds.
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -45,9 +49,13 @@ OTHER_VALUES = {"secrets": {"existingSecret": "my-kc"}, "redis": {"persistence":
 ADMIN_KEY = re.compile(r"^kc_[0-9a-f]{16}_[A-Za-z0-9_-]{43}$")
 
 
-def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def render_files(values: dict[str, Any] | None = None) -> dict[str, str]:
     with helm.Chart.load(CHART) as chart:
-        out = chart.render(values, name="kc", namespace="ml")
+        return chart.render(values, name="kc", namespace="ml")
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    out = render_files(values)
     return [doc for path, text in sorted(out.items()) if not path.endswith("NOTES.txt")
             for doc in yaml.load_all(text, Loader=SAFE_LOADER) if doc]
 
@@ -91,9 +99,16 @@ def gpu_docs() -> list[dict]:
     return render(GPU_VALUES)
 
 
-@pytest.mark.parametrize("values", [None, GPU_VALUES], ids=["default", "gpu"])
-def test_helm_lint_is_clean(values: dict | None) -> None:
-    report = helm.lint(CHART, values, strict=True)
+@pytest.fixture(scope="module")
+def object_docs() -> list[dict]:
+    return render(OBJECT_VALUES)
+
+
+@pytest.mark.parametrize("values", [None, *CI_FILES], ids=lambda v: v.name if v else "default")
+def test_helm_lint_is_clean(values: Path | None) -> None:
+    """The default values and every ci/*.yaml example lint clean (strict)."""
+    given = yaml.safe_load(values.read_text()) if values is not None else None
+    report = helm.lint(CHART, given, strict=True)
     problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
     print(json.dumps(report, indent=1))
     assert not problems, f"helm lint: {problems}"
@@ -185,7 +200,7 @@ CRD_VALIDATORS = {"RayCluster": validate_raycluster, "ServiceMonitor": validate_
                   "PodMonitor": validate_monitor}
 
 
-@pytest.mark.parametrize("which", ["default", "gpu", "other"])
+@pytest.mark.parametrize("which", ["default", "gpu", "object", "other"])
 def test_every_manifest_validates(which: str, request: pytest.FixtureRequest) -> None:
     docs = render(OTHER_VALUES) if which == "other" else request.getfixturevalue(f"{which}_docs")
     assert docs
@@ -563,3 +578,189 @@ def test_every_ray_process_presents_rays_token(default_docs: list[dict]) -> None
             assert item == [{"key": "ray-token", "path": file}] and "RAY_AUTH_TOKEN" not in env
             checked += 1
     assert checked >= 4  # head, control plane, a worker group, the API
+
+
+# --- object storage (objectStore) ---------------------------------------------------
+
+OBJECT_SETTINGS = {"KC_CHECKPOINT_URLS", "KC_DATA_URLS", "KC_OBJECT_STORE_CREDENTIALS",
+                   "KC_OBJECT_STORE_ROLE_ARN", "AWS_ENDPOINT_URL", "AWS_REGION"}
+OBJECT_KEYS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"}
+NO_AMBIENT = {"AWS_EC2_METADATA_DISABLED": "true", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+              "AWS_CONFIG_FILE": "/dev/null"}
+
+
+def refers_to_secret(node: Any, name: str) -> bool:
+    """Whether anything in `node` (a pod template) names Secret `name`."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k in ("secretKeyRef", "secretRef") and v.get("name") == name:
+                return True
+            if k == "secret" and isinstance(v, dict) and v.get("secretName") == name:
+                return True
+            if refers_to_secret(v, name):
+                return True
+    elif isinstance(node, list):
+        return any(refers_to_secret(v, name) for v in node)
+    return False
+
+
+def test_object_store_settings_reach_the_api_and_the_head(object_docs: list[dict]) -> None:
+    pods = pod_specs(object_docs)
+    want = {"KC_CHECKPOINT_URLS": "s3://kc-checkpoints/prod", "KC_DATA_URLS": "s3://kc-datasets/tokenized",
+            "KC_OBJECT_STORE_CREDENTIALS": "scoped", "AWS_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": "https://minio.storage.svc.cluster.local:9000"}
+    head, cp = pods["ray-head"]["spec"]["containers"]
+    (api,) = pods["kc-kuangchao-api"]["spec"]["containers"]
+    for c in (head, cp, api):
+        env = env_of(c)
+        assert {k: env[k]["value"] for k in want} == want, c["name"]
+        assert "KC_OBJECT_STORE_ROLE_ARN" not in env  # roleArn empty: no variable
+    # The operator's keys from the Secret: the API and the control-plane container only.
+    for c in (cp, api):
+        env = env_of(c)
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            assert env[key]["valueFrom"]["secretKeyRef"] == {"name": "kc-object-store", "key": key}
+        assert env["AWS_SESSION_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": "kc-object-store", "key": "AWS_SESSION_TOKEN", "optional": True}
+    # The raylet's environment is every worker's and driver's on the head: no key there,
+    # and no file or instance role of the node to fall back on.
+    assert not OBJECT_KEYS & set(env_of(head)) and not refers_to_secret(head, "kc-object-store")
+    assert {k: env_of(head)[k]["value"] for k in NO_AMBIENT} == NO_AMBIENT
+    assert not set(NO_AMBIENT) & (set(env_of(cp)) | set(env_of(api)))
+
+
+def test_workers_carry_no_object_store_secret(object_docs: list[dict]) -> None:
+    pods = pod_specs(object_docs)
+    workers = {n: p for n, p in pods.items() if n.startswith("ray-worker")}
+    assert workers
+    for name, pod in workers.items():
+        assert not refers_to_secret(pod, "kc-object-store"), name
+        for c in pod["spec"]["containers"]:
+            env = env_of(c)
+            # Ranks get their job's credentials, endpoint and region from the authority,
+            # and botocore finds nothing of the node's to fall back on.
+            assert not (OBJECT_KEYS | OBJECT_SETTINGS) & set(env), (name, set(env))
+            assert {k: env[k]["value"] for k in NO_AMBIENT} == NO_AMBIENT
+            assert not any("valueFrom" in e and "secretKeyRef" in e["valueFrom"] for e in env.values())
+            assert "envFrom" not in c
+    # Nor does any other pod but the API and the head (Redis).
+    for name, pod in pods.items():
+        if name not in ("kc-kuangchao-api", "ray-head"):
+            assert not refers_to_secret(pod, "kc-object-store"), name
+
+
+def test_object_store_needs_no_shared_volume(object_docs: list[dict]) -> None:
+    """No PersistentVolumeClaim is rendered and no pod mounts one: the checkpoints
+    go to the store, node-local disk stages them."""
+    assert not find(object_docs, "PersistentVolumeClaim")
+    for name, tpl in pod_specs(object_docs).items():
+        for v in tpl["spec"].get("volumes", []):
+            assert "persistentVolumeClaim" not in v, (name, v)
+        if name.startswith("ray-"):
+            ckpt = next(v for v in tpl["spec"]["volumes"] if v["name"] == "checkpoints")
+            assert "emptyDir" in ckpt
+    (g,) = one(object_docs, "RayCluster")["spec"]["workerGroupSpecs"]
+    volumes = {v["name"]: v for v in g["template"]["spec"]["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in g["template"]["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["staging"] == "/var/lib/kuangchao/staging"
+    assert volumes["staging"] == {"name": "staging", "emptyDir": {"sizeLimit": "100Gi"}}
+    # Both ways at once: a claim for relative paths and the store for s3:// ones.
+    both = render({**OBJECT_VALUES, "checkpoints": {"existingClaim": "kc-checkpoints"}})
+    for name, tpl in pod_specs(both).items():
+        if name.startswith("ray-"):
+            ckpt = next(v for v in tpl["spec"]["volumes"] if v["name"] == "checkpoints")
+            assert ckpt["persistentVolumeClaim"] == {"claimName": "kc-checkpoints"}
+
+
+def test_without_an_object_store_nothing_of_it_renders(default_docs: list[dict],
+                                                       gpu_docs: list[dict]) -> None:
+    for docs in (default_docs, gpu_docs):
+        for name, pod in pod_specs(docs).items():
+            assert "staging" not in {v["name"] for v in pod["spec"].get("volumes", [])}, name
+            for c in pod["spec"]["containers"]:
+                unwanted = OBJECT_KEYS | OBJECT_SETTINGS | set(NO_AMBIENT)
+                assert not unwanted & set(env_of(c)), (name, c["name"])
+
+
+def test_object_store_role_and_shared_mode() -> None:
+    arn = "arn:aws:iam::123456789012:role/kc-checkpoints"
+    aws = {"objectStore": {"url": "s3://b/p", "existingSecret": "s", "roleArn": arn}}
+    pods = pod_specs(render(aws))
+    for c in (*pods["ray-head"]["spec"]["containers"], *pods["kc-kuangchao-api"]["spec"]["containers"]):
+        env = env_of(c)
+        assert env["KC_OBJECT_STORE_ROLE_ARN"]["value"] == arn
+        assert env["KC_OBJECT_STORE_CREDENTIALS"]["value"] == "scoped"
+        assert "AWS_ENDPOINT_URL" not in env and "AWS_REGION" not in env  # AWS S3's defaults
+        assert "KC_DATA_URLS" not in env
+    shared = pod_specs(render({"objectStore": {"url": "s3://b/p", "existingSecret": "s",
+                                               "credentialsMode": "shared"}}))
+    (api,) = shared["kc-kuangchao-api"]["spec"]["containers"]
+    assert env_of(api)["KC_OBJECT_STORE_CREDENTIALS"]["value"] == "shared"
+    # Even in shared mode the chart gives no pod but the API and head the keys:
+    # the authority hands them to the job's ranks.
+    assert not any(refers_to_secret(p, "s") for n, p in shared.items() if n.startswith("ray-worker"))
+
+
+def test_notes_say_where_checkpoints_go() -> None:
+    notes = render_files(OBJECT_VALUES)["kuangchao/templates/NOTES.txt"]
+    assert "kc doctor --checkpoint-path s3://kc-checkpoints/prod" in notes and "WARNING" not in notes
+    assert "WARNING: neither checkpoints.existingClaim nor objectStore.url" in \
+        render_files()["kuangchao/templates/NOTES.txt"]
+    assert "WARNING" not in render_files(GPU_VALUES)["kuangchao/templates/NOTES.txt"]
+
+
+def store(**kw: Any) -> dict:
+    """Values with a valid object store, changed by `kw`."""
+    return {"objectStore": {"url": "s3://b/p", "existingSecret": "s", **kw}}
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    (store(credentialsMode="none"), "credentialsMode"),
+    (store(credentialsMode="Scoped"), "credentialsMode"),
+    (store(url="kc-checkpoints/prod"), "url"),
+    (store(url="file:///var/lib/kuangchao"), "url"),
+    (store(dataUrls=["s3://"]), "dataUrls"),
+    (store(endpoint="minio:9000"), "endpoint"),
+    (store(roleArn="kc-role"), "roleArn"),
+    (store(accessKey="AKIA..."), "accessKey"),
+    # Checks the templates make.
+    (store(url="file://host/var/lib/kuangchao"), "objectStore.url"),
+    (store(url="s3://b/a/../other-job"), "objectStore.url"),
+    (store(dataUrls=["s3://d/ok", "s3://d/a//b"]), "objectStore.dataUrls[1]"),
+    (store(existingSecret=""), "existingSecret"),
+    ({"objectStore": {"dataUrls": ["s3://d"]}}, "existingSecret"),
+    (store(credentialsMode="shared", roleArn="arn:aws:iam::1:role/r"), "roleArn"),
+])
+def test_bad_object_store_values_are_refused(values: dict, field: str) -> None:
+    with pytest.raises(helm.HelmError) as err:
+        render(values)
+    assert field in str(err.value), str(err.value)
+
+
+def test_the_chart_takes_the_urls_the_platform_takes() -> None:
+    """What objectStore accepts and refuses agrees with the platform's own URL parser."""
+    from kuangchao.platform.storage.urls import parse
+
+    for url in ("s3://b", "s3://b/a/", "s3://kc-checkpoints/prod/.x/c.d", "gs://b/p"):
+        parse(url)
+        render(store(url=url))
+    for url in ("s3://b/a/../x", "s3://b/.", "s3://b/a//x"):
+        with pytest.raises(ValueError):
+            parse(url)
+        with pytest.raises(helm.HelmError):
+            render(store(url=url))
+
+
+def test_values_schema_validates_both_ways() -> None:
+    """values.schema.json itself: the defaults (shared volume), the GPU example and the
+    object-store example pass; a bad credentialsMode does not."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    check = jsonschema.Draft7Validator(schema)
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    for values in (defaults, GPU_VALUES, OBJECT_VALUES, store(credentialsMode="shared", region="default")):
+        assert not list(check.iter_errors(values))
+    bad = copy.deepcopy(OBJECT_VALUES)
+    bad["objectStore"]["credentialsMode"] = "operator"
+    (err,) = check.iter_errors(bad)
+    assert list(err.path) == ["objectStore", "credentialsMode"]

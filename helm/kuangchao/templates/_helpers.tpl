@@ -194,6 +194,23 @@ seccompProfile:
 {{- if and .Values.secrets.existingSecret (or .Values.secrets.signingKey .Values.secrets.adminKey .Values.secrets.metricsToken .Values.secrets.rayToken) }}
 {{- fail "secrets: with secrets.existingSecret, leave signingKey, adminKey, metricsToken and rayToken empty (they live in that Secret)" }}
 {{- end }}
+{{- if and (include "kuangchao.objectStoreEnabled" .) (not .Values.objectStore.existingSecret) }}
+{{- fail "objectStore.existingSecret: name a Secret with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (optionally AWS_SESSION_TOKEN): the credentials the API and the token authority use for objectStore.url" }}
+{{- end }}
+{{- $urls := dict }}
+{{- with .Values.objectStore.url }}{{ $_ := set $urls "objectStore.url" . }}{{ end }}
+{{- range $i, $u := .Values.objectStore.dataUrls }}{{ $_ := set $urls (printf "objectStore.dataUrls[%d]" $i) $u }}{{ end }}
+{{- range $field, $u := $urls }}
+{{- if regexMatch "^(?i)(file|local)://" $u }}
+{{- fail (printf "%s: %q names this machine's files; give an object-store URL (s3://bucket/prefix), or use checkpoints.existingClaim for a shared volume" $field $u) }}
+{{- end }}
+{{- if regexMatch `^[^:]+://[^/]+/(.*/)?\.\.?(/.*)?$|^[^:]+://[^/]+/(.*/)?/` $u }}
+{{- fail (printf "%s: %q has an empty, '.' or '..' segment; write the prefix plainly (s3://bucket/a/b)" $field $u) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.objectStore.roleArn (eq .Values.objectStore.credentialsMode "shared") }}
+{{- fail "objectStore.roleArn is used only with credentialsMode scoped (the authority assumes it for each job); with shared, ranks get the Secret's keys as they are: leave roleArn empty" }}
+{{- end }}
 {{- $seen := dict }}
 {{- range $i, $g := .Values.ray.workerGroups }}
 {{- if hasKey $seen $g.name }}
@@ -242,4 +259,83 @@ The token is a file (key ray-token of the chart's Secret), not a variable.
     items:
       - key: ray-token
         path: ray-token
+{{- end }}
+
+{{/*
+Object storage for checkpoints and data (values.yaml, objectStore). On when
+objectStore.url or objectStore.dataUrls is set.
+*/}}
+{{- define "kuangchao.objectStoreEnabled" -}}
+{{- if or .Values.objectStore.url .Values.objectStore.dataUrls }}true{{ end }}
+{{- end }}
+
+{{/*
+The object-store settings that are not secret: which URL prefixes jobs may
+name, how ranks get credentials, and where the store is. Set on the API, the
+head and the control-plane container; never on a worker (ranks get their
+job's credentials, endpoint and region from the token authority).
+*/}}
+{{- define "kuangchao.objectStoreEnv" -}}
+{{- $o := .Values.objectStore }}
+{{- with $o.url }}
+- name: KC_CHECKPOINT_URLS
+  value: {{ . | quote }}
+{{- end }}
+{{- with $o.dataUrls }}
+- name: KC_DATA_URLS
+  value: {{ join "," . | quote }}
+{{- end }}
+- name: KC_OBJECT_STORE_CREDENTIALS
+  value: {{ $o.credentialsMode | quote }}
+{{- with $o.roleArn }}
+- name: KC_OBJECT_STORE_ROLE_ARN
+  value: {{ . | quote }}
+{{- end }}
+{{- with $o.endpoint }}
+- name: AWS_ENDPOINT_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- with $o.region }}
+- name: AWS_REGION
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+The operator's object-store keys, from objectStore.existingSecret: only the
+API and the control-plane container get them. Not the head's raylet (every
+worker and driver on the head inherits its environment), not a worker.
+*/}}
+{{- define "kuangchao.objectStoreSecretEnv" -}}
+{{- $s := .Values.objectStore.existingSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s }}
+      key: AWS_ACCESS_KEY_ID
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s }}
+      key: AWS_SECRET_ACCESS_KEY
+- name: AWS_SESSION_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s }}
+      key: AWS_SESSION_TOKEN
+      optional: true
+{{- end }}
+
+{{/*
+On the Ray containers (the raylets): botocore finds no credentials of the node
+to fall back on, neither a file nor the instance's role, so a process Ray
+starts uses the credentials its job was granted or none.
+*/}}
+{{- define "kuangchao.noAmbientAwsEnv" -}}
+- name: AWS_EC2_METADATA_DISABLED
+  value: "true"
+- name: AWS_SHARED_CREDENTIALS_FILE
+  value: /dev/null
+- name: AWS_CONFIG_FILE
+  value: /dev/null
 {{- end }}
