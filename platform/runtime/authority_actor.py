@@ -108,6 +108,9 @@ class TokenAuthorityActor:
     def renew(self, token: str) -> str:
         return self.authority.renew(token)
 
+    def renew_storage(self, token: str) -> str | None:
+        return self.authority.renew_storage(token)
+
     def revoke_job(self, credential: str, job_id: str, reason: str) -> int:
         self._control_plane(credential, "revoke_job", job_id)
         return self.authority.revoke_job(job_id, reason)

@@ -37,6 +37,7 @@ from kuangchao.platform.settings import (
     Settings,
     credentials_file,
     kc_home,
+    operator_storage_env,
     read_cluster_state,
     state_file,
 )
@@ -216,7 +217,9 @@ def _start_control_plane(state: dict[str, Any], settings: Settings) -> None:
     args = json.dumps({"redis_url": settings.redis_url, "redis_prefix": settings.redis_prefix,
                        "ray_address": settings.ray_address, "api_url": settings.api_url,
                        "signing_key_file": settings.signing_key_file, "dev": settings.dev,
-                       "job_acl": settings.job_acl})
+                       "job_acl": settings.job_acl,
+                       # the operator's object-store settings: to the actors, as the rest
+                       "object_store_env": operator_storage_env()})
     # The settings hold the admin Redis URL: through stdin, since any user of
     # this machine can read a process's command line.
     out = subprocess.run([sys.executable, "-c", code, str(topo_nodes)], input=args,

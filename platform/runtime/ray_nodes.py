@@ -58,16 +58,19 @@ def ray_env(state: dict[str, Any], admin: bool = True) -> dict[str, str]:
     env.update({k: v for k, v in RAY_QUIET.items() if k not in env})
     for secret in SECRET_ENV:
         env.pop(secret, None)
-    # The operator's object-store credentials stay with the control plane's actors
-    # (Settings.object_store_env); ranks get their job's scoped ones in their grant,
-    # and botocore on a raylet finds no credentials file or instance role to fall back on.
-    for name in operator_storage_env():
-        env.pop(name, None)
-    env.update(AWS_SHARED_CREDENTIALS_FILE=os.devnull, AWS_CONFIG_FILE=os.devnull,
-               AWS_EC2_METADATA_DISABLED="true")
+
     env.update(ray_token_env(state))
     if admin:
         env["KC_REDIS_URL"] = state["redis_url"]
+    else:
+        # A raylet: the operator's object-store credentials stay with the API and the
+        # control plane's actors (Settings.object_store_env); ranks get their job's
+        # scoped ones in their grant, and botocore there finds no credentials file or
+        # instance role to fall back on.
+        for name in operator_storage_env():
+            env.pop(name, None)
+        env.update(AWS_SHARED_CREDENTIALS_FILE=os.devnull, AWS_CONFIG_FILE=os.devnull,
+                   AWS_EC2_METADATA_DISABLED="true")
     env["KC_REDIS_PREFIX"] = state["redis_prefix"]
     env["KC_HOME"] = str(kc_home())
     return env

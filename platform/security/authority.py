@@ -28,6 +28,7 @@ from kuangchao.platform.jobs import keys, redis_acl
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability import metrics
 from kuangchao.platform.security.audit import AuditLog, AuditRecord
+from kuangchao.platform.security.storage_grants import StorageGrants
 from kuangchao.platform.security.tokens import (
     DATASET_READ,
     ROLE_INTERFACES,
@@ -114,10 +115,13 @@ class WorkerGrant:
     public_key: bytes
     redis_url: str | None
     modules: dict[str, str] = field(default_factory=dict)
+    # The job's object-store credentials (StoreCredentials JSON), scoped to its prefix.
+    storage: str | None = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"token": self.token, "public_key": self.public_key.decode(),
-                "redis_url": self.redis_url, "modules": dict(self.modules)}
+                "redis_url": self.redis_url, "modules": dict(self.modules),
+                "storage": self.storage}
 
 
 class TokenAuthority:
@@ -138,6 +142,8 @@ class TokenAuthority:
         self.admin_url, self.job_acl = admin_url, job_acl
         self._minter = Minter(key)
         self._public = public_pem(key)
+        # Jobs' object-store credentials.
+        self.storage = StorageGrants(self._audit, lambda job_id: self.store.get(job_id).spec)
         self._verifier = Verifier(key.public_key(), self.is_revoked, clock)
 
     def public_key(self) -> bytes:
@@ -183,6 +189,7 @@ class TokenAuthority:
         spec = JobSpec.model_validate(self.store.get(job_id).spec)
         self.store.hold_credentials(job_id)
         url = self.job_redis_url(job_id)
+        storage = self.storage.grant(job_id, spec)
         interfaces = TRAINER_BASE | frozenset(spec.permission.collectives)
         ttl = spec.permission.token_ttl_seconds
         out = {}
@@ -193,8 +200,17 @@ class TokenAuthority:
             modules = {role: self._mint(f"{name}/{module}", job_id, role, Scope(), ifaces, ttl,
                                         principal=name)[0]
                        for role, (module, ifaces) in RANK_MODULES.items()}
-            out[rank] = WorkerGrant(token, self._public, url, modules)
+            out[rank] = WorkerGrant(token, self._public, url, modules, storage)
         return out
+
+    def renew_storage(self, token: str) -> str | None:
+        """Fresh object-store credentials for the job of a valid trainer token (the vendor
+        mints new ones once the held ones are within 30 minutes of expiring)."""
+        claims = self._verifier.verify(token)
+        self._renewable(claims)
+        if self.store.job_revoked(claims.job) or self._ended(claims.job):
+            raise TokenError("revoked", f"job {claims.job} has ended; its tokens are revoked")
+        return self.storage.grant(claims.job, JobSpec.model_validate(self.store.get(claims.job).spec))
 
     def grant_module(self, job_id: str, module: str, role: str) -> WorkerGrant:
         """A token for one of the job's other modules (its controller, a data
@@ -280,6 +296,7 @@ class TokenAuthority:
         self.store.forget_tokens(job_id)
         if self._ended(job_id):
             self.store.release_credentials(job_id)
+            self.storage.release(job_id)
         self._audit("token-authority", "token.revoke", f"job/{job_id}", "allow",
                     f"{reason}: {len(live)} live token(s)", job_id)
         if self.job_acl and self.admin_url and self._ended(job_id):

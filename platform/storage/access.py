@@ -45,19 +45,32 @@ def job_credentials() -> StoreCredentials | None:
     return _job_credentials
 
 
+_opened: dict[tuple[str, StoreCredentials | None], Any] = {}
+
+
 def open_filesystem(scheme: str) -> Any:
     """A filesystem for `scheme` with this process's credentials (see the module doc).
+    A rank's is kept per scheme and credentials, so its connections are reused; the
+    operator's is made afresh, as its environment says now.
 
     Raises:
         StorageError: A rank whose grant holds no object-store credentials.
     """
     with _lock:
         creds, is_rank = _job_credentials, _is_rank
+        fs = _opened.get((scheme, creds))
     if is_rank and creds is None:
         raise StorageError("this job was granted no object-store credentials; its checkpoint.path "
                            "or data.path is not an object-store URL, or the token authority "
                            "could not scope credentials (see the controller's log)")
-    return filesystem(scheme, creds)
+    if fs is None:
+        fs = filesystem(scheme, creds)
+        if creds is not None:
+            with _lock:
+                if len(_opened) > 8:  # filesystems of credentials renewed since
+                    _opened.clear()
+                _opened[(scheme, creds)] = fs
+    return fs
 
 
 def apply_operator_env(env: dict[str, str] | None) -> None:

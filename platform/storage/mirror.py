@@ -58,9 +58,19 @@ RetryHook = Callable[[int, str, str], None]
 class RemoteCheckpoints:
     """The store side of one job's checkpoints: `{url}` is `{checkpoint.path}/{job_id}`."""
 
-    def __init__(self, url: str | ObjectUrl, fs: Any) -> None:
+    def __init__(self, url: str | ObjectUrl, fs: Any = None) -> None:
+        """`fs`: the filesystem to use; None: this process's (access.py), asked at each
+        use, so that a rank's renewed credentials take effect at once."""
         self.url = parse(url) if isinstance(url, str) else url
-        self.fs = fs
+        self._fs = fs
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is not None:
+            return self._fs
+        from kuangchao.platform.storage.access import open_filesystem
+
+        return open_filesystem(self.url.scheme)
 
     def __str__(self) -> str:
         return str(self.url)
@@ -241,8 +251,19 @@ class RemoteCheckpoints:
         """Hide `step` (its manifest goes first), then delete the rest. Gone already is fine."""
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._object(step, MANIFEST))
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self.step_url(step).path, recursive=True)
+        self._delete_all(self.step_url(step).path)
+
+    def _delete_all(self, prefix: str) -> None:
+        """Every object under `prefix`, one request each: a bulk delete (S3's
+        DeleteObjects) reports no per-key refusal through s3fs, and some stores
+        authorise it against the bucket, which a job's scoped keys do not reach."""
+        try:
+            keys = self.fs.find(prefix)
+        except FileNotFoundError:
+            return
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(key)
 
     def retire_partial(self, keep: set[int]) -> None:
         """Delete step prefixes that have no manifest (saves that died), except `keep`."""
@@ -257,17 +278,13 @@ class RemoteCheckpoints:
             if name.startswith(_STEP_PREFIX) and digits.isdigit():
                 step = int(digits)
                 if step not in done and step not in keep:
-                    with contextlib.suppress(FileNotFoundError):
-                        self.fs.rm(self.step_url(step).path, recursive=True)
+                    self._delete_all(self.step_url(step).path)
 
 
 def job_checkpoints(root: str, job_id: str) -> RemoteCheckpoints:
     """The store side of `job_id`'s checkpoints under the URL `root`, opened with this
     process's credentials (access.py: a rank's job's, else the operator's)."""
-    from kuangchao.platform.storage.access import open_filesystem
-
-    url = parse(root).join(job_id)
-    return RemoteCheckpoints(url, open_filesystem(url.scheme))
+    return RemoteCheckpoints(parse(root).join(job_id))
 
 
 def verify_step_url(step_url: str) -> dict[str, Any]:

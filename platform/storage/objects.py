@@ -20,8 +20,9 @@ from kuangchao.platform.errors import StorageError
 from kuangchao.platform.storage.urls import ObjectUrl, parse
 
 # botocore's waits: a connection in 5 s, each response in 15 s, and one retry of
-# its own. A store frozen mid-request (SIGSTOP, a partition) then costs a request
-# ~20 s before the uploader's own retry loop (mirror.py) takes over and says so.
+# its own (s3fs's own retries are cut to one). A store frozen mid-request (SIGSTOP,
+# a partition) then costs a request ~30 s before the uploader's own retry loop
+# (mirror.py) takes over and says so.
 CONNECT_TIMEOUT_S = 5
 READ_TIMEOUT_S = 15
 S3_SCHEMES = frozenset({"s3", "s3a"})
@@ -101,7 +102,12 @@ def filesystem(scheme: str, credentials: StoreCredentials | None = None) -> Any:
             endpoint = endpoint_from_env()
             if endpoint:
                 kw["endpoint_url"] = endpoint
-        return s3fs.S3FileSystem(**kw)
+        fs = s3fs.S3FileSystem(**kw)
+        # s3fs retries a timed-out call 5 times on top of botocore's attempts: a frozen
+        # store would hold one request ~4 minutes. Once here; mirror.py's loop retries
+        # with backoff and says so.
+        fs.retries = 1
+        return fs
     import fsspec
 
     try:

@@ -195,14 +195,21 @@ def store():
 
 
 @contextmanager
-def small_stack(root: Path, cluster: str, label: str, joined: tuple[str, ...] = ()) -> Iterator[Stack]:
+def small_stack(root: Path, cluster: str, label: str, joined: tuple[str, ...] = (),
+                extra_env: dict[str, str | None] | None = None) -> Iterator[Stack]:
     """A stack of a module's own on `cluster` (a YAML beside this file), with a Redis key
     prefix of its own; on exit, the nodes a test joined (`joined`, by name) are stopped,
-    the stack is brought down and its keys deleted."""
+    the stack is brought down and its keys deleted. `extra_env`: more settings for
+    `kc up` and the processes it starts (an object store's, say)."""
     from kuangchao.platform.runtime import procs
 
     env = {**os.environ, "KC_HOME": str(root / "home"),
            "KC_REDIS_PREFIX": f"{label}-{uuid.uuid4().hex[:8]}:", "KC_QUARANTINE_FAILURES": "0"}
+    for name, value in (extra_env or {}).items():  # None: unset it
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     env.pop("KC_API_URL", None)
     url = shared_redis_url()
     if url:

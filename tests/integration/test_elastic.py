@@ -1,4 +1,7 @@
-"""Elastic jobs on a stack of their own: three nodes of one GPU, one replica per node.
+"""Elastic jobs, and faults, on a stack of their own: three nodes of one GPU, one
+replica per node, each node with a folder of its own and no shared disk
+(`node_storage: private`). Every job keeps its checkpoints in a real S3 server
+(moto's, with IAM enforced: ranks hold only their job's scoped credentials).
 
 - A higher-priority job arriving on the full cluster shrinks an elastic job
   to its minimum instead of evicting it, and the elastic job grows back when
@@ -9,6 +12,10 @@
   a run at a fixed size at every logged step.
 - `kc scale` / `PATCH /v1/jobs/{id}` refuse bad sizes with what to change, and
   a size asked for shrinks the job live and holds it there to the end.
+- A rank SIGKILLed resumes from the store (the other node's shards downloaded)
+  to the exact final loss of a run never killed.
+- The store frozen (SIGSTOP) for 20 s costs checkpoints, not training; a
+  checkpoint truncated in the store is skipped on restore.
 
 The node test runs last: it replaces a node of the cluster.
 """
@@ -17,10 +24,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 
 import pytest
 
 from kuangchao.api.sdk.client import ApiError, Client
+from tests.s3server import AWS_VARS_TO_CLEAR, S3Server
 
 from .conftest import Stack, kc, raylet_of, small_stack, wait_for
 
@@ -37,10 +47,26 @@ JOINED = "node-d"
 LOSS_RTOL = 1e-4
 
 
+BUCKET = "kc-itest"
+STORE = f"s3://{BUCKET}/ckpt"
+
+
 @pytest.fixture(scope="module")
-def elastic(tmp_path_factory):
+def store():
+    with S3Server(enforce_auth=True) as s3:
+        s3.create_bucket(BUCKET)
+        yield s3
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory, store):
     root = tmp_path_factory.mktemp("kcelastic")
-    with small_stack(root, "cluster-3x1.yaml", "kcelastic", (JOINED,)) as stack:
+    # The operator's object store: its admin keys for the API and the control plane
+    # (no raylet gets them), and the prefix jobs may use.
+    env: dict[str, str | None] = {name: None for name in AWS_VARS_TO_CLEAR}
+    env.update(store.admin_env(), KC_CHECKPOINT_URLS=STORE, AWS_CONFIG_FILE=os.devnull,
+               AWS_SHARED_CREDENTIALS_FILE=os.devnull)
+    with small_stack(root, "cluster-3x1.yaml", "kcelastic", (JOINED,), extra_env=env) as stack:
         yield stack
 
 
@@ -50,7 +76,7 @@ def elastic_doc(stack: Stack, name: str, steps: int, **elastic) -> dict:
     d = stack.job_doc(task={"name": name})
     d["parallel"].update(data_parallel_size=3, micro_batch_size=4, gradient_accumulation_steps=2)
     d["training"].update(steps=steps, seed=11, log_interval=50)
-    d["checkpoint"]["interval_steps"] = 200
+    d["checkpoint"].update(interval_steps=200, path=STORE)
     d["data"]["record_samples"] = True
     d["fault_tolerance"] = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5,
                             "hang_timeout_s": 60}
@@ -163,6 +189,97 @@ def test_kc_scale_refuses_bad_sizes_then_shrinks_live_and_the_job_finishes(elast
     assert done["resize_log"][0]["path"] == "live" and done["restarts"] == 0
     assert done["samples_seen"] == steps * 24 and done["global_batch"] == 24
     assert check_sample_record(elastic, job["id"], steps, 24) == {2, 3}
+
+
+def two_ranks(stack: Stack, name: str, steps: int, interval: int) -> dict:
+    """A fixed-size job of two ranks (two nodes), global batch 24 as the others."""
+    d = elastic_doc(stack, name, steps=steps)
+    d["parallel"].update(data_parallel_size=2, micro_batch_size=4, gradient_accumulation_steps=3)
+    d["checkpoint"]["interval_steps"] = interval
+    return d
+
+
+def committed_steps(s3: S3Server, job_id: str) -> list[int]:
+    """The steps whose manifest is in the store (the commit), read with the admin's keys."""
+    pages = s3.client().get_paginator("list_objects_v2").paginate(
+        Bucket=BUCKET, Prefix=f"ckpt/{job_id}/")
+    keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+    return sorted(int(k.split("/")[-2][5:]) for k in keys if k.endswith("/manifest.json"))
+
+
+def test_sigkilled_rank_resumes_from_the_store_to_the_failure_free_loss(elastic, store):
+    """Each rank uploads its own shards from its own node; the replacement restores from
+    the store (the other node's shards downloaded, its own staged copy reused) and ends
+    at the exact loss of a run never killed."""
+    client: Client = elastic.client
+    killed = two_ranks(elastic, "s3-killed", steps=150, interval=50)
+    killed["checkpoint"]["local_staging"] = "staging"  # under each node's own folder
+    victim = client.submit(killed)
+    wait_for(lambda: committed_steps(store, victim["id"]) and
+             client.get(victim["id"])["progress"]["step"] >= 60, 400,
+             "the job to commit its first checkpoint to the store")
+    rank1 = next(p for p in client.get(victim["id"])["placement"] if p["rank"] == 1)
+    os.kill(rank1["pid"], signal.SIGKILL)
+    done = elastic.wait_state(victim["id"], DONE, timeout=600)
+    assert done["state"] == "SUCCEEDED", done["message"]
+    assert done["restarts"] == 1 and done["restart_log"][0]["resumed_step"] >= 50
+    restored = [r["message"] for r in client.logs(victim["id"])["logs"]
+                if "restored checkpoint" in r["message"]]
+    assert restored, "the job did not resume from a checkpoint"
+    assert committed_steps(store, victim["id"])[-1] == 150
+    assert done["checkpoints"][-1]["path"] == f"{STORE}/{victim['id']}/step_00000150"
+    # Nothing under the shared home: each node staged its own files in its own folder.
+    home = Path(elastic.env["KC_HOME"])
+    assert not (home / "ckpt").exists()
+    staged = {p.parent.parent.parent.name for p in
+              (home / "nodes").glob(f"*/staging/{victim['id']}/step_*")}
+    assert len(staged) >= 2, staged
+
+    clean = client.submit(two_ranks(elastic, "s3-clean", steps=150, interval=50))
+    reference = elastic.wait_state(clean["id"], DONE, timeout=600)
+    assert reference["state"] == "SUCCEEDED" and reference["restarts"] == 0
+    assert done["progress"]["loss"] == pytest.approx(reference["progress"]["loss"], rel=1e-6)
+
+
+FREEZE_S = 20.0
+
+
+def test_frozen_store_costs_checkpoints_not_training_and_a_truncated_one_is_skipped(elastic,
+                                                                                     store):
+    client: Client = elastic.client
+    job = client.submit(two_ranks(elastic, "s3-frozen", steps=100_000, interval=20))
+    wait_for(lambda: len(committed_steps(store, job["id"])) >= 2, 400,
+             "two checkpoints committed to the store")
+    before = client.get(job["id"])["progress"]["step"]
+    with store.frozen():  # the server stops answering: connections hang
+        end, during = time.monotonic() + FREEZE_S, before
+        while time.monotonic() < end:  # the freeze lasts FREEZE_S; training is watched meanwhile
+            during = max(during, client.get(job["id"])["progress"]["step"])
+            time.sleep(0.5)
+    assert during >= before + 20, f"training stalled while the store was frozen ({before} -> {during})"
+    thawed = client.get(job["id"])["progress"]["step"]
+    # The save in flight was retried, or the next ones skipped, each with an event; then
+    # checkpoints commit again.
+    wait_for(lambda: committed_steps(store, job["id"])[-1] > thawed, 300,
+             "a checkpoint committed after the thaw")
+    kinds = {e["type"] for e in client.events(job["id"])["events"]}
+    assert kinds & {"checkpoint_retry", "checkpoint_skipped"}, kinds
+
+    # A rank killed; while the job recovers, its newest checkpoint is truncated in the store.
+    rank1 = next(p for p in client.get(job["id"])["placement"] if p["rank"] == 1)
+    os.kill(rank1["pid"], signal.SIGKILL)
+    wait_for(lambda: client.get(job["id"])["state"] != "RUNNING", 60, "the failure to be seen")
+    newest = committed_steps(store, job["id"])[-1]
+    key = f"ckpt/{job['id']}/step_{newest:08d}/rank_1.pt"
+    store.client().put_object(Bucket=BUCKET, Key=key, Body=b"truncated")
+    resumed = wait_for(lambda: (j := client.get(job["id"]))["restart_log"]
+                       and "first_step_at" in j["restart_log"][0] and j, 300, "the job resumed")
+    assert resumed["restart_log"][0]["resumed_step"] < newest, resumed["restart_log"]
+    skipped = [e["message"] for e in client.events(job["id"])["events"]
+               if e["type"] == "checkpoint_skipped" and f"step_{newest:08d}" in e["message"]]
+    assert skipped and "rank_1.pt" in skipped[0], skipped
+    client.cancel(job["id"])
+    assert elastic.wait_state(job["id"], DONE, timeout=120)["state"] == "CANCELLED"
 
 
 def test_node_loss_shrinks_and_a_new_node_grows_without_losing_a_sample(elastic):

@@ -21,6 +21,7 @@ included) each time they are asked.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -240,6 +241,47 @@ class GuardedCheckpoints(CheckpointManager):
             raise PermissionError(f"{path} is not a local copy of a checkpoint of {self.location}")
         self.holder.check_path("checkpoint_read", str(self.remote.store.step_url(step)))
         return Path(path)
+
+
+# A rank asks for fresh object-store credentials once the ones it holds have less
+# than this left (the authority's vendor mints new ones within 30 minutes of expiry),
+# and asks again every STORAGE_RETRY_S until it gets them.
+STORAGE_RENEW_BEFORE_S = 40 * 60
+STORAGE_RETRY_S = 60.0
+
+
+def renew_storage_in_background(holder: TokenHolder, handle: Any,
+                                stop: threading.Event) -> threading.Thread:
+    """Keep this rank's object-store credentials fresh through the token authority
+    (`renew_storage`, which checks the rank's token), on a daemon thread, until `stop`."""
+    import ray
+
+    from kuangchao.platform.storage.access import job_credentials, use_job_credentials
+    from kuangchao.platform.storage.objects import StoreCredentials
+
+    def loop() -> None:
+        while True:
+            creds = job_credentials()
+            if creds is None or creds.expires_at is None:
+                return
+            wait = max(0.0, creds.expires_at - STORAGE_RENEW_BEFORE_S - time.time())
+            if stop.wait(max(wait, 1.0)):
+                return
+            try:
+                fresh = ray.get(handle.renew_storage.remote(holder.token), timeout=30)
+                if fresh:
+                    renewed = StoreCredentials.from_json(fresh)
+                    if renewed != creds:
+                        use_job_credentials(renewed)
+                        continue
+            except Exception:  # the authority away, or the job ended: try again later
+                pass
+            if stop.wait(STORAGE_RETRY_S):
+                return
+
+    thread = threading.Thread(target=loop, daemon=True, name="kc-storage-renew")
+    thread.start()
+    return thread
 
 
 def authority_client(handle: Any, timeout_s: float = 30.0) -> tuple[Callable[[str], str],

@@ -20,6 +20,9 @@ import torch.distributed as dist
 
 from kuangchao.platform.jobs.debug_requests import queue_answer, read_request
 from kuangchao.platform.jobs.debugreq import DebugRequest
+from kuangchao.platform.storage.access import cache_dir, open_filesystem
+from kuangchao.platform.storage.urls import is_url
+from kuangchao.platform.storage.urls import parse as parse_url
 from kuangchao.workers.runtime.telemetry import WorkerTelemetry, memory
 
 # Profiler events that are communication rather than compute.
@@ -166,5 +169,19 @@ def summarize(prof: Any, trace: Path, top: int = 15) -> dict[str, Any]:
 
 
 def profile_dir(checkpoint_path: str, job_id: str, request_id: str) -> Path:
-    """Next to the job's checkpoints: storage every node (and the API server) can reach."""
+    """Next to the job's checkpoints: storage every node (and the API server) can reach.
+    For an object store, a folder of this node's own first (`publish_profile` uploads)."""
+    if is_url(checkpoint_path):
+        return cache_dir("profiles") / job_id / request_id
     return Path(checkpoint_path).expanduser() / job_id / "profiles" / request_id
+
+
+def publish_profile(checkpoint_path: str, job_id: str, request_id: str, trace: Path) -> None:
+    """Upload a trace written under `profile_dir` to `{checkpoint.path}/{job_id}/profiles/`
+    when the checkpoints are in an object store (the API serves it from there), with
+    the job's own credentials; then drop the local copy. A folder path: nothing to do."""
+    if not is_url(checkpoint_path):
+        return
+    target = parse_url(checkpoint_path).join(job_id, "profiles", request_id, trace.name)
+    open_filesystem(target.scheme).put_file(str(trace), target.path)
+    trace.unlink(missing_ok=True)

@@ -34,7 +34,7 @@ from kuangchao.workers.elastic.generation import join_generation
 from kuangchao.workers.errors import EntrypointError, PlacementMismatch, TrainingError
 from kuangchao.workers.parallel.emulation import check_emulation
 from kuangchao.workers.parallel.layout import Layout
-from kuangchao.workers.runtime import telemetry
+from kuangchao.workers.runtime import credentials, telemetry
 from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.runtime.credentials import GuardedCheckpoints, TokenHolder, authority_client
 from kuangchao.workers.runtime.debug import DebugResponder
@@ -191,6 +191,8 @@ class TrainWorker:
         holder: TokenHolder | None = None
         holder = TokenHolder(grant["token"], grant["public_key"], revoked, renew, denied,
                              modules=grant.get("modules") or {})
+        if grant.get("storage") and authority is not None:
+            credentials.renew_storage_in_background(holder, authority, holder._stop)
         return holder
 
     def describe(self) -> dict[str, Any]:

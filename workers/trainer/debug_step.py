@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kuangchao.workers.runtime.debug import gradient_fingerprints, profile_dir
+from kuangchao.workers.runtime.debug import gradient_fingerprints, profile_dir, publish_profile
 
 if TYPE_CHECKING:
     from kuangchao.workers.runtime.context import TrainContext
@@ -51,8 +51,10 @@ def profiled(ctx: TrainContext, last: bool) -> None:
     if cap is None or not (cap.profile_done() or last):
         return
     try:
-        out = profile_dir(ctx.spec.checkpoint.path, ctx.job_id, cap.req.id)
+        where = ctx.spec.checkpoint.path
+        out = profile_dir(where, ctx.job_id, cap.req.id)
         summary = cap.finish_profile(out, ctx.rank)
+        publish_profile(where, ctx.job_id, cap.req.id, out / summary["trace"])
         _answer(ctx, {"first_step": cap.first, "steps": cap.recorded, **summary})
     except Exception as exc:  # noqa: BLE001
         _answer(ctx, {"error": f"profile failed: {type(exc).__name__}: {exc}"})

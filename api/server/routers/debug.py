@@ -26,6 +26,10 @@ from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.security.apikeys import Principal
 from kuangchao.platform.settings import checkpoint_roots
 from kuangchao.platform.spec.defaults import value
+from kuangchao.platform.storage.access import open_filesystem
+from kuangchao.platform.storage.objects import describe_failure
+from kuangchao.platform.storage.urls import is_url
+from kuangchao.platform.storage.urls import parse as parse_url
 from kuangchao.workers.checkpoint.paths import job_folder, leads_inside, open_inside, resolves_under
 
 router = APIRouter(prefix="/v1/jobs", tags=["debug"],
@@ -186,7 +190,10 @@ def profile_file(job_id: str, profile_id: str, name: str, store: Store,
     if not _ID.match(profile_id) or not _TRACE.match(name):
         raise HTTPException(404, f"no file {name!r} in profile {profile_id!r}; files are named "
                                  "rankN.json.gz")
-    root = Path(str((job.spec.get("checkpoint") or {}).get("path") or "")).expanduser()
+    raw = str((job.spec.get("checkpoint") or {}).get("path") or "")
+    if is_url(raw):
+        return _from_store(raw, job_id, profile_id, name)
+    root = Path(raw).expanduser()
     path = root / job_id / "profiles" / profile_id / name
     # The job's ranks wrote that folder: serve nothing a symlink of theirs leads to.
     folder = job_folder(root, job_id)
@@ -208,6 +215,27 @@ def profile_file(job_id: str, profile_id: str, name: str, store: Store,
                                  "job's checkpoints, which the API server must be able to read"
                             ) from None
     size = os.fstat(fh.fileno()).st_size
+    return StreamingResponse(_chunks(fh), media_type="application/gzip", headers={
+        "Content-Length": str(size),
+        "Content-Disposition": f'attachment; filename="{job_id}-{name}"'})
+
+
+def _from_store(root: str, job_id: str, profile_id: str, name: str) -> StreamingResponse:
+    """A trace the ranks uploaded next to the job's checkpoints in an object store, read
+    with the server's (the operator's) credentials. The object's key is built here from
+    checked parts, so nothing the job wrote names another place."""
+    target = parse_url(root).join(job_id, "profiles", profile_id, name)
+    try:
+        fs = open_filesystem(target.scheme)
+        size = int(fs.info(target.path)["size"])
+        fh = fs.open(target.path, "rb")
+    except FileNotFoundError:
+        raise HTTPException(404, f"{name} of profile {profile_id} is not in the store (looked "
+                                 f"for {target}); a rank that failed to profile uploads none"
+                            ) from None
+    except Exception as exc:  # the store's own errors: unreachable, refused
+        raise HTTPException(503, f"{name} of profile {profile_id} cannot be read from the store: "
+                                 f"{describe_failure(exc, target)}") from None
     return StreamingResponse(_chunks(fh), media_type="application/gzip", headers={
         "Content-Length": str(size),
         "Content-Disposition": f'attachment; filename="{job_id}-{name}"'})
