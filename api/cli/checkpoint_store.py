@@ -19,6 +19,7 @@ from kuangchao.platform.errors import StorageError
 from kuangchao.platform.protocol.checkpoint import step_dir_name, step_of
 from kuangchao.platform.storage.access import cache_dir, open_filesystem
 from kuangchao.platform.storage.mirror import RemoteCheckpoints
+from kuangchao.platform.storage.objects import probe
 from kuangchao.platform.storage.urls import ObjectUrl, is_url, parse
 from kuangchao.workers.errors import CheckpointError
 
@@ -63,8 +64,17 @@ def describe(store: RemoteCheckpoints, step: int) -> dict[str, Any]:
 
 
 def rows(url: str) -> list[dict[str, Any]]:
+    """One row per step of `url` (see `describe`).
+
+    Raises:
+        StorageError: The bucket does not exist, or the store refused or did not answer.
+    """
     store, step = open_target(url)
     steps = [step] if step is not None else store.committed_steps()
+    if not steps:  # nothing there, or no such bucket: say which
+        problem = probe(str(store.url))
+        if problem is not None:
+            raise StorageError(problem)
     return [describe(store, s) for s in steps]
 
 

@@ -265,8 +265,10 @@ class RemoteCheckpoints:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(key)
 
-    def retire_partial(self, keep: set[int]) -> None:
-        """Delete step prefixes that have no manifest (saves that died), except `keep`."""
+    def retire_partial(self, below: int) -> None:
+        """Delete the step prefixes below step `below` that have no manifest: saves that
+        died before their commit. Never at or above it: the next save may be uploading
+        there while this runs (steps only grow while a job trains)."""
         done = set(self.committed_steps())
         try:
             names = self.fs.ls(self.url.path, detail=False)
@@ -277,7 +279,7 @@ class RemoteCheckpoints:
             digits = name[len(_STEP_PREFIX):]
             if name.startswith(_STEP_PREFIX) and digits.isdigit():
                 step = int(digits)
-                if step not in done and step not in keep:
+                if step < below and step not in done:
                     self._delete_all(self.step_url(step).path)
 
 

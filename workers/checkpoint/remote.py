@@ -127,5 +127,5 @@ class RemoteTarget:
                 with contextlib.suppress(Exception):  # the next commit tries again
                     self.store.retire(step)
         with contextlib.suppress(Exception):
-            self.store.retire_partial(keep={keep_step})
+            self.store.retire_partial(below=keep_step)
 
