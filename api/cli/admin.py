@@ -7,7 +7,6 @@ import json
 import math
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -115,16 +114,25 @@ def parse_age(text: str, flag: str) -> float:
     return age
 
 
-def doctor(checkpoint_path: Annotated[Path | None, typer.Option(
-               help="Where checkpoints will go (default $KC_HOME/checkpoints).")] = None,
+def doctor(checkpoint_path: Annotated[str | None, typer.Option(
+               help="Where checkpoints will go: a folder (default $KC_HOME/checkpoints), or an "
+                    "object-store URL (s3://bucket/prefix), checked from here and from every "
+                    "Ray node.")] = None,
            as_json: Json = False) -> None:
     """Check this environment before training: versions on every node, Redis, Ray,
     clocks, checkpoint storage, ports. Exit 0 only when all is healthy."""
     from kuangchao.platform.runtime.doctor import healthy
     from kuangchao.platform.runtime.doctor_probe import examine
+    from kuangchao.platform.runtime.doctor_store import checkpoint_target
     from kuangchao.platform.settings import Settings
 
-    findings = examine(Settings.from_env(), checkpoint_path)
+    target = None
+    if checkpoint_path is not None:
+        try:
+            target = checkpoint_target(checkpoint_path)
+        except ValueError as exc:
+            fail(f"--checkpoint-path: {exc}")
+    findings = examine(Settings.from_env(), target)
     if as_json:
         typer.echo(json.dumps({"healthy": healthy(findings),
                                "findings": [f.to_json() for f in findings]}))

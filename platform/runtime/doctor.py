@@ -1,8 +1,9 @@
 """`kc doctor`: judge an environment before training, from facts gathered elsewhere.
 
 Pure: `doctor_probe.py` gathers the facts (this machine's versions, Redis,
-Ray, one report per node, storage, ports); the functions here turn them into
-findings, each with what is wrong and how to fix it. The seed lost three days
+Ray, one report per node, storage, ports; `doctor_store.py` an object store's, from
+here and from every node); the functions here turn them into findings, each with
+what is wrong and how to fix it. The seed lost three days
 to an NCCL version that differed between nodes; `versions_across_nodes` is the
 check that would have caught it.
 """
@@ -13,6 +14,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from kuangchao.platform.security.object_credentials import MODE_ENV, ROLE_ENV
+
 Status = Literal["ok", "info", "warn", "fail"]
 
 PYTHON_MIN = (3, 11)
@@ -21,6 +24,7 @@ RAY_MIN = (2, 58)
 REDIS_MIN = (6, 0)  # ACL users, which every job's workers get
 SKEW_WARN_S, SKEW_FAIL_S = 0.5, 5.0
 FREE_WARN_GB, FREE_FAIL_GB = 20.0, 2.0
+STORE_OPS = ("write", "read", "list", "delete")  # one round trip on an object store, in order
 
 
 @dataclass(frozen=True)
@@ -176,3 +180,113 @@ def port_findings(ports: list[dict[str, Any]]) -> list[Finding]:
         else:
             out.append(Finding(name, "ok", f"port {p['port']} for the {p['what']} is free"))
     return out
+
+
+_FIX_VERBS = ("create", "check", "set", "give", "allow", "use", "name", "install", "delete",
+              "write", "rename", "make", "pip")
+_STAGE_FIX = {
+    "write": "give these credentials s3:PutObject under the prefix",
+    "read": "give these credentials s3:GetObject under the prefix",
+    "list": "give these credentials s3:ListBucket on the bucket for the prefix",
+    "delete": "give these credentials s3:DeleteObject under the prefix (pruning old "
+              "checkpoints needs it)",
+}
+
+
+# -- an object store (--checkpoint-path s3://...; the facts: doctor_store.py) -------------
+
+def split_fix(text: str) -> tuple[str, str]:
+    """A storage message `what is wrong; what to change` as (message, fix); fix "" without one."""
+    for m in re.finditer(r"; ", text):
+        tail = text[m.end():]
+        if tail.split(" ", 1)[0].lower() in _FIX_VERBS:
+            return text[:m.start()], tail
+    return text, ""
+
+
+def _ms(value: float) -> str:
+    return f"{value:.1f} ms" if value < 10 else f"{value:.0f} ms"
+
+
+def latency_text(ms: dict[str, float]) -> str:
+    """`write 4.1 ms, read 2.0 ms, list 3.2 ms, delete 12 ms`."""
+    return ", ".join(f"{op} {_ms(ms[op])}" for op in STORE_OPS if op in ms)
+
+
+def here_findings(facts: dict[str, Any]) -> list[Finding]:
+    """`checkpoint-store` (the probe) and `checkpoint-rw` (the round trips, latency)."""
+    url = facts["url"]
+    if facts.get("stage") == "probe":
+        msg, fix = split_fix(facts["error"])
+        return [Finding("checkpoint-store", "fail", msg,
+                        fix or "check the store's endpoint and credentials, or change --checkpoint-path")]
+    out = [Finding("checkpoint-store", "ok",
+                   f"{url}: the bucket exists and accepts the operator's credentials")]
+    if facts.get("error"):
+        stage = facts["stage"]
+        msg, fix = split_fix(facts["error"])
+        left = f" (left {facts['left']} behind; delete it)" if facts.get("left") else ""
+        out.append(Finding("checkpoint-rw", "fail",
+                           f"cannot {stage} {facts.get('probe', url)} from here: {msg}{left}",
+                           fix or _STAGE_FIX.get(stage, "")))
+    else:
+        out.append(Finding("checkpoint-rw", "ok", f"write, read, list and delete from here: "
+                           f"{latency_text(facts['ms'])} (median of {facts['rounds']})"))
+    return out
+
+
+def nodes_findings(facts: dict[str, Any]) -> list[Finding]:
+    """`checkpoint-nodes` (the summary, or why the nodes were not checked),
+    `checkpoint-node` (one per node that failed), `checkpoint-cleanup`."""
+    base = facts.get("base", facts.get("url"))
+    if facts.get("grant_error"):
+        msg, fix = split_fix(facts["grant_error"])
+        return [Finding("checkpoint-nodes", "fail", f"cannot mint credentials scoped to {base} for "
+                        f"the nodes (jobs' ranks would get none either): {msg}",
+                        fix or f"set {ROLE_ENV}, or {MODE_ENV}=shared")]
+    if facts.get("dispatch_error"):  # granted, but the tasks did not run
+        return [Finding("checkpoint-nodes", "fail", facts["dispatch_error"],
+                        "check the Ray cluster (`ray status`) and run `kc doctor` again")]
+    shared = facts.get("scope") == "shared"
+    nodes = facts.get("nodes") or []
+    bad = [n for n in nodes if n.get("error")]
+    good = [n for n in nodes if not n.get("error")]
+    out = [_node_failure(n, shared) for n in bad]
+    keys = (f"the operator's own keys ({MODE_ENV}=shared: the nodes were given them for this "
+            "check, as every job's ranks are)" if shared else
+            "keys scoped to that prefix, as jobs' ranks get them")
+    if not nodes:
+        out.append(Finding("checkpoint-nodes", "warn", "the Ray cluster has no alive node to check "
+                           "the store from", "start the nodes (`ray status` lists them)"))
+    elif good:
+        slowest = max(good, key=lambda n: sum(n["ms"].values()))
+        count = f"all {len(nodes)}" if not bad else f"{len(good)} of {len(nodes)}"
+        out.append(Finding("checkpoint-nodes", "ok", f"{count} node(s) write, read, list and "
+                           f"delete under {base} with {keys}; slowest {slowest['node']}: "
+                           f"{latency_text(slowest['ms'])}"))
+    if facts.get("release_error"):
+        out.append(Finding("checkpoint-cleanup", "warn", "could not release the doctor's grant: "
+                           f"{facts['release_error']}", "delete the IAM role kc-job-kc-doctor-* "
+                           "by hand (the nodes' keys expire on their own)"))
+    return out
+
+
+def _node_failure(node: dict[str, Any], shared: bool) -> Finding:
+    name, stage = node.get("node", "?"), node.get("stage", "")
+    msg, fix = split_fix(node["error"])
+    if stage == "answer":
+        return Finding("checkpoint-node", "fail", f"node {name} {msg} (checking the store there)",
+                       "check the node's raylet log (`ray status`) and that it can reach the store")
+    if stage == "run":
+        return Finding("checkpoint-node", "fail", f"node {name}: {msg}",
+                       "check the node's raylet log; install kuangchao with s3fs on every node")
+    if "refused the credentials" in msg and not shared:
+        fix = ("jobs' ranks get the same kind of scoped keys: let the role kuangchao assumes act "
+               f"under the prefix, set {ROLE_ENV} to one that may, or {MODE_ENV}=shared")
+    elif "cannot be reached" in msg or "did not answer" in msg:
+        fix = (f"the nodes use the endpoint of the operator's AWS_ENDPOINT_URL; make it reachable "
+               f"from node {name} (not only from here)")
+    left = f" (left {node['left']} behind)" if node.get("left") else ""
+    return Finding("checkpoint-node", "fail",
+                   f"node {name}: cannot {stage} {node.get('probe', '')}: {msg}{left}",
+                   fix or _STAGE_FIX.get(stage, ""))

@@ -34,6 +34,7 @@ from kuangchao.platform.settings import (
     kc_home,
     read_cluster_state,
 )
+from kuangchao.platform.storage.urls import ObjectUrl
 
 # The device files a GPU runtime opens (NVIDIA, ROCm, WSL). With none of them CUDA
 # cannot be available, so the probe reads torch's version from its package metadata
@@ -193,8 +194,10 @@ def _answers(url: str) -> bool:
         return False
 
 
-def examine(settings: Settings, checkpoint_path: Path | None = None) -> list[Finding]:
-    """Every finding, in the order `kc doctor` prints them."""
+def examine(settings: Settings, checkpoint_path: Path | ObjectUrl | None = None) -> list[Finding]:
+    """Every finding, in the order `kc doctor` prints them. An object-store
+    `checkpoint_path` (`doctor_store.checkpoint_target`) is checked from here and
+    from every node of the cluster (doctor_store.py)."""
     mine = node_facts()
     findings = local_versions(mine)
     findings += redis_findings(redis_facts(settings.redis_url))
@@ -206,6 +209,11 @@ def examine(settings: Settings, checkpoint_path: Path | None = None) -> list[Fin
     healthy_nodes = [n for n in nodes if not n.get("error")]
     findings += versions_across_nodes([mine, *healthy_nodes] if healthy_nodes else [])
     findings += clock_skew(healthy_nodes)
-    findings += storage_findings(storage_facts(checkpoint_path or kc_home() / "checkpoints"))
+    if isinstance(checkpoint_path, ObjectUrl):
+        from kuangchao.platform.runtime.doctor_store import examine_store
+
+        findings += examine_store(checkpoint_path, cluster)
+    else:
+        findings += storage_findings(storage_facts(checkpoint_path or kc_home() / "checkpoints"))
     findings += port_findings(port_facts(read_cluster_state()))
     return findings

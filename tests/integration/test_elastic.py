@@ -22,6 +22,7 @@ The node test runs last: it replaces a node of the cluster.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -280,6 +281,15 @@ def test_frozen_store_costs_checkpoints_not_training_and_a_truncated_one_is_skip
     assert skipped and "rank_1.pt" in skipped[0], skipped
     client.cancel(job["id"])
     assert elastic.wait_state(job["id"], DONE, timeout=120)["state"] == "CANCELLED"
+
+
+def test_doctor_checks_the_store_from_every_node_with_keys_scoped_as_a_jobs(elastic):
+    out = kc("doctor", "--checkpoint-path", STORE, "--json", env=elastic.env, timeout=300)
+    findings = {f["check"]: f for f in json.loads(out.stdout)["findings"]}
+    for check in ("checkpoint-store", "checkpoint-rw", "checkpoint-nodes"):
+        assert findings[check]["status"] == "ok", findings[check]
+    assert "all 4 node(s)" in findings["checkpoint-nodes"]["message"]  # the head too
+    assert "scoped" in findings["checkpoint-nodes"]["message"]
 
 
 def test_node_loss_shrinks_and_a_new_node_grows_without_losing_a_sample(elastic):
