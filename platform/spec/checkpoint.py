@@ -33,9 +33,14 @@ class CheckpointSection(BaseModel):
     @field_validator("path")
     @classmethod
     def _known_store(cls, path: str) -> str:
-        problem = check_scheme(path) if is_url(path) else None
-        if problem is not None:
-            raise ValueError(problem)
+        if is_url(path):
+            problem = check_scheme(path)
+            if problem is not None:
+                raise ValueError(problem)
+            if any(c in path for c in "*?["):
+                raise ValueError("a checkpoint URL is one prefix: no wildcards (*, ?, [)")
+        elif "://" in path:  # file:// and local://: a plain path says the same
+            raise ValueError(f"{path!r}: write a local folder as a plain path, without a scheme")
         return path
 
     @field_validator("local_staging")
@@ -43,8 +48,11 @@ class CheckpointSection(BaseModel):
     def _staging(cls, staging: str | None, info: Any) -> str | None:
         if staging is None:
             return None
-        if is_url(staging):
+        if is_url(staging) or "://" in staging:
             raise ValueError("must be a folder on each node's own disk, not a URL")
+        if not staging.startswith(("/", "~")) and ".." in staging.split("/"):
+            raise ValueError("a relative staging folder lies under each node's own folder; "
+                             "it may not climb out of it with '..'")
         if not is_url(info.data.get("path") or ""):
             raise ValueError("only an object-store checkpoint.path (s3://…) is staged; with a "
                              "folder path, drop local_staging")

@@ -177,11 +177,11 @@ class RemoteCheckpoints:
             for name in files:
                 check_name(name, self.step_url(step))
             local.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError, CheckpointError):
                 if not reuse:
                     raise FileNotFoundError
                 if json.loads((local / MANIFEST).read_text()) == manifest:
-                    verify(local)  # a copy made earlier: still whole?
+                    verify(local)  # a copy made earlier, still whole (else fetched again)
                     return manifest
             (local / MANIFEST).unlink(missing_ok=True)
             for attempt in (1, 2):
@@ -193,10 +193,12 @@ class RemoteCheckpoints:
                     return manifest
                 except CheckpointError as exc:
                     (local / MANIFEST).unlink(missing_ok=True)
-                    bad = _named_file(exc.message, files)
-                    if attempt == 2 or bad is None:
+                    if attempt == 2:
                         raise CheckpointError(f"{self.step_url(step)}: {exc.message}") from None
-                    (local / bad).unlink(missing_ok=True)  # fetched again once
+                    # Files kept at the right size may still hold other bytes (an older
+                    # save of this step on this node, bit rot): all fetched again, once.
+                    for name in files:
+                        (local / name).unlink(missing_ok=True)
         raise AssertionError("unreachable")
 
     def _download(self, step: int, names: list[str], local: Path) -> None:
@@ -229,15 +231,16 @@ class RemoteCheckpoints:
             CheckpointError: A file could not be put by the deadline.
         """
         deadline = deadline if deadline is not None else time.monotonic() + UPLOAD_DEADLINE_S
-
-        def put(item: tuple[str, Path]) -> None:
-            name, path = item
-            retrying(lambda: self.fs.put_file(str(path), self._object(step, name)),
-                     f"upload of {name} (step {step})", deadline, on_retry)
-
         if files:
             with ThreadPoolExecutor(max_workers=min(TRANSFER_THREADS, len(files))) as pool:
-                list(pool.map(put, sorted(files.items())))
+                list(pool.map(lambda item: self.put(step, item[0], item[1], on_retry, deadline),
+                              sorted(files.items())))
+
+    def put(self, step: int, name: str, path: Path, on_retry: RetryHook | None,
+            deadline: float) -> None:
+        """Put one local file as `step/<name>`, retried until `deadline` (monotonic)."""
+        retrying(lambda: self.fs.put_file(str(path), self._object(step, name)),
+                 f"upload of {name} (step {step})", deadline, on_retry)
 
     def commit(self, step: int, manifest: dict[str, Any], on_retry: RetryHook | None = None,
                deadline: float | None = None) -> None:
@@ -340,12 +343,6 @@ def _has_size(path: Path, size: Any) -> bool:
         return path.is_file() and not path.is_symlink() and path.stat().st_size == size
     except OSError:
         return False
-
-
-def _named_file(message: str, files: dict[str, Any]) -> str | None:
-    """Which listed file a verification message is about (to fetch it again)."""
-    return next((n for n in sorted(files, key=len, reverse=True) if f" {n} " in f" {message} "
-                 or f": {n} " in message), None)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

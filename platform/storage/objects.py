@@ -102,6 +102,7 @@ def filesystem(scheme: str, credentials: StoreCredentials | None = None) -> Any:
             endpoint = endpoint_from_env()
             if endpoint:
                 kw["endpoint_url"] = endpoint
+        kw["session"] = _session_without_expect_continue()
         fs = s3fs.S3FileSystem(**kw)
         # s3fs retries a timed-out call 5 times on top of botocore's attempts: a frozen
         # store would hold one request ~4 minutes. Once here; mirror.py's loop retries
@@ -117,6 +118,22 @@ def filesystem(scheme: str, credentials: StoreCredentials | None = None) -> Any:
     except ImportError as exc:
         raise StorageError(f"{scheme}:// needs a package that is not installed here: {exc}") from None
     return cls(skip_instance_cache=True)
+
+
+def _session_without_expect_continue() -> Any:
+    """An aiobotocore session whose S3 uploads send no `Expect: 100-continue`.
+
+    botocore adds that header to every PutObject, and aiohttp then waits for the
+    server's 100 Continue with no timeout at all: an upload to a store that stopped
+    answering (frozen, partitioned) would hang forever instead of failing at
+    READ_TIMEOUT_S. Without the header the body is simply sent.
+    """
+    import botocore.handlers
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    session.unregister("before-call.s3", botocore.handlers.add_expect_header)
+    return session
 
 
 def unknown_scheme(scheme: str) -> str:

@@ -13,6 +13,7 @@ import functools
 import io
 import os
 import pickle
+import queue
 import shutil
 import sys
 import threading
@@ -102,9 +103,11 @@ class ChecksummingFileSystem(FileSystem):
     `written` maps the name of each file written whole to its manifest entry.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_closed: Callable[[Path], None] | None = None) -> None:
         super().__init__()
         self.written: dict[str, dict[str, Any]] = {}
+        # Told of each file once it is written whole (an object-store save uploads it then).
+        self.on_closed = on_closed
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -117,6 +120,8 @@ class ChecksummingFileSystem(FileSystem):
             stream = ChecksumStream(raw, WRITEBACK_BYTES)
             yield stream
         self.written[path.name] = stream.entry()
+        if self.on_closed is not None:
+            self.on_closed(path)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)  # .metadata is written as .metadata.tmp first
@@ -126,11 +131,33 @@ class ChecksummingFileSystem(FileSystem):
 
 
 class ChecksummingWriter(FileSystemWriter):
-    """`FileSystemWriter` whose files are checksummed on the way out: see `fs.written`."""
+    """`FileSystemWriter` whose files are checksummed on the way out: see `fs.written`.
 
-    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
+    `files`: how many shard files to write (default: one per writer thread). More
+    files than threads makes them finish one after another, so that `on_closed`
+    can start shipping each while the rest are still written. Uses DCP's own
+    splitting and writing helpers; where a torch lacks them, one per thread.
+    """
+
+    def __init__(self, path: str | os.PathLike, files: int | None = None,
+                 on_closed: Callable[[Path], None] | None = None, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self.fs: ChecksummingFileSystem = ChecksummingFileSystem()
+        self.fs: ChecksummingFileSystem = ChecksummingFileSystem(on_closed)
+        self.files = files
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        from torch.distributed.checkpoint import filesystem as dcp_fs
+
+        split = getattr(dcp_fs, "_split_by_size_and_type", None)
+        if (not self.files or split is None or not hasattr(self, "_write_data")
+                or not self.single_file_per_rank):
+            return super().write_data(plan, planner)
+        prefix = plan.storage_data.prefix
+        files: queue.Queue = queue.Queue()
+        for n, bucket in enumerate(b for b in split(self.files, plan.items) if b):
+            name = f"{prefix}{n}{dcp_fs.DEFAULT_SUFFIX}"
+            files.put((self.fs.concat_path(self.path, name), name, bucket))
+        return self._write_data(planner, files)
 
 
 @contextlib.contextmanager

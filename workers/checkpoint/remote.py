@@ -22,12 +22,13 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from kuangchao.platform.protocol.checkpoint import step_dir_name, step_of
-from kuangchao.platform.storage import access
-from kuangchao.platform.storage.mirror import UPLOAD_DEADLINE_S, RemoteCheckpoints
+from kuangchao.platform.storage import access, mirror
+from kuangchao.platform.storage.mirror import TRANSFER_THREADS, RemoteCheckpoints
 from kuangchao.platform.storage.urls import parse
 from kuangchao.workers.errors import CheckpointError
 
@@ -93,13 +94,13 @@ class RemoteTarget:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
 
-    def upload(self, step: int, tmp: Path, own_files: dict[str, Any], started: float) -> None:
-        """Put this rank's files; retried until the deadline counted from `started`."""
-        self.store.upload(step, {name: tmp / name for name in own_files}, self.on_retry,
-                          deadline=started + UPLOAD_DEADLINE_S)
+    def session(self, step: int, started: float) -> UploadSession:
+        """The uploads of one save, from its first closed shard to its last file."""
+        return UploadSession(self, step, started + mirror.UPLOAD_DEADLINE_S)
 
     def commit(self, step: int, manifest: dict[str, Any], started: float) -> None:
-        self.store.commit(step, manifest, self.on_retry, deadline=started + UPLOAD_DEADLINE_S)
+        self.store.commit(step, manifest, self.on_retry,
+                          deadline=started + mirror.UPLOAD_DEADLINE_S)
 
     def settle_local(self, tmp: Path, final: Path) -> None:
         """After the commit: keep this rank's files as the node's local copy (staging), or
@@ -120,12 +121,62 @@ class RemoteTarget:
                 shutil.rmtree(old, ignore_errors=True)
 
     def prune_store(self, keep_last: int, keep_step: int) -> None:
-        """Retire the store's checkpoints beyond `keep_last` (rank 0, after a commit)."""
-        steps = self.store.committed_steps()
+        """Retire the store's checkpoints beyond `keep_last` (rank 0, after a commit; a
+        store that does not answer is left as it is: the next commit tries again)."""
+        try:
+            steps = self.store.committed_steps()
+        except Exception:  # StorageError, or the store's own errors
+            return
         for step in steps[:-keep_last]:
             if step != keep_step:
                 with contextlib.suppress(Exception):  # the next commit tries again
                     self.store.retire(step)
         with contextlib.suppress(Exception):
             self.store.retire_partial(below=keep_step)
+
+
+class UploadSession:
+    """One save's uploads: each shard file is put as soon as its writer closes it
+    (`closed`, called on DCP's writer threads), while the other shards are still
+    being serialized; `finish` waits for those and puts the rest (the rank file,
+    `.metadata`). Every put is retried until the save's deadline.
+
+    Why: the write and the upload one after the other cost their sum; a rank
+    writes `SHARD_FILES` files on its writer threads, so all but the last are in
+    flight before the write ends (bench/ckpt_io.py, s3_ckpt_throughput).
+    """
+
+    def __init__(self, target: RemoteTarget, step: int, deadline: float) -> None:
+        self.target, self.step, self.deadline = target, step, deadline
+        self._pool = ThreadPoolExecutor(max_workers=TRANSFER_THREADS,
+                                        thread_name_prefix="kc-upload")
+        self._lock = threading.Lock()
+        self._early: dict[str, Future[None]] = {}
+
+    def closed(self, path: Path) -> None:
+        """A shard is whole on disk (checksummed, fsynced): start its upload."""
+        if path.suffix != ".distcp":
+            return
+        with self._lock:
+            if path.name not in self._early:
+                self._early[path.name] = self._pool.submit(
+                    self.target.store.put, self.step, path.name, path, self.target.on_retry,
+                    self.deadline)
+
+    def finish(self, tmp: Path, own_files: dict[str, Any]) -> None:
+        """Wait for the early uploads, then put this rank's other files.
+
+        Raises:
+            CheckpointError: A file could not be put by the deadline.
+        """
+        with self._lock:
+            early = dict(self._early)
+        for future in early.values():
+            future.result()
+        rest = {name: tmp / name for name in own_files if name not in early}
+        self.target.store.upload(self.step, rest, self.target.on_retry, deadline=self.deadline)
+
+    def close(self) -> None:
+        """Stop taking uploads; wait for those running (a failed save's end here)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 

@@ -34,11 +34,15 @@ from kuangchao.workers.checkpoint.files import (
 from kuangchao.workers.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from kuangchao.workers.checkpoint.remote import RemoteTarget
+    from kuangchao.workers.checkpoint.remote import RemoteTarget, UploadSession
 
 # Threads, and so shard files, per rank for the DCP write, each checksumming
 # its own file as it writes. On 2 cores, 2 save ~20% over 1 for an 88 MB state.
 WRITER_THREADS = 2
+# Shard files per rank for an object-store save: written two at a time, so that
+# each is uploaded while the later ones are still being written (8: the upload
+# starts while the later ones are still being written, not after all of them).
+SHARD_FILES = 8
 
 
 @dataclass
@@ -60,6 +64,7 @@ class SaveJob:
     # Set when checkpoint.path is an object-store URL: `tmp` is then this rank's own
     # folder on its node, and the commit is the manifest's upload (remote.py).
     remote: RemoteTarget | None = None
+    uploads: UploadSession | None = None  # this save's uploads, begun as shards close
 
 
 def write(job: SaveJob, after_rename: Callable[[Path], None]) -> tuple[int, float]:
@@ -70,14 +75,21 @@ def write(job: SaveJob, after_rename: Callable[[Path], None]) -> tuple[int, floa
             place (the manager prunes older checkpoints there).
     """
     t0, started = time.perf_counter(), time.monotonic()
+    if job.remote is not None:
+        uploads = job.uploads = job.remote.session(job.step, started)
+        try:
+            _phase(job, "preparing the folder", _prepare_tmp)
+            _phase(job, "writing shards", _write_shards)
+            _phase(job, "uploading", lambda j: uploads.finish(j.tmp, j.own_files))
+            sizes_r: list[int] = []
+            _phase(job, "committing",
+                   lambda j: sizes_r.append(_commit_remote(j, after_rename, started)))
+        finally:
+            uploads.close()
+            job.uploads = None
+        return sum(sizes_r), time.perf_counter() - t0
     _phase(job, "preparing the folder", _prepare_tmp)
     _phase(job, "writing shards", _write_shards)
-    if job.remote is not None:
-        remote = job.remote
-        _phase(job, "uploading", lambda j: remote.upload(j.step, j.tmp, j.own_files, started))
-        sizes_r: list[int] = []
-        _phase(job, "committing", lambda j: sizes_r.append(_commit_remote(j, after_rename, started)))
-        return sum(sizes_r), time.perf_counter() - t0
     sizes: list[int] = []
     _phase(job, "committing", lambda j: sizes.append(_commit(j, after_rename)))
     return sum(sizes), time.perf_counter() - t0
@@ -126,7 +138,10 @@ def _write_shards(job: SaveJob) -> None:
     checksums what it writes, as the bytes go out on its writer threads,
     so the hashing is spread over ranks and threads and nothing is read back.
     """
-    writer = ChecksummingWriter(job.tmp, thread_count=WRITER_THREADS)
+    uploads = job.uploads  # to an object store: more files than threads, each shipped once closed
+    writer = ChecksummingWriter(job.tmp, thread_count=WRITER_THREADS,
+                                files=SHARD_FILES if uploads is not None else None,
+                                on_closed=uploads.closed if uploads is not None else None)
     dcp.save(job.state, storage_writer=writer, process_group=job.group, no_dist=job.group is None)
     rank_file = job.tmp / f"rank_{job.rank}.pt"
     with rank_file.open("wb") as fh:
