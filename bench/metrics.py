@@ -100,7 +100,8 @@ class _TimedContext(TrainContext):
         super().report(step, **metrics)
 
 
-def _rank(rank: int, port: int, variant: str, steps: int, tmp: str, out: Any) -> None:
+def _rank(rank: int, port: int, variant: str, steps: int, tmp: str, out: Any,
+          release: Any) -> None:
     """One rank: join the gloo group, build the TrainContext as a worker does, train.
 
     `variant`: "on" (telemetry), "scrape" (telemetry and an empty registry beside it),
@@ -163,6 +164,9 @@ def _rank(rank: int, port: int, variant: str, steps: int, tmp: str, out: Any) ->
         if variant == "counted":
             out.put(("guard_calls", rank, calls[0]))
         out.put(("steps", rank, ctx.stamps))
+    # A rank that finishes first must not close its endpoint under the scraper,
+    # which stops only once rank 0's stamps arrive: wait to be released.
+    release.wait(120)
     if tel is not None:
         tel.close()
     if empty is not None:
@@ -244,7 +248,8 @@ def one_run(variant: str, steps: int, extras: dict[str, Any] | None = None,
     out: Any = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="kcbench-metrics-")
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, variant, steps, tmp, out))
+    release = ctx.Event()  # set once scraping has stopped: the ranks may close their endpoints
+    procs = [ctx.Process(target=_rank, args=(r, port, variant, steps, tmp, out, release))
              for r in range(RANKS)]
     scraper: Scraper | None = None
     try:
@@ -279,6 +284,8 @@ def one_run(variant: str, steps: int, extras: dict[str, Any] | None = None,
         if scraper is not None:
             scraper.stop.set()
             scraper.join()
+        release.set()
+        if scraper is not None:
             scraper.check()
         for p in procs:
             p.join(timeout=60)
@@ -290,6 +297,7 @@ def one_run(variant: str, steps: int, extras: dict[str, Any] | None = None,
     finally:
         if scraper is not None:
             scraper.stop.set()
+        release.set()
         for p in procs:
             if p.is_alive():
                 p.kill()
