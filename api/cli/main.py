@@ -19,6 +19,7 @@ from kuangchao.api.cli.checkpoint import checkpoint_app
 from kuangchao.api.cli.common import Json, call, client, fail
 from kuangchao.api.cli.debug import debug_app, profile
 from kuangchao.api.cli.deploy import control_plane_app
+from kuangchao.api.cli.drill import drill_app
 from kuangchao.api.cli.following import TrainProgress, follow
 from kuangchao.api.cli.nodes import node_app, nodes
 from kuangchao.api.cli.plan import plan_command
@@ -163,6 +164,7 @@ app.command()(whoami)
 app.command()(doctor)
 app.add_typer(debug_app, name="debug")
 app.add_typer(control_plane_app, name="control-plane")
+app.add_typer(drill_app, name="drill")
 app.command()(profile)
 app.command("plan")(plan_command)
 

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from kuangchao.platform.cluster.hardware import gpu_type_from_ray, gpu_type_key
+from kuangchao.platform.cluster.netplan import NetworkSpec, network_from_yaml
 from kuangchao.platform.errors import TopologyError
 
 LABEL_NODE = "kc.io/node"
@@ -129,6 +130,7 @@ class ClusterTopology:
     name: str
     nodes: tuple[NodeInfo, ...] = field(default_factory=tuple)
     node_storage: str = "shared"
+    network: NetworkSpec | None = None  # `isolation: netns`: each node a network host
 
     @property
     def total_gpus(self) -> int:
@@ -255,7 +257,8 @@ def load_topology(path: str | Path) -> ClusterTopology:
     if storage not in NODE_STORAGE:
         raise TopologyError(f"{path}: node_storage must be one of {list(NODE_STORAGE)}, "
                             f"got {storage!r}")
-    return ClusterTopology(name=str(doc.get("name", path.stem)), nodes=nodes, node_storage=storage)
+    return ClusterTopology(name=str(doc.get("name", path.stem)), nodes=nodes, node_storage=storage,
+                           network=network_from_yaml(doc, str(path)))
 
 
 def node_from_labels(node_id: str, labels: dict[str, str], gpus: int, cpus: float,

@@ -26,6 +26,7 @@ from kuangchao.platform.execution.detection import FailureDetector
 from kuangchao.platform.execution.failure_policy import Action
 from kuangchao.platform.execution.formation import Formation
 from kuangchao.platform.execution.inplace import InPlaceReplacement
+from kuangchao.platform.execution.reachability import redis_address
 from kuangchao.platform.execution.recovery import Failure, judge, record_failure, requeue_for_recovery
 from kuangchao.platform.execution.reports import apply_reports
 from kuangchao.platform.execution.resize import ResizeExecutor
@@ -86,7 +87,8 @@ class JobController:
                                    lambda: self.store.cancel_requested(job_id), poll_s)
         self.group = group
         self.formation = Formation(store, job_id, group, watch_factory)
-        self.detector = FailureDetector(store, job_id, group, self.formation)
+        self.detector = FailureDetector(store, job_id, group, self.formation,
+                                        redis_address(settings.redis_url))
         self.in_place = InPlaceReplacement(store, job_id, group, self.formation)
         self.resizer = ResizeExecutor(store, job_id, group, self.formation, live=False)
         self.latest_checkpoint = latest_checkpoint or _latest_verified

@@ -27,8 +27,10 @@ class FailureDetector:
         formation: Holds the current heartbeat watch.
     """
 
-    def __init__(self, store: Any, job_id: str, group: Any, formation: Any) -> None:
+    def __init__(self, store: Any, job_id: str, group: Any, formation: Any,
+                 redis: tuple[str, int] | None = None) -> None:
         self.store, self.job_id, self.group, self.formation = store, job_id, group, formation
+        self.redis = redis  # where ranks send heartbeats, for the node probe
 
     def slot(self, rank: int) -> PlacedRank | None:
         try:
@@ -72,12 +74,18 @@ class FailureDetector:
         if "stopped" in stacks.get(first.rank, ""):
             message += "; its process is stopped"
         slot = self.slot(first.rank)
-        kind = first.kind
+        kind, unreachable = first.kind, None
         if kind == "expired" and slot and self.group.node_lost(slot.node_id):
             kind, message = "node_lost", message + "; its node is gone"
+        elif kind == "expired" and slot and slot.node_id and self.redis:
+            # Alive to Ray, silent in Redis: ask the node whether it still reaches us.
+            reach = self.group.reach(slot.node_id, self.redis)
+            if reach.network_fault:
+                kind, unreachable = "node_lost", "redis" if reach.answered else "network"
+                message += "; " + reach.describe(slot.node, self.redis)
         beat = first.last
         return Failure(
             kind, message, rank=first.rank, node=slot.node if slot else None,
             pid=slot.pid if slot else None, detected_after_s=round(first.detected_after_s, 3),
             last_heartbeat_at=beat.ts if beat else None, failed_at=failed_at,
-            node_id=slot.node_id if slot else None)
+            node_id=slot.node_id if slot else None, unreachable=unreachable)

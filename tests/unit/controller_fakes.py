@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kuangchao.platform.execution.reachability import NodeReach
 from kuangchao.platform.execution.heartbeat import Verdict
 from kuangchao.platform.execution.members import GroupSnapshot, Outcome
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
@@ -165,6 +166,13 @@ class FakeGroup:
 
     def node_lost(self, node_id: str | None) -> bool:
         return node_id in self.lost_nodes
+
+    def reach(self, node_id: str, redis: tuple[str, int]) -> NodeReach:
+        """What a probe of the node finds: `unreachable` maps node ids to
+        "network" (no answer) or "redis" (answers, cannot reach Redis)."""
+        self.calls.append(("reach", node_id))
+        cut = getattr(self, "unreachable", {}).get(node_id)
+        return NodeReach(cut != "network", "timed out" if cut == "redis" else "")
 
     def stop(self, rank: int, host: Any, node_id: Any, hard: bool) -> None:
         self.calls.append(("stop", rank, hard))

@@ -43,8 +43,8 @@ def store():
     return MemoryStore(prefix=f"kc-test-{time.monotonic_ns()}:")
 
 
-def controller(store, group, job_id="j1") -> JobController:
-    return JobController(job_id, SETTINGS, store=store, poll_s=0.0, group=group,
+def controller(store, group, settings=SETTINGS, job_id="j1") -> JobController:
+    return JobController(job_id, settings, store=store, poll_s=0.0, group=group,
                          watch_factory=group.watch_factory, credentials=FakeCredentials())
 
 
@@ -87,6 +87,32 @@ def test_a_rank_the_heartbeats_judge_failed_is_killed_hard_with_its_stacks_recor
     stacks = [e for e in events(store) if e["type"] == "stacks"]
     assert [e["rank"] for e in stacks] == [1]
     assert store.get("j1").restart_log[0]["kind"] == "expired"
+
+
+@pytest.mark.parametrize("cut, said", [("network", "cut off from the network"),
+                                        ("redis", "cannot reach Redis at 10.0.0.2:6380")])
+def test_expired_heartbeats_on_a_node_cut_off_are_a_lost_node_held_back(store, tmp_path, cut,
+                                                                       said):
+    placed_job(store, "j1", spec_doc(tmp_path), ["n0", "n1"])
+    group = FakeGroup(tmp_path / "ckpt" / "j1", [Step(verdicts=[Verdict(1, "expired", 10.5, None)])])
+    group.unreachable = {"id-n1": cut}
+    settings = dataclasses.replace(SETTINGS, redis_url="redis://:pw@10.0.0.2:6380/0")
+    assert controller(store, group, settings).run() == "QUEUED"
+    job = store.get("j1")
+    entry = job.restart_log[0]
+    assert entry["kind"] == "node_lost" and entry["unreachable"] == cut and said in entry["cause"]
+    assert entry["path"] == "requeue" and ("reach", "id-n1") in group.calls
+    assert store.quarantine()["n1"]["reason"].startswith("unreachable: ")
+    failure = next(e for e in events(store) if e["type"] == "failure")
+    assert failure["unreachable"] == cut and said in failure["message"]
+
+
+def test_expired_heartbeats_on_a_node_that_reaches_redis_are_the_ranks_own_fault(store, tmp_path):
+    placed_job(store, "j1", spec_doc(tmp_path), ["n0", "n1"])
+    group = FakeGroup(tmp_path / "ckpt" / "j1", [Step(verdicts=[Verdict(1, "expired", 10.5, None)])])
+    settings = dataclasses.replace(SETTINGS, redis_url="redis://:pw@10.0.0.2:6380/0")
+    assert controller(store, group, settings).run() == "SUCCEEDED"
+    assert store.get("j1").restart_log[0]["kind"] == "expired" and not store.quarantine()
 
 
 def test_survivors_that_do_not_stop_send_the_job_back_to_the_queue(store, tmp_path):

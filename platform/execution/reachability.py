@@ -1,0 +1,88 @@
+"""Why a node's ranks stopped heartbeating, asked of the node itself through Ray.
+
+A rank whose heartbeats stop has died, hung, or lost its network. Ray marks a
+node dead only after its health checks fail for tens of seconds, and a node
+cut from Redis alone stays alive in Ray for good. So when heartbeats expire,
+the controller runs one tiny task pinned to the node (no CPU asked) that
+opens a TCP connection to Redis from there:
+
+- the task does not come back within `NODE_PROBE_TIMEOUT_S`: the node is cut
+  off from the controller's side of the network (or its raylet is gone);
+- it comes back unable to connect: the node is up but cannot reach Redis;
+- it connects: the node's network is fine, and the rank itself is the fault.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+NODE_PROBE_TIMEOUT_S = 8.0
+CONNECT_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class NodeReach:
+    """What the probe found: `answered` (the node ran the task) and, if so, the
+    error connecting to Redis from there (empty when it connected)."""
+
+    answered: bool
+    redis_error: str = ""
+
+    @property
+    def network_fault(self) -> bool:
+        return not self.answered or bool(self.redis_error)
+
+    def describe(self, node: str, redis: tuple[str, int]) -> str:
+        if not self.answered:
+            return (f"node {node} answers neither heartbeats nor Ray within "
+                    f"{NODE_PROBE_TIMEOUT_S:.0f}s: it is cut off from the network")
+        if self.redis_error:
+            return (f"node {node} answers Ray but cannot reach Redis at {redis[0]}:{redis[1]} "
+                    f"({self.redis_error}): it is cut off from Redis")
+        return f"node {node} reaches Redis"
+
+
+def connect_error(host: str, port: int) -> str:
+    """Run on the node: the error of a TCP connection to host:port, or ''."""
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+            return ""
+    except OSError as exc:
+        return str(exc) or type(exc).__name__
+
+
+def probe(node_id: str, redis: tuple[str, int]) -> NodeReach:
+    """Ask node `node_id` whether it can reach Redis (see the module's docstring)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(connect_error).options(
+        num_cpus=0, max_retries=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+    ref = task.remote(*redis)
+    ready, _ = ray.wait([ref], timeout=NODE_PROBE_TIMEOUT_S)
+    if not ready:
+        ray.cancel(ref, force=True)
+        return NodeReach(False)
+    try:
+        return NodeReach(True, ray.get(ref))
+    except Exception:  # noqa: BLE001 -- the task could not run there: as unanswered
+        return NodeReach(False)
+
+
+def redis_address(url: str | None) -> tuple[str, int] | None:
+    """Host and port of a Redis URL (None without one)."""
+    if not url:
+        return None
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 6379
+
+
+def alive_nodes() -> set[str]:
+    """The ids of the nodes Ray counts alive (one call to the GCS)."""
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
