@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kuangchao.platform.execution.reachability import NodeReach
 from kuangchao.platform.execution.heartbeat import Verdict
 from kuangchao.platform.execution.members import GroupSnapshot, Outcome
+from kuangchao.platform.execution.reachability import NodeReach
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
 
 
