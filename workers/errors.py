@@ -30,6 +30,10 @@ class PlacementMismatch(WorkerError):
     """Ray started a rank on other GPUs than the placement plan chose."""
 
 
+class Unreachable(WorkerError):
+    """A rank cannot reach a part of the control plane (Redis, the Ray head) from its node."""
+
+
 class NumericFault(Picklable, Exception):
     """A step whose gradients cannot be trusted; roll back and skip its batch."""
 

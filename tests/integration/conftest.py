@@ -205,15 +205,16 @@ def small_stack(root: Path, cluster: str, label: str, joined: tuple[str, ...] = 
 
     env = {**os.environ, "KC_HOME": str(root / "home"),
            "KC_REDIS_PREFIX": f"{label}-{uuid.uuid4().hex[:8]}:", "KC_QUARANTINE_FAILURES": "0"}
-    for name, value in (extra_env or {}).items():  # None: unset it
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
     env.pop("KC_API_URL", None)
     url = shared_redis_url()
     if url:
         env["KC_REDIS_URL"] = url
+    for name, value in (extra_env or {}).items():  # None: unset it (KC_REDIS_URL included)
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    url = env.get("KC_REDIS_URL")
     out = kc("up", "--cluster", str(HERE / cluster), "--api-port", "0",
              "--dashboard-port", "0", "--json", env=env)
     try:

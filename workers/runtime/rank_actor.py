@@ -15,10 +15,17 @@ from typing import Any
 class RankActor:
     """One rank's actor: a `TrainWorker` built in the actor's process."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, job_id: str, rank: int, world_size: int, settings: Any,
+                 planned_gpus: Any = None, node: str = "", heartbeat: Any = None,
+                 grant: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> None:
+        from kuangchao.workers.runtime.reach import check_control_plane
+
+        # First, before anything waits on them: can this node reach Redis and the head?
+        check_control_plane(rank, node, (grant or {}).get("redis_url") or settings.redis_url)
         from kuangchao.workers.runtime.worker import TrainWorker
 
-        self.worker = TrainWorker(*args, **kwargs)
+        self.worker = TrainWorker(job_id, rank, world_size, settings, planned_gpus, node,
+                                  heartbeat, grant, *args, **kwargs)
 
     def describe(self) -> dict[str, Any]:
         return self.worker.describe()
