@@ -53,3 +53,16 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         by_module.setdefault(item.path, []).append(item)
     tiers = {module: _tier(module, group) for module, group in by_module.items()}
     items[:] = sorted(items, key=lambda item: tiers[item.path])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_network_left_behind():
+    """After the suite, no network namespace, link or bridge that a netns cluster of this
+    run made may remain (those present before it are another run's)."""
+    from kuangchao.platform.runtime import netns
+
+    before = set(netns.leftovers()) if netns.unavailable() is None else set()
+    yield
+    if netns.unavailable() is None:
+        left = set(netns.leftovers()) - before
+        assert not left, f"the suite left network namespaces or links behind: {sorted(left)}"

@@ -1,6 +1,6 @@
 """The store contract, continued (tests/store_contract.py has the core): API key
-records, token marks, the jobs' users, the audit stream, debug requests and
-heartbeats. No Redis import here either."""
+records, token marks, the jobs' users, the audit stream, debug requests,
+heartbeats and fence sets. No Redis import here either."""
 
 from __future__ import annotations
 
@@ -102,6 +102,14 @@ def test_beats_expire_and_drop(store):
     store.drop_beat("j1", 3)
     time.sleep(0.7)
     assert store.beats("j1", [2, 3]) == {2: None, 3: None}
+
+
+def test_the_fence_set_collects_each_jobs_replaced_processes(store):
+    assert store.fenced("j1") == set()
+    store.fence("j1", ["101@n1", "102@n1"])
+    store.fence("j1", ["102@n1", "7@n2"])
+    store.fence("j1", [])
+    assert store.fenced("j1") == {"101@n1", "102@n1", "7@n2"} and store.fenced("j2") == set()
 
 
 def test_ping(store):

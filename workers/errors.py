@@ -34,6 +34,11 @@ class Unreachable(WorkerError):
     """A rank cannot reach a part of the control plane (Redis, the Ray head) from its node."""
 
 
+class FencedError(WorkerError):
+    """This process was replaced as its rank and fenced: it may write nothing more
+    (workers/fence.py; docs/fault-tolerance.md, 'Fencing')."""
+
+
 class NumericFault(Picklable, Exception):
     """A step whose gradients cannot be trusted; roll back and skip its batch."""
 

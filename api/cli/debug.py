@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from kuangchao.api.cli.common import Json, call, client, fail
+from kuangchao.platform.jobs import debugreq
 
 debug_app = typer.Typer(help="Diagnose a running job's ranks, or a checkpoint on disk.",
                         no_args_is_help=True)
@@ -66,24 +67,43 @@ def comm(job_id: str, timeout: Timeout = 30.0, as_json: Json = False) -> None:
     last collective; groups whose ranks disagree on the order are flagged."""
     report = call(client().debug, job_id, "comm", None, timeout)
     if not as_json:
-        for rank, a in report["ranks"].items():
-            typer.echo(f"rank {rank} on {a.get('node')}: {a.get('collectives_done', 0)} "
-                       "collective(s) done")
-            for g in a.get("groups", []):
-                typer.echo(f"  group {g['name']:<8} {g['backend']:<5} rank {g['rank']}/"
-                           f"{g['size']} members {g['ranks']} (generation {g['generation']})")
-            pending, last = a.get("pending"), a.get("last")
-            if pending:
-                typer.echo(f"  WAITING in {pending['op']} on {pending['group']} for "
-                           f"{pending['waited_s']:.2f}s")
-            if last:
-                typer.echo(f"  last: {last['op']} on {last['group']}, took {last['took_s']:.4f}s, "
-                           f"{last['ended_ago_s']:.2f}s ago")
-        for p in report["problems"]:
-            typer.echo(f"PROBLEM: {p}")
-        if report["healthy"]:
-            typer.echo("no inconsistency between the ranks' groups")
+        for line in comm_lines(report):
+            typer.echo(line)
     _done(report, as_json, not report["healthy"])
+
+
+def comm_lines(report: dict[str, Any], now: float | None = None) -> list[str]:
+    """`kc debug comm`'s human output of a comm report."""
+    out = []
+    for rank, a in report["ranks"].items():
+        out.append(f"rank {rank} on {a.get('node')}: {a.get('collectives_done', 0)} "
+                   "collective(s) done")
+        for g in a.get("groups", []):
+            out.append(f"  group {g['name']:<8} {g['backend']:<5} rank {g['rank']}/"
+                       f"{g['size']} members {g['ranks']} (generation {g['generation']})")
+        pending, last = a.get("pending"), a.get("last")
+        if pending:
+            out.append(f"  WAITING in {pending['op']} on {pending['group']} for "
+                       f"{pending['waited_s']:.2f}s")
+        if last:
+            out.append(f"  last: {last['op']} on {last['group']}, took {last['took_s']:.4f}s, "
+                       f"{last['ended_ago_s']:.2f}s ago")
+    for p in report["problems"]:
+        out.append(f"PROBLEM: {p}")
+    if report["healthy"]:
+        out.append("no inconsistency between the ranks' groups")
+    # A server that predates the summary sends the ranks' own view of the probe.
+    slow = report.get("slow_links")
+    for link in slow if slow is not None else debugreq.slow_links(report["ranks"]):
+        at = link.get("at")
+        ago = f", measured {(now or time.time()) - at:.0f}s ago" if at is not None else ""
+        out.append(f"slow link: {link['node']} ({_gbps(link.get('gbps'))} Gbit/s; best "
+                   f"{_gbps(link.get('best_gbps'))}{ago})")
+    return out
+
+
+def _gbps(value: float | None) -> str:
+    return "?" if value is None else f"{value:.3g}"
 
 
 @debug_app.command("gradient")

@@ -29,6 +29,7 @@ from kuangchao.api.cli.render import (
     print_jobs,
     print_log_lines,
     print_plan,
+    print_probe,
     print_queues,
     terminal_safe,
 )
@@ -176,7 +177,7 @@ def topology_probe(size_mb: Annotated[float, typer.Option(help="Payload per tran
     """Measure latency and bandwidth between every pair of nodes; store them in Redis."""
     import ray
 
-    from kuangchao.platform.cluster.probe import measure
+    from kuangchao.platform.cluster.probe import found_leaves, measure
     from kuangchao.platform.cluster.registry import nodes_from_ray
     from kuangchao.platform.jobs.store import JobStore
     from kuangchao.platform.runtime.ray_connect import connect
@@ -190,12 +191,9 @@ def topology_probe(size_mb: Annotated[float, typer.Option(help="Payload per tran
     except ConnectionError as exc:
         fail(f"cannot connect to Ray ({exc}); run `kc up`, or set RAY_ADDRESS")
     result = measure(nodes_from_ray(ray.nodes()), size_mb, rounds)
-    store.set_info("probe", result)
-    if as_json:
-        typer.echo(json.dumps(result))
-        return
-    for p in result["pairs"]:
-        typer.echo(f"{p['a']:<14} {p['b']:<14} {p['latency_us']:>9.1f} us {p['bandwidth_gbps']:>8.2f} Gbit/s")
+    store.set_info("probe", result)  # the measurements only: the registry finds leaves anew
+    shown = {**result, "leaves": found_leaves(result)}
+    typer.echo(json.dumps(shown)) if as_json else print_probe(shown)
 
 
 @app.command()

@@ -234,18 +234,22 @@ def _gpu_type(n: dict[str, Any]) -> str:
 
 
 def print_nodes(data: dict[str, Any]) -> None:
-    say(f"{'NODE':<14} {'LEAF':<10} {'SPINE':<10} {'STATUS':<12} {'GPUS':>4} {'FREE':>4}  "
+    say(f"{'NODE':<14} {'LEAF':<14} {'SPINE':<10} {'STATUS':<12} {'GPUS':>4} {'FREE':>4}  "
                f"{'TYPE':<16} {'NVLINK':<20} JOBS")
     quarantined, overridden = [], False
+    measured = any(n.get("leaf_measured") for n in data["nodes"])
     for n in data["nodes"]:
+        leaf = n["leaf"] + ("~" if n.get("leaf_measured") else "")
         islands = "_".join(".".join(map(str, i)) for i in n["nvlink"]) or "-"
         status = "lost" if not n["alive"] else "quarantined" if n.get("quarantine") else "ready"
         if n.get("quarantine"):
             quarantined.append(n)
         overridden = overridden or bool(n.get("overrides"))
-        say(f"{n['name']:<14} {n['leaf']:<10} {n['spine'] or '-':<10} "
+        say(f"{n['name']:<14} {leaf:<14} {n['spine'] or '-':<10} "
                    f"{status:<12} {n['gpus']:>4} {n['free_gpus']:>4}  "
                    f"{_gpu_type(n):<16} {islands:<20} {', '.join(n['jobs']) or '-'}")
+    if measured:
+        say("\n~ measured by `kc topology probe`: the node has no kc.io/leaf label")
     if overridden:
         say("\n* overridden with `kc node set` (its --clear-gpu-type and --clear-emulated-speed "
             "drop an override)")
@@ -257,3 +261,19 @@ def print_nodes(data: dict[str, Any]) -> None:
         until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(q["until"]))
         say(f"\n{n['name']} is quarantined until {until}: {q['reason']}\n"
                    f"  release it early with `kc node release {n['name']}`")
+
+
+def print_probe(result: dict[str, Any]) -> None:
+    """`kc topology probe`: every pair measured, then the leaves found for the
+    nodes without a `kc.io/leaf` label."""
+    for p in result["pairs"]:
+        say(f"{p['a']:<14} {p['b']:<14} {p['latency_us']:>9.1f} us {p['bandwidth_gbps']:>8.2f} Gbit/s")
+    if not result.get("leaves"):
+        say("\nno leaves measured: every node measured carries a kc.io/leaf label")
+        return
+    say("\nleaves found (nodes without a kc.io/leaf label), median Gbit/s inside and across:")
+    for lf in result["leaves"]:
+        inside, across = (f"{v:.2f}" if v is not None else "-"
+                          for v in (lf["intra_gbps"], lf["inter_gbps"]))
+        say(f"  {lf['leaf']:<16} inside {inside:>8}  across {across:>8}  spine {lf['spine'] or '-'}"
+            f"  nodes {', '.join(lf['nodes'])}")

@@ -3,10 +3,11 @@
 One small actor is pinned to each live node; for every pair, the probe times
 round trips of a tiny call (latency) and the transfer of a large object from
 one node's object store to the other's (bandwidth). Results go to Redis
-(`info:probe`). The registry uses them where labels are silent: leaves that
-carry no `kc.io/spine` label are grouped into measured spines, leaves whose
+(`info:probe`). The registry uses them where labels are silent: nodes that
+carry no `kc.io/leaf` label are grouped into measured leaves (leaves.py), and
+leaves that carry no `kc.io/spine` label into measured spines, leaves whose
 mutual bandwidth is close to the best measured, so the placement solver's
-"stay under one spine" rule works on clusters nobody labelled.
+"stay under one leaf, then one spine" rules work on clusters nobody labelled.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from kuangchao.platform.cluster.topology import NodeInfo
+from kuangchao.platform.cluster.leaves import leaf_report, measured_leaves, probed_leaves
+from kuangchao.platform.cluster.topology import DEFAULT_LEAF, NodeInfo
 
 SAME_SPINE_FRACTION = 0.7  # leaves within 70% of the best bandwidth share a spine
 
@@ -78,22 +80,29 @@ def measure(nodes: tuple[NodeInfo, ...], size_mb: float = 16.0, rounds: int = 5)
     finally:
         for p in peers.values():
             ray.kill(p)
-    return {"measured_at": time.time(), "size_mb": size_mb, "pairs": pairs}
+    # Each node's label leaf: a lone node has no pair to say it was measured.
+    return {"measured_at": time.time(), "size_mb": size_mb, "pairs": pairs,
+            "node_leaves": {n.name: n.leaf for n in live}}
 
 
-def measured_spines(probe: dict[str, Any]) -> dict[str, str]:
+def measured_spines(probe: dict[str, Any], leaf_of: dict[str, str] | None = None) -> dict[str, str]:
     """Group leaves into spines by measured bandwidth (pure).
 
     Two leaves share a spine when the median bandwidth between their nodes is
     at least `SAME_SPINE_FRACTION` of the best cross-leaf bandwidth measured.
 
+    Args:
+        leaf_of: Node name -> its leaf now (labels and measured leaves); a node
+            not in it keeps the leaf the probe recorded.
+
     Returns:
         leaf -> derived spine name (`probed-0`, `probed-1`, ...).
     """
+    leaf_of = leaf_of or {}
     by_pair: dict[tuple[str, str], list[float]] = {}
-    leaves: set[str] = set()
+    leaves = {leaf_of.get(n, lf) for n, lf in probed_leaves(probe).items()}
     for p in probe.get("pairs", []):
-        la, lb = p["leaf_a"], p["leaf_b"]
+        la, lb = leaf_of.get(p["a"], p["leaf_a"]), leaf_of.get(p["b"], p["leaf_b"])
         leaves |= {la, lb}
         if la != lb:
             by_pair.setdefault(tuple(sorted((la, lb))), []).append(p["bandwidth_gbps"])
@@ -115,9 +124,26 @@ def measured_spines(probe: dict[str, Any]) -> dict[str, str]:
 
 
 def apply_probe(nodes: tuple[NodeInfo, ...], probe: dict[str, Any] | None) -> tuple[NodeInfo, ...]:
-    """Fill in spines the labels left out from measurements; labels always win."""
+    """Fill in the leaves and spines the labels left out from measurements.
+
+    Labels always win: only a node on the default leaf (no `kc.io/leaf` label)
+    gets a measured leaf, and only a leaf without a `kc.io/spine` label a
+    measured spine. A node the probe did not measure (it joined since) keeps
+    the default leaf until the next probe.
+    """
     if not probe:
         return nodes
-    spines = measured_spines(probe)
+    found = measured_leaves(probe, [n.name for n in nodes if n.leaf == DEFAULT_LEAF])
+    nodes = tuple(replace(n, leaf=found[n.name], leaf_measured=True) if n.name in found else n
+                  for n in nodes)
+    spines = measured_spines(probe, {n.name: n.leaf for n in nodes})
     return tuple(replace(n, spine=spines.get(n.leaf)) if n.spine is None and n.leaf in spines else n
                  for n in nodes)
+
+
+def found_leaves(probe: dict[str, Any]) -> list[dict[str, Any]]:
+    """The leaves measured for the probe's unlabelled nodes, each with its nodes,
+    the median bandwidth inside it and across (leaves.py), and its measured spine."""
+    found = measured_leaves(probe)
+    spines = measured_spines(probe, found)
+    return [{**r, "spine": spines.get(r["leaf"])} for r in leaf_report(probe, found)]

@@ -34,6 +34,9 @@ LABEL_NVLINK = "kc.io/nvlink"
 LABEL_ROLE = "kc.io/role"
 LABEL_GPU_TYPE = "kc.io/gpu-type"
 LABEL_EMULATED_SPEED = "kc.io/emulated-speed"
+# The leaf of a node without a `kc.io/leaf` label, until `kc topology probe`
+# measures one for it (probe.py).
+DEFAULT_LEAF = "default"
 # One Ray custom resource per physical GPU (`kc_gpu_3`), so a placement group
 # bundle can ask for exactly the GPU ids the plan chose; Ray's own GPU resource
 # only counts GPUs and hands out whichever ids are free.
@@ -68,6 +71,8 @@ class NodeInfo:
             `(1/s - 1)` times the CPU time it took). None: full speed.
         problems: What the registry left out of this entry and why (a malformed
             label, an emulated speed on real GPUs), for the node view.
+        leaf_measured: Whether `leaf` was found by `kc topology probe` (the node
+            has no `kc.io/leaf` label), not read from a label.
     """
 
     name: str
@@ -83,6 +88,7 @@ class NodeInfo:
     gpu_type: str | None = None
     emulated_speed: float | None = None
     problems: tuple[str, ...] = ()
+    leaf_measured: bool = False
 
     def labels(self) -> dict[str, str]:
         out = {LABEL_NODE: self.name, LABEL_LEAF: self.leaf,
@@ -98,7 +104,8 @@ class NodeInfo:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "node_id": self.node_id, "gpus": self.gpus,
                 "nvlink": [list(i) for i in self.islands], "leaf": self.leaf,
-                "spine": self.spine, "cpus": self.cpus, "alive": self.alive,
+                "leaf_measured": self.leaf_measured, "spine": self.spine, "cpus": self.cpus,
+                "alive": self.alive,
                 "pinned_gpus": self.pinned_gpus, "accelerator": self.accelerator,
                 "gpu_type": self.gpu_type, "emulated_speed": self.emulated_speed,
                 "problems": list(self.problems)}
@@ -108,14 +115,15 @@ class NodeInfo:
         """The inverse of `to_json` (the registry's node view in Redis)."""
         return cls(name=str(d["name"]), gpus=int(d.get("gpus") or 0),
                    islands=tuple(tuple(int(g) for g in i) for i in d.get("nvlink") or ()),
-                   leaf=str(d.get("leaf") or "default"), spine=d.get("spine"),
+                   leaf=str(d.get("leaf") or DEFAULT_LEAF), spine=d.get("spine"),
                    cpus=float(d.get("cpus") or 0.0), node_id=str(d.get("node_id") or ""),
                    alive=bool(d.get("alive", True)), pinned_gpus=bool(d.get("pinned_gpus")),
                    accelerator=d.get("accelerator") or None,
                    gpu_type=d.get("gpu_type") or None,
                    emulated_speed=(float(d["emulated_speed"])
                                    if d.get("emulated_speed") is not None else None),
-                   problems=tuple(str(p) for p in d.get("problems") or ()))
+                   problems=tuple(str(p) for p in d.get("problems") or ()),
+                   leaf_measured=bool(d.get("leaf_measured")))
 
 
 # `node_storage` of a local cluster's YAML: "shared" (every node sees $KC_HOME, as
@@ -276,7 +284,7 @@ def node_from_labels(node_id: str, labels: dict[str, str], gpus: int, cpus: floa
         name=name,
         gpus=gpus,
         islands=decode_islands(labels.get(LABEL_NVLINK), gpus),
-        leaf=labels.get(LABEL_LEAF, "default"),
+        leaf=labels.get(LABEL_LEAF, DEFAULT_LEAF),
         spine=labels.get(LABEL_SPINE),
         cpus=cpus,
         node_id=node_id,

@@ -4,6 +4,13 @@ The failure names the rank, its node and process, and how long detection
 took; a rank whose node is gone is a `node_lost`, whatever the first sign was.
 For heartbeat verdicts it first gathers every rank's stacks into the job's
 events, so that a hang can be diagnosed after the rank is killed.
+
+Every process the failure's recovery will replace is fenced before the failure
+is returned (fencing.py): all the ranks of a lost node, else the failed rank's
+own. A rank that went silent is fenced at once, before the stacks and the node
+probe take their seconds: the sooner the fence is there, the smaller the window
+in which a rank whose network healed meanwhile finds itself not fenced and
+writes again (its next beat then finds the fence, docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from typing import Any
 
 import redis
 
+from kuangchao.platform.execution.fencing import fence_failed
+from kuangchao.platform.execution.heartbeat import Verdict
 from kuangchao.platform.execution.recovery import Failure
 from kuangchao.platform.jobs.state import PlacedRank
 
@@ -47,11 +56,14 @@ class FailureDetector:
         kind = "node_lost" if slot and self.group.node_lost(slot.node_id) else "died"
         watch = self.formation.watch
         beat = watch.last_beat(rank) if watch else None
-        return Failure(kind, f"rank {rank}{place} died: {reason}", rank=rank,
-                       node=slot.node if slot else None, pid=slot.pid if slot else None,
-                       detected_after_s=round(now - beat.ts, 3) if beat else None,
-                       last_heartbeat_at=beat.ts if beat else None, failed_at=now,
-                       node_id=slot.node_id if slot else None)
+        failure = Failure(kind, f"rank {rank}{place} died: {reason}", rank=rank,
+                          node=slot.node if slot else None, pid=slot.pid if slot else None,
+                          detected_after_s=round(now - beat.ts, 3) if beat else None,
+                          last_heartbeat_at=beat.ts if beat else None, failed_at=now,
+                          node_id=slot.node_id if slot else None)
+        # A dead actor may be a live process: Ray gives up on a node it cannot reach.
+        fence_failed(self.store, self.job_id, failure)
+        return failure
 
     def from_heartbeats(self, skip: set[int]) -> Failure | None:
         """The first rank the heartbeat watch judges failed, with stacks for the record.
@@ -66,6 +78,10 @@ class FailureDetector:
             return None
         first = min(verdicts, key=lambda v: (v.kind != "expired", v.rank))
         failed_at = time.time()
+        slot = self.slot(first.rank)
+        if first.kind == "expired" and slot is not None:  # silent: it answers no stack request
+            fence_failed(self.store, self.job_id, self._failure(first, "expired", "", slot,
+                                                                failed_at), quiet=True)
         stacks = watch.collect_stacks([v.rank for v in verdicts])
         for rank, text in sorted(stacks.items()):
             self.store.add_event(self.job_id, {"type": "stacks", "rank": rank,
@@ -73,7 +89,6 @@ class FailureDetector:
         message = first.describe(watch.classifier.heartbeat_timeout_s)
         if "stopped" in stacks.get(first.rank, ""):
             message += "; its process is stopped"
-        slot = self.slot(first.rank)
         kind, unreachable = first.kind, None
         if kind == "expired" and slot and self.group.node_lost(slot.node_id):
             kind, message = "node_lost", message + "; its node is gone"
@@ -83,6 +98,13 @@ class FailureDetector:
             if reach.network_fault:
                 kind, unreachable = "node_lost", "redis" if reach.answered else "network"
                 message += "; " + reach.describe(slot.node, self.redis)
+        failure = self._failure(first, kind, message, slot, failed_at, unreachable)
+        fence_failed(self.store, self.job_id, failure)
+        return failure
+
+    @staticmethod
+    def _failure(first: Verdict, kind: str, message: str, slot: PlacedRank | None,
+                 failed_at: float, unreachable: str | None = None) -> Failure:
         beat = first.last
         return Failure(
             kind, message, rank=first.rank, node=slot.node if slot else None,

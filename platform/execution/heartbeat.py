@@ -9,6 +9,14 @@ it answers which ranks are dead (heartbeat gone) or hung (heartbeat alive,
 no progress for `hang_timeout_s`). After the store was unreachable it holds
 its verdicts for a grace period, so a Redis restart does not look like every
 rank dying at once.
+
+A beat counts only from the process placed at its rank (`pids`) and never from
+a fenced one (`fenced`, platform/jobs/fences.py): a rank replaced while its node
+was cut off may beat again under its old number once the network heals, and
+must neither keep its successor alive in the controller's eyes nor hide its
+successor's silence. (Progress and loss points are not the controller's to
+drop: a rank writes them in the same pipeline as its beat, and the rank's own
+lease, workers/fence.py, is what keeps a stale one from sending them.)
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kuangchao.platform.jobs.fences import member
 from kuangchao.platform.protocol.heartbeat import Beat
 
 # Before the first step (imports, restore, compile) and after its train
@@ -71,6 +80,8 @@ class Classifier:
     heartbeat_timeout_s: float
     hang_timeout_s: float
     grace_s: float = 0.0
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> the pid placed there
+    fenced: frozenset[str] = frozenset()  # fenced processes, `pid@node`
     _seen: dict[int, _Seen] = field(default_factory=dict)
     _hold_until: float = 0.0
     started: bool = False
@@ -93,10 +104,13 @@ class Classifier:
             self.start(now)
         wall = time.time() if wall is None else wall
         held = now < self._hold_until
+        pids, fenced = self.pids, self.fenced
         out = []
         for rank in self.ranks:
             seen = self._seen[rank]
             beat = beats.get(rank)
+            if beat is not None and (pids or fenced) and self._stale(rank, beat):
+                beat = None  # another process's: as if none came
             if beat is not None and (seen.beat is None
                                      or (beat.seq, beat.ts) != (seen.beat.seq, seen.beat.ts)):
                 seen.beat, seen.fresh_at = beat, now
@@ -110,6 +124,12 @@ class Classifier:
                   and beat.stalled_s > self.hang_timeout_s):
                 out.append(Verdict(rank, "hung", beat.stalled_s, beat))
         return out
+
+    def _stale(self, rank: int, beat: Beat) -> bool:
+        """Whether a process other than the one placed at `rank`, or a fenced one, wrote `beat`."""
+        pid = self.pids.get(rank)
+        return (pid is not None and beat.pid != pid) or (
+            bool(self.fenced) and member(beat.pid, beat.node) in self.fenced)
 
     def last_beat(self, rank: int) -> Beat | None:
         seen = self._seen.get(rank)

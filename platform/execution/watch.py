@@ -1,7 +1,9 @@
 """The controller's view of its ranks' heartbeats.
 
-`RankWatch` reads every rank's beat each poll (one pipelined round trip),
-feeds the pure `Classifier`, and survives Redis going away: a failed read
+`RankWatch` reads every rank's beat each poll (one pipelined round trip) and
+the job's fence set, feeds the pure `Classifier` (which counts a beat only from
+the process placed at its rank, and never from a fenced one), and survives
+Redis going away: a failed read
 starts a grace period instead of a verdict. For a rank judged hung it
 gathers evidence before the rank is killed: the Python stacks of every rank
 that still answers (a survivor waiting in all_reduce shows who it waits on),
@@ -85,8 +87,9 @@ class RankWatch:
         self.interval_s = interval_s
         self.hosts = hosts or {}
         self.clock = clock
-        self.classifier = Classifier(self.ranks, heartbeat_timeout_s, hang_timeout_s,
-                                     grace_s=2 * interval_s)
+        self.classifier = Classifier(
+            self.ranks, heartbeat_timeout_s, hang_timeout_s, grace_s=2 * interval_s,
+            pids={r: h.pid for r, h in self.hosts.items() if h.pid is not None})
         self.classifier.start(clock())
         self.store_down_since: float | None = None
         self._parsed: dict[int, tuple[str, Beat | None]] = {}
@@ -95,8 +98,8 @@ class RankWatch:
         """Read every beat once; return the ranks judged failed (none while Redis is away)."""
         now = self.clock()
         try:
-            beats = self.store.beats(self.job_id, self.ranks,
-                               cache=self._parsed)
+            beats = self.store.beats(self.job_id, self.ranks, cache=self._parsed)
+            self.classifier.fenced = frozenset(self.store.fenced(self.job_id))
             if self.clock() - now > max(1.0, 2 * self.interval_s):
                 # The read waited out an outage (the client retries): beats
                 # written meanwhile were lost, so nobody's silence counts yet.

@@ -144,4 +144,25 @@ def comm_report(answers: dict[int, dict], stuck_s: float = 5.0) -> dict[str, Any
             f"rank {r}: {p['op']} on {p.get('group')} for {p.get('waited_s', 0):.1f}s"
             for r, p in sorted(pending.items())) + (f"; rank(s) {idle} in none" if idle else ""))
     return {"ranks": {r: answers[r] for r in sorted(answers)}, "problems": problems,
-            "healthy": not problems}
+            "healthy": not problems, "slow_links": slow_links(answers)}
+
+
+def _number(x: Any) -> float | int | None:
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def slow_links(answers: dict[Any, dict]) -> list[dict[str, Any]]:
+    """The nodes the job's newest link probe found slow, from any rank's `links`:
+    `{node, gbps, best_gbps, at}` each. A slow link is no inconsistency between the
+    groups, so it leaves `healthy` alone. The answers come from the job's own code:
+    what is not the shape a rank writes is left out rather than failing the report."""
+    probes = [a["links"] for a in answers.values()
+              if isinstance(a, dict) and isinstance(a.get("links"), dict)]
+    if not probes:
+        return []
+    newest = max(probes, key=lambda p: _number(p.get("at")) or 0.0)
+    rates = newest.get("rates") if isinstance(newest.get("rates"), dict) else {}
+    slow = newest.get("slow") if isinstance(newest.get("slow"), list) else []
+    return [{"node": node, "gbps": _number(rates.get(node)),
+             "best_gbps": _number(newest.get("best_gbps")), "at": _number(newest.get("at"))}
+            for node in slow if isinstance(node, str)]

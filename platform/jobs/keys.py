@@ -6,7 +6,8 @@ docs/architecture.md's key table lists (a test compares the two and checks that
 every builder matches its pattern). Pure: no Redis import.
 
 A job's own keys all start with `job_prefix`: the job's Redis ACL user may reach
-those and nothing else (platform/jobs/redis_acl.py).
+those and nothing else (platform/jobs/redis_acl.py). The job's fence set is
+outside them on purpose: the controller writes it, the job's ranks only read it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ PATTERNS = {
     "stacks": "job:{id}:stacks:{rank}",
     "debug_request": "job:{id}:debug:req",
     "debug_answers": "job:{id}:debug:{rid}",
+    "link_probe": "job:{id}:linkprobe:{node}",
     "node_failures": "node:{name}:failures",
     "quarantine": "quarantine",
     "sched_wake": "sched:wake",
@@ -52,6 +54,7 @@ PATTERNS = {
     "control_secret": "auth:control",
     "job_revoked": "auth:jobrevoked:{job}",
     "audit": "audit",
+    "fenced": "fenced:{id}",
 }
 
 
@@ -113,6 +116,10 @@ def debug_answers(p: str, job_id: str, request_id: str) -> str:
     return f"{p}job:{job_id}:debug:{request_id}"
 
 
+def link_probe(p: str, job_id: str, node: str) -> str:
+    return f"{p}job:{job_id}:linkprobe:{node}"
+
+
 # -- the cluster's keys, and security's
 jobs = _key("jobs")
 active = _key("active")
@@ -124,6 +131,7 @@ control_secret = _key("control_secret")
 job_revoked = _key("job_revoked")
 auth_jobs = _key("auth_jobs")
 audit = _key("audit")
+fenced = _key("fenced")  # the job's replaced rank processes (platform/jobs/fences.py)
 
 
 def node_failures(p: str, name: str) -> str:

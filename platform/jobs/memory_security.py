@@ -1,6 +1,6 @@
-"""The in-memory store's credentials, debug requests and heartbeats (memory.py
-has the rest), as credentials.py, debug_requests.py and beats.py keep them in
-Redis. Pure. There is no access control here: a job's "Redis user" is only a
+"""The in-memory store's credentials, debug requests, heartbeats and fences
+(memory.py has the rest), as credentials.py, debug_requests.py, beats.py and
+fences.py keep them in Redis. Pure. There is no access control here: a job's "Redis user" is only a
 name and a password kept for the authority to hand out."""
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class MemorySecurity:
         self._debug_asks = Expiring()  # job -> request JSON
         self._debug_replies = Expiring()  # (job, request id) -> {rank: answer JSON}
         self._beats = Expiring()  # (job, rank) -> encoded beat
+        self._fenced: dict[str, set[str]] = {}  # job -> fenced processes (pid@node)
         self._control: str | None = None
 
     # -- API keys -------------------------------------------------------------------
@@ -166,3 +167,12 @@ class MemorySecurity:
         found = {rank: self._beats.get((job_id, rank)) for rank in ranks}
         return {rank: Beat.decode(rank, raw) if raw is not None else None
                 for rank, raw in found.items()}
+
+    # -- fences (Redis gives the set a TTL; this store lives as long as its process) --
+    def fence(self, job_id: str, members: Iterable[str]) -> None:
+        with self._lock:
+            self._fenced.setdefault(job_id, set()).update(members)
+
+    def fenced(self, job_id: str) -> set[str]:
+        with self._lock:
+            return set(self._fenced.get(job_id, ()))

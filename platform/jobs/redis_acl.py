@@ -2,7 +2,9 @@
 
 The user may read and write `{prefix}job:{id}:*`, only read the job's record
 `{prefix}job:{id}` (two patterns: a bare `job:{id}*` would also match a job
-whose id merely starts with this one), read token revocation marks, and run
+whose id merely starts with this one), read token revocation marks and the
+job's fence set (`{prefix}fenced:{id}`, the rank processes the controller
+replaced: a fenced rank must not be able to take itself out), and run
 transactions; nothing that lists, flushes or administers the server, and no
 scripts. The record is read-only because it holds the job's tenant, priority,
 queue, GPU count, state and spec, which the token authority and the scheduler
@@ -36,10 +38,12 @@ def grant_job_user(admin: Any, prefix: str, job_id: str,
     random one unless `password` is given, as when restoring it)."""
     name, password = job_user(job_id), password or secrets.token_urlsafe(32)
     # Revocation marks are readable (not writable), so workers can see that a
-    # token of theirs was revoked.
+    # token of theirs was revoked; so is the job's fence set, so a rank can see
+    # that it was replaced, and can never take itself out of it.
     admin.execute_command("ACL", "SETUSER", name, "reset", "on", f">{password}",
                           f"%R~{keys.job(prefix, job_id)}", f"~{keys.job_prefix(prefix, job_id)}*",
-                          f"%R~{keys.revoked(prefix, '*')}", *_RULES)
+                          f"%R~{keys.revoked(prefix, '*')}", f"%R~{keys.fenced(prefix, job_id)}",
+                          *_RULES)
     return name, password
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import struct
+from typing import Any
+
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
@@ -40,6 +44,35 @@ def connect(url: str | None) -> redis.Redis:
 def riding_retry() -> Retry:
     """Retries that ride out a Redis restart (about 15 s) instead of failing the caller."""
     return Retry(ExponentialBackoff(cap=2.0, base=0.1), 12)
+
+
+def abortive(client: redis.Redis) -> redis.Redis:
+    """Make every connection `client` opens close with a reset (SO_LINGER 0), dropping
+    whatever the kernel had not yet delivered; returns `client`.
+
+    For a rank's own clients (its heartbeat and its log lines): on a node cut off
+    from the network, a command sent during the cut waits in the kernel's send
+    queue and is retransmitted for minutes, after the client gave up on it and
+    after the process exited, so it would still reach Redis once the network
+    heals, long after the rank was replaced (docs/fault-tolerance.md, 'Fencing').
+    """
+    pool = client.connection_pool
+    if not getattr(pool.connection_class, "abortive", False):
+        pool.connection_class = _abortive_class(pool.connection_class)
+    return client
+
+
+def _abortive_class(base: type) -> type:
+    class Abortive(base):  # type: ignore[valid-type,misc]
+        abortive = True
+
+        def _connect(self) -> Any:
+            sock = super()._connect()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            return sock
+
+    Abortive.__name__ = Abortive.__qualname__ = f"Abortive{base.__name__}"
+    return Abortive
 
 
 def redact(url: str) -> str:

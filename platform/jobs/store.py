@@ -7,7 +7,8 @@
 - recorded.py: metric hashes (the recorders) and the ranks' scrape targets;
 - credentials.py: API keys, token marks, the jobs' Redis users, the audit stream;
 - debug_requests.py: `kc debug` and `kc profile` requests and their answers;
-- beats.py: the ranks' heartbeats.
+- beats.py: the ranks' heartbeats;
+- fences.py: the rank processes the controller replaced, which must write no more.
 
 Key names come from keys.py (docs/architecture.md has the table); opening the
 connection is redis_client.py's.
@@ -20,6 +21,7 @@ import redis
 from kuangchao.platform.jobs.beats import Beats
 from kuangchao.platform.jobs.credentials import Credentials
 from kuangchao.platform.jobs.debug_requests import DebugRequests
+from kuangchao.platform.jobs.fences import Fences
 from kuangchao.platform.jobs.flags import ControlFlags
 from kuangchao.platform.jobs.node_health import NodeHealth
 from kuangchao.platform.jobs.recorded import Recorded
@@ -29,7 +31,7 @@ from kuangchao.platform.jobs.streams import Streams
 
 
 class JobStore(Records, Streams, ControlFlags, NodeHealth, Recorded, Credentials,
-               DebugRequests, Beats):
+               DebugRequests, Beats, Fences):
     """Typed access to the job keys. Safe to share between threads."""
 
     def __init__(self, client: redis.Redis, prefix: str = "kc:") -> None:

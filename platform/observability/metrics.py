@@ -165,6 +165,9 @@ WORKER_COMM_SHARE = _m("kc_worker_comm_share_ratio", "gauge", "Share of the last
                        *WORKER_LABELS)
 WORKER_COMM_SECONDS = _m("kc_worker_comm_seconds", "gauge", "Wall time of the last step with a "
                          "collective in flight", *WORKER_LABELS)
+WORKER_LINK_GBPS = _m("kc_worker_link_gbps", "gauge", "Throughput of this rank's node to the "
+                      "control plane's Redis at the job's last link probe, in Gbit/s (set on the "
+                      "lowest rank of each node, the one that probes)", *WORKER_LABELS)
 WORKER_MEMORY = _m("kc_worker_memory_bytes", "gauge", "Memory of this rank by kind: rss, and "
                    "cuda_allocated and cuda_reserved on a GPU", *WORKER_LABELS, "kind")
 WORKER_MFU = _m("kc_worker_mfu_ratio", "gauge", "Model FLOPs utilisation estimate: 6 x params "
@@ -173,8 +176,8 @@ WORKER_PEAK_FLOPS = _m("kc_worker_peak_flops", "gauge", "The device peak the MFU
                        "divides by (catalogue for GPUs, measured once for CPUs)", *WORKER_LABELS)
 
 WORKER = (WORKER_STEP, WORKER_STEP_SECONDS, WORKER_TOKENS, WORKER_SAMPLES, WORKER_LOSS,
-          WORKER_GRAD_NORM, WORKER_LR, WORKER_COMM_SHARE, WORKER_COMM_SECONDS, WORKER_MEMORY,
-          WORKER_MFU, WORKER_PEAK_FLOPS)
+          WORKER_GRAD_NORM, WORKER_LR, WORKER_COMM_SHARE, WORKER_COMM_SECONDS, WORKER_LINK_GBPS,
+          WORKER_MEMORY, WORKER_MFU, WORKER_PEAK_FLOPS)
 CONTROL_PLANE = (JOBS, JOB_INFO, JOB_STATE_AGE, JOB_RECOVERING, JOB_WORLD_SIZE, JOB_STEP, JOB_TOTAL_STEPS,
                  JOB_LOSS, JOB_EVAL_LOSS, CHECKPOINT_AGE, HEARTBEAT_AGE, HEARTBEAT_UP,
                  QUEUE_OLDEST_WAIT, QUEUE_GPUS, CLUSTER_GPUS, NODES, *CLUSTER_RECORDED, *JOB_RECORDED,

@@ -78,6 +78,18 @@ def test_a_job_user_reaches_its_own_keys_and_no_one_elses(server):
                     lambda: mine.hgetall(f"{PREFIX}auth:keys")):
         with pytest.raises(redis.exceptions.NoPermissionError):
             attempt()
+    # The job's fence set: its ranks read whether they were replaced, and none can
+    # take itself out (or put itself in, or reach another job's).
+    JobStore(admin, PREFIX).fence("a-1111", ["4242@n1"])
+    assert store.fenced("a-1111") == {"4242@n1"}
+    assert mine.sismember(f"{PREFIX}fenced:a-1111", "4242@n1")
+    for attempt in (lambda: mine.srem(f"{PREFIX}fenced:a-1111", "4242@n1"),
+                    lambda: mine.delete(f"{PREFIX}fenced:a-1111"),
+                    lambda: mine.sadd(f"{PREFIX}fenced:a-1111", "1@n2"),
+                    lambda: mine.expire(f"{PREFIX}fenced:a-1111", 1),
+                    lambda: mine.smembers(f"{PREFIX}fenced:b-2222")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attempt()
 
     revoke_job_user(admin, "a-1111")
     with pytest.raises(redis.exceptions.AuthenticationError):

@@ -237,6 +237,9 @@ def test_debug_route_sends_each_kind_of_report_unchanged():
     answers = {0: {"groups": [{"name": "dp", "ranks": [0, 1]}], "pending": None}}
     for kind, report in [
         ("comm", {"ranks": answers, "problems": [], "healthy": True}),
+        ("comm", {"ranks": answers, "problems": [], "healthy": True, "slow_links": [
+            {"node": "node-3", "gbps": 0.05, "best_gbps": 2, "at": 1.5},
+            {"node": "node-4", "gbps": None, "best_gbps": None, "at": None}]}),
         ("memory", {"ranks": answers}),
         ("gradient", {"ranks": 0, "step": None, "max_divergence": 0.0, "diverged": [],
                       "identical": True, "errors": {}}),

@@ -29,7 +29,7 @@ PURE = [
     "platform/observability/metrics.py", "platform/observability/scrape_targets.py",
     "platform/observability/logjson.py",
     "platform/execution/failure_policy.py", "platform/jobs/claims.py",
-    "platform/execution/members.py", "platform/cluster/netplan.py",
+    "platform/execution/members.py", "platform/cluster/netplan.py", "platform/cluster/leaves.py",
 ]
 # Modules that may reach Redis but never Ray: the controller reaches Ray only through its
 # worker group, loaded when none is given. (The scheduler takes its store injected and is pure.)

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from kuangchao.platform.protocol.checkpoint import CHECKSUM, Checksum, checksum_file
+from kuangchao.workers import fence
 from kuangchao.workers.errors import CheckpointError
 
 # Each shard's writer asks the kernel to start writing back every this many
@@ -111,6 +112,8 @@ class ChecksummingFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "r" not in mode:  # a fenced rank opens no checkpoint file for writing
+            fence.check(f"checkpoint file {Path(path).name}")
         if mode != "wb":
             with super().create_stream(path, mode) as stream:
                 yield stream

@@ -45,6 +45,7 @@ from kuangchao.platform.protocol.checkpoint import (
     step_dir_name,
 )
 from kuangchao.platform.storage.urls import is_url
+from kuangchao.workers import fence
 from kuangchao.workers.checkpoint.async_save import (
     PendingCheckpoint,
     StagingBuffers,
@@ -343,6 +344,7 @@ class CheckpointManager:
 
     def _prune(self, keep: Path) -> None:
         """After a commit: retire what is beyond `keep_last` (pruning.py; remote.py for a store)."""
+        fence.check("pruning old checkpoints")
         if self.remote is not None:
             self._pruner.wait()
             self._pruner.reaper = self.remote.start_prune(self.keep_last, keep)

@@ -30,6 +30,7 @@ from kuangchao.platform.protocol.checkpoint import step_dir_name, step_of
 from kuangchao.platform.storage import access, mirror
 from kuangchao.platform.storage.mirror import TRANSFER_THREADS, RemoteCheckpoints
 from kuangchao.platform.storage.urls import parse
+from kuangchao.workers import fence
 from kuangchao.workers.errors import CheckpointError
 
 # Local step folders a node keeps beyond the newest one; the store keeps `keep_last`.
@@ -124,8 +125,9 @@ class RemoteTarget:
         """Retire the store's checkpoints beyond `keep_last` (rank 0, after a commit; a
         store that does not answer is left as it is: the next commit tries again)."""
         try:
+            fence.check("pruning the store's checkpoints")
             steps = self.store.committed_steps()
-        except Exception:  # StorageError, or the store's own errors
+        except Exception:  # FencedError, StorageError, or the store's own errors
             return
         for step in steps[:-keep_last]:
             if step != keep_step:
@@ -159,9 +161,11 @@ class UploadSession:
             return
         with self._lock:
             if path.name not in self._early:
-                self._early[path.name] = self._pool.submit(
-                    self.target.store.put, self.step, path.name, path, self.target.on_retry,
-                    self.deadline)
+                self._early[path.name] = self._pool.submit(self._put, path)
+
+    def _put(self, path: Path) -> None:
+        fence.check(f"upload of {path.name}")  # each upload as it starts: a fenced rank sends none
+        self.target.store.put(self.step, path.name, path, self.target.on_retry, self.deadline)
 
     def finish(self, tmp: Path, own_files: dict[str, Any]) -> None:
         """Wait for the early uploads, then put this rank's other files.
@@ -174,6 +178,7 @@ class UploadSession:
         for future in early.values():
             future.result()
         rest = {name: tmp / name for name in own_files if name not in early}
+        fence.check(f"upload of checkpoint step {self.step}")
         self.target.store.upload(self.step, rest, self.target.on_retry, deadline=self.deadline)
 
     def close(self) -> None:

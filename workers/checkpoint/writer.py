@@ -4,6 +4,10 @@ files, the agreement after each phase, the manifest, and the rename into place.
 Split from manager.py, which decides what is saved and when (sync or async, one
 save in flight, pruning); this module only carries out one `SaveJob`. Both
 `save` and `save_async` end up in `write`, on the caller's or a background thread.
+
+Every file a rank writes, and the commit, asks the rank's lease first
+(workers/fence.py): a rank replaced while cut off writes no shard and commits
+nothing; one whose lease has lapsed waits until it knows which it is.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 from kuangchao.platform.protocol.checkpoint import CHECKSUM, FORMAT_VERSION, MANIFEST
 from kuangchao.platform.version import __version__
+from kuangchao.workers import fence
 from kuangchao.workers.checkpoint.files import (
     ChecksummingWriter,
     ChecksumStream,
@@ -121,6 +126,7 @@ def _phase(job: SaveJob, what: str, fn: Callable[[SaveJob], Any]) -> None:
 
 
 def _prepare_tmp(job: SaveJob) -> None:
+    fence.check(f"checkpoint step {job.step}")
     if job.remote is not None:  # every rank writes a folder of its own
         job.remote.prepare(job.tmp)
         return
@@ -144,6 +150,7 @@ def _write_shards(job: SaveJob) -> None:
                                 on_closed=uploads.closed if uploads is not None else None)
     dcp.save(job.state, storage_writer=writer, process_group=job.group, no_dist=job.group is None)
     rank_file = job.tmp / f"rank_{job.rank}.pt"
+    fence.check(f"checkpoint file {rank_file.name}")
     with rank_file.open("wb") as fh:
         out = ChecksumStream(fh)
         torch.save(job.rank_state, cast(IO[bytes], out))
@@ -188,6 +195,7 @@ def _commit(job: SaveJob, after_rename: Callable[[Path], None]) -> int:
         if f.name not in files:
             files[f.name] = file_entry(f)
     files = dict(sorted(files.items()))
+    fence.check(f"the manifest of checkpoint step {job.step}")  # the commit
     with (job.tmp / MANIFEST).open("w") as fh:
         json.dump(build_manifest(job, files), fh, indent=1)
         fh.flush()
@@ -211,6 +219,7 @@ def _commit_remote(job: SaveJob, after_rename: Callable[[Path], None], started: 
         gathered = [job.own_files]
     files = dict(sorted({n: e for part in gathered for n, e in part.items()}.items()))
     if job.rank == 0:
+        fence.check(f"the manifest of checkpoint step {job.step}")  # the commit
         job.remote.commit(job.step, build_manifest(job, files), started)
     job.remote.settle_local(job.tmp, job.final)
     if job.rank != 0:

@@ -31,7 +31,8 @@ COMM_EVENT = re.compile(r"gloo|nccl|c10d|all_?reduce|all_?gather|broadcast|reduc
 
 
 def comm_state(telemetry: WorkerTelemetry, generation: int) -> dict[str, Any]:
-    """This rank's process groups and its pending and last collective."""
+    """This rank's process groups, its pending and last collective, and the job's last
+    link probe (None before the first)."""
     groups = []
     if dist.is_available() and dist.is_initialized():
         world = dist.group.WORLD
@@ -46,7 +47,8 @@ def comm_state(telemetry: WorkerTelemetry, generation: int) -> dict[str, Any]:
                            "generation": generation})
     pending, last = telemetry.clock.in_flight()
     return {"rank": telemetry.rank, "node": telemetry.node, "groups": groups,
-            "pending": pending, "last": last, "collectives_done": telemetry.clock.count}
+            "pending": pending, "last": last, "collectives_done": telemetry.clock.count,
+            "links": telemetry.links}
 
 
 def _tensor_bytes(tensors) -> int:

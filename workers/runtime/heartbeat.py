@@ -8,6 +8,12 @@ attributes, so a beat costs the train loop nothing.
 A Redis hiccup does not touch training: the thread backs off, logs once
 when beats start failing and once when they resume.
 
+The beats also hold the rank's lease (workers/fence.py): every acknowledged
+beat renews it, and each beat's round trip asks whether this process was
+fenced. Once the lease has lapsed the thread writes nothing, not even a beat,
+until it has read the job's fence set: not in it, the lease is renewed and
+beats resume (a Redis outage, ridden out); in it, the process exits.
+
 When the controller suspects a hang it sets a stack request; the thread
 answers with every Python thread's stack. It can, because the main thread
 blocked in a collective or a sleep has released the GIL.
@@ -29,9 +35,12 @@ import redis
 
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.beats import drop_beat, queue_beat
+from kuangchao.platform.jobs.fences import queue_fence_check, read_fenced
 from kuangchao.platform.jobs.flags import carried_flags, queue_stack_answer
+from kuangchao.platform.jobs.redis_client import abortive
 from kuangchao.platform.jobs.streams import queue_points, queue_progress
 from kuangchao.platform.protocol.heartbeat import Beat
+from kuangchao.workers import fence as fencing
 
 _log = logging.getLogger(__name__)
 
@@ -59,16 +68,21 @@ class Heartbeat:
             store's own pipeline writes (queue_progress, queue_points,
             queue_stack_answer), so the two never drift.
         prefix, job_id, rank: Where the beats go.
-        node: The node name shown in failure messages.
-        interval_s, timeout_s: Beat period and key TTL.
+        node: The node name shown in failure messages (with the pid, this
+            process's entry in the fence set: the controller's name for the node).
+        interval_s, timeout_s: Beat period and key TTL; the lease lasts the TTL,
+            less the client's socket timeout.
         on_log: Receives the thread's own warnings (the job log).
+        fence: The lease and fence it keeps (default: this process's).
     """
 
     def __init__(self, client: redis.Redis, prefix: str, job_id: str, rank: int, node: str,
                  interval_s: float = 1.0, timeout_s: float = 10.0,
-                 on_log: Callable[[str, str], None] | None = None) -> None:
+                 on_log: Callable[[str, str], None] | None = None,
+                 fence: fencing.Fence | None = None) -> None:
         self.client, self.prefix, self.job_id, self.rank = client, prefix, job_id, rank
         self.node, self.interval_s, self.timeout_s = node, interval_s, timeout_s
+        self.fence = fence if fence is not None else fencing.current()
         self.on_log = on_log or (lambda level, msg: _log.log(logging.getLevelName(level), msg))
         self.step, self.phase = 0, "init"
         self._progress_ts = time.time()
@@ -84,6 +98,7 @@ class Heartbeat:
         self.failures = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._warned_unfenceable = False
         # Runs on this thread after a beat that found the `debug` flag set (kc debug).
         self.on_debug: Callable[[], None] | None = None
 
@@ -100,7 +115,7 @@ class Heartbeat:
         """Beat as `rank` from now on (a resize renumbered this rank); the old key goes."""
         with self._beat_lock:
             old, self.rank = self.rank, rank
-        if old != rank:
+        if old != rank and self.fence.lease_ok():
             try:
                 drop_beat(self.client, self.prefix, self.job_id, old)
             except redis.RedisError:
@@ -141,6 +156,11 @@ class Heartbeat:
 
     # -- the thread ------------------------------------------------------------
     def start(self) -> Heartbeat:
+        """Hold the lease and beat, from now on. The lease is the TTL less the client's
+        socket timeout, but never less than two thirds of it (more than a beat period:
+        the spec asks for two beats per TTL), or a TTL under 1.5 s would leave none."""
+        margin_s = min(socket_timeout(self.client), self.timeout_s / 3)
+        self.fence.arm(self.timeout_s, margin_s=margin_s)
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"kc-heartbeat-{self.rank}")
         self._thread.start()
@@ -148,16 +168,18 @@ class Heartbeat:
 
     def stop(self, delete: bool = True) -> None:
         """End the beats. `delete=False` leaves the key to expire: a rank that left a
-        resized job no longer owns its old number, which a survivor may now beat under."""
+        resized job no longer owns its old number, which a survivor may now beat under.
+        A lease in good standing is given up (nothing renews it now); a lapsed one stays."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 5)
-        if not delete:
-            return
-        try:  # a clean exit is not a death: take the key away at once
-            drop_beat(self.client, self.prefix, self.job_id, self.rank)
-        except redis.RedisError:
-            pass
+        if delete and self.fence.lease_ok():
+            try:  # a clean exit is not a death: take the key away at once
+                drop_beat(self.client, self.prefix, self.job_id, self.rank)
+            except redis.RedisError:
+                pass
+        if self._thread is not None:
+            self.fence.disarm()
 
     def flush(self) -> None:
         """Send a beat now, with any queued progress (at the end of a run)."""
@@ -167,9 +189,43 @@ class Heartbeat:
             self.on_log("WARNING", f"final progress could not reach Redis: {exc}")
 
     def beat_once(self) -> None:
-        """Write one beat and answer a pending stack request."""
+        """Write one beat and answer a pending stack request; with the lease lapsed,
+        first read whether this process is fenced (and write nothing if it is)."""
         with self._beat_lock:
+            if self.fence.is_fenced():
+                return  # its process is on its way out
+            if self.fence.lapsed() and not self._renew():
+                return
             self._beat_once()
+
+    def _renew(self) -> bool:
+        """The lease lapsed: read the fence set. True (lease renewed) when this process
+        is not in it; raises when Redis does not answer (the loop tries again)."""
+        sent_at = self.fence.clock()
+        try:
+            fenced = read_fenced(self.client, self.prefix, self.job_id, os.getpid(), self.node)
+        except redis.exceptions.NoPermissionError as exc:
+            fenced = self._unfenceable(exc)
+        if fenced:
+            self._fenced()
+            return False
+        self.fence.renew(sent_at)
+        return True
+
+    def _unfenceable(self, exc: Exception) -> bool:
+        """The job's Redis user may not read the fence set: one made before fencing
+        existed (redis_acl.py). Such a rank cannot learn it was fenced; it runs as
+        ranks did before, its beats still ignored once replaced."""
+        if not self._warned_unfenceable:
+            self._warned_unfenceable = True
+            self.on_log("WARNING", f"cannot read this job's fence set ({exc}); this rank "
+                        "cannot be fenced")
+        return False
+
+    def _fenced(self) -> None:
+        self._stop.set()
+        self.fence.fence(f"rank {self.rank} (pid {os.getpid()} on {self.node}) of job "
+                         f"{self.job_id} was replaced by the controller while out of reach")
 
     def _beat_once(self) -> None:
         self._seq += 1
@@ -179,8 +235,12 @@ class Heartbeat:
             progress, self._progress = self._progress, {}
             points, self._points = self._points, []
         flags = list(self.flag_keys.items())
+        sent_at = self.fence.clock()
         try:
             with self.client.pipeline(transaction=False) as pipe:
+                # Asked first, answered with the rest: a process fenced while its lease
+                # held learns it here, one beat (and its progress) late at most.
+                queue_fence_check(pipe, self.prefix, self.job_id, os.getpid(), self.node)
                 queue_beat(pipe, self.prefix, self.job_id, self.rank, beat.encode(), self.timeout_s)
                 pipe.get(keys.stack_request(self.prefix, self.job_id, self.rank))
                 for _, key in flags:
@@ -189,15 +249,24 @@ class Heartbeat:
                     queue_progress(pipe, self.prefix, self.job_id, progress)
                 if points and self.carries_progress:
                     queue_points(pipe, self.prefix, self.job_id, points)
-                replies = pipe.execute()
+                replies = pipe.execute(raise_on_error=False)
+            if isinstance(replies[0], redis.exceptions.NoPermissionError):
+                replies[0] = self._unfenceable(replies[0])
+            error = next((r for r in replies if isinstance(r, Exception)), None)
+            if error is not None:
+                raise error
         except BaseException:
             with self._lock:  # keep the progress for the next beat
                 self._progress = {**progress, **self._progress}
                 self._points = points + self._points
             raise
+        if replies[0]:
+            self._fenced()
+            return
+        self.fence.renew(sent_at)
         self.beats_sent += 1
-        self.flags.update({name: bool(v) for (name, _), v in zip(flags, replies[2:], strict=False)})
-        if replies[1]:
+        self.flags.update({name: bool(v) for (name, _), v in zip(flags, replies[3:], strict=False)})
+        if replies[2]:
             self._answer_stack_request()
 
     def _answer_stack_request(self) -> None:
@@ -220,14 +289,17 @@ class Heartbeat:
     def _loop(self) -> None:
         delay = self.interval_s
         failing_since: float | None = None
+        lapse_told = False
         while not self._stop.is_set():
             try:
                 self.beat_once()
+                if self._stop.is_set():
+                    break  # fenced
                 self._debug()
                 if failing_since is not None:
                     self.on_log("WARNING", f"heartbeats resumed after "
                                 f"{time.monotonic() - failing_since:.1f}s without Redis")
-                failing_since, delay = None, self.interval_s
+                failing_since, delay, lapse_told = None, self.interval_s, False
             except (redis.RedisError, OSError) as exc:
                 self.failures += 1
                 if failing_since is None:
@@ -235,16 +307,38 @@ class Heartbeat:
                     self.on_log("WARNING", f"heartbeat to Redis failed ({exc}); retrying with "
                                 "backoff, training continues")
                 # Back off, but never past half the TTL: beats must resume
-                # before the controller's grace runs out.
+                # before the controller's grace runs out. Once the lease has
+                # lapsed, try every period: a fenced rank must learn it within
+                # one period of Redis answering again (fence.exit_bound_s).
                 delay = min(delay * 2, max(self.interval_s, self.timeout_s / 2))
+                if self.fence.lapsed():
+                    delay = self.interval_s
+                    if not lapse_told:
+                        lapse_told = True
+                        self.on_log("WARNING", "this rank's lease lapsed: it writes nothing "
+                                    "(beats, progress, log lines, checkpoints) until it has "
+                                    "read from Redis that it was not replaced meanwhile")
             self._stop.wait(delay)
 
 
 def heartbeat_client(url: str, timeout_s: float) -> redis.Redis:
-    """A Redis client for heartbeats: no retries inside redis-py, short timeouts. The one
-    client outside the store on a rank (the store's rides out a Redis restart for
-    seconds, which would hold beats past their TTL); it writes through the store's
-    functions (platform/jobs/beats.py, streams.py, flags.py, debug_requests.py)."""
-    limit = max(0.5, min(5.0, timeout_s / 3))
-    return redis.Redis.from_url(url, socket_connect_timeout=limit, socket_timeout=limit,
-                                decode_responses=True)
+    """A Redis client for heartbeats: no retries inside redis-py, short timeouts, and
+    connections that drop what they could not send when they close (`abortive`). Its
+    writes go through the store's functions (platform/jobs/beats.py, streams.py,
+    flags.py, fences.py, debug_requests.py). The store's own client rides out a Redis
+    restart for seconds, which would hold beats past their TTL, and would deliver a
+    write begun before a network cut after the heal: after the rank's lease."""
+    limit = client_timeout_s(timeout_s)
+    return abortive(redis.Redis.from_url(url, socket_connect_timeout=limit,
+                                         socket_timeout=limit, decode_responses=True))
+
+
+def client_timeout_s(timeout_s: float) -> float:
+    """The socket timeout of a rank's short-lived Redis requests, for a heartbeat TTL."""
+    return max(0.5, min(5.0, timeout_s / 3))
+
+
+def socket_timeout(client: Any) -> float:
+    """`client`'s socket timeout (0 for a client without one, as in tests)."""
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
+    return float(kwargs.get("socket_timeout") or 0.0)

@@ -95,6 +95,10 @@ class WorkerTelemetry:
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.groups: dict[str, Any] = {}
+        # The job's last link probe as this rank saw it (workers/trainer/links.py):
+        # {"at", "rates": {node: Gbit/s or None}, "best_gbps", "slow": [node]}; replaced
+        # whole, never edited, since `kc debug comm` reads it from the heartbeat thread.
+        self.links: dict[str, Any] | None = None
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer

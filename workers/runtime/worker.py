@@ -37,9 +37,9 @@ from kuangchao.workers.parallel.layout import Layout
 from kuangchao.workers.runtime import credentials, telemetry
 from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.runtime.credentials import GuardedCheckpoints, TokenHolder, authority_client
-from kuangchao.workers.runtime.debug import DebugResponder
-from kuangchao.workers.runtime.heartbeat import Heartbeat, heartbeat_client
-from kuangchao.workers.runtime.joblog import JobLogSink, capture_output
+from kuangchao.workers.runtime.heartbeat import Heartbeat
+from kuangchao.workers.runtime.joblog import capture_output
+from kuangchao.workers.runtime.liveness import log_sink, start_heartbeat
 from kuangchao.workers.runtime.telemetry import WorkerTelemetry
 
 _GPU_RESOURCE = re.compile(rf"^{GPU_RESOURCE_PREFIX}(\d+)(_group_.*)?$")
@@ -119,29 +119,18 @@ class TrainWorker:
         self.store: JobStore | None = None
         if settings.redis_url:
             self.store = JobStore.from_url(settings.redis_url, settings.redis_prefix)
-        self.sink = JobLogSink(self.store, job_id, rank)
+        self.sink = log_sink(self.store, settings, job_id, rank, heartbeat)
         self.node = node or socket.gethostname()
         # The tokens first: the metrics endpoint starts under the monitor token.
         self.holder = self._hold(grant, authority) if grant is not None else None
         self.telemetry = self._serve_metrics(node)
         self.generation: Generation | None = None
         self._group_store: Any = None
-        self.heartbeat: Heartbeat | None = None
-        if settings.redis_url and heartbeat is not None:
-            # Beats start with the process, so even a hang in start-up is seen.
-            interval_s, timeout_s = heartbeat
-            self.heartbeat = Heartbeat(
-                heartbeat_client(settings.redis_url, timeout_s), settings.redis_prefix, job_id,
-                rank, node or socket.gethostname(), interval_s, timeout_s,
-                on_log=lambda level, msg: self.sink.emit(msg, level=level, module="heartbeat"),
-            )
-            if self.store is not None:
-                self.heartbeat.carry()
-                if self.telemetry is not None:
-                    self.heartbeat.on_debug = DebugResponder(
-                        self.heartbeat.client, settings.redis_prefix, job_id, self.telemetry,
-                        lambda: self.generation.gen if self.generation else 0)
-            self.heartbeat.start()
+        # Beats start with the process, so even a hang in start-up is seen; they hold
+        # this process's lease (workers/fence.py).
+        self.heartbeat: Heartbeat | None = start_heartbeat(
+            settings, job_id, rank, self.node, heartbeat, self.sink, self.store, self.telemetry,
+            lambda: self.generation.gen if self.generation else 0)
 
     def _serve_metrics(self, node: str) -> WorkerTelemetry | None:
         """This rank's Prometheus endpoint, registered for the control plane's file_sd."""

@@ -27,7 +27,7 @@ from kuangchao.workers.errors import NumericFault, ResizeNow, TrainingError
 from kuangchao.workers.parallel.engine import Engine
 from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.runtime.telemetry import model_flops_per_token
-from kuangchao.workers.trainer import balanced, debug_step
+from kuangchao.workers.trainer import balanced, debug_step, links
 from kuangchao.workers.trainer import live_resize as resize
 from kuangchao.workers.trainer.checkpoints import save_step, settles_checkpoints
 from kuangchao.workers.trainer.feed import Feed, even_shares, loss_weight
@@ -203,6 +203,7 @@ def _train_from(ctx: TrainContext, pos: Position, engine: Engine, source: BatchS
     meter = _Throughput(global_batch * spec.model.seq_len)
     loss_value = float("nan")
     first = pos.step
+    watch = links.LinkWatch(ctx)  # a slow node's link: a straggler event (links.py)
     with Feed(source, ctx, pos) as it:
         for step in range(first, t.steps):
             if ctx.telemetry is not None:
@@ -217,6 +218,7 @@ def _train_from(ctx: TrainContext, pos: Position, engine: Engine, source: BatchS
             if ctx.telemetry is not None:
                 samples = (ctx.shares or even_shares(ctx)).counts[ctx.dp_rank]
                 ctx.telemetry.end_step(done, samples, samples * spec.model.seq_len)
+            watch.after_step(done)
             if balanced.after_step(ctx, engine):  # re-balanced by measured speeds
                 it.restart()  # the batches prefetched for the old shares are made again
             if ctx.capture is not None and ctx.capture.profiler is not None:

@@ -47,6 +47,8 @@ class NodePublic(Passthrough):
     gpus: int
     nvlink: list[list[int]] | None = None
     leaf: str | None = None
+    leaf_measured: bool | None = Field(None, description="true: `leaf` was found by `kc topology "
+                                                         "probe`, the node has no kc.io/leaf label")
     spine: str | None = None
     cpus: Number | None = None
     alive: bool | None = None

@@ -21,12 +21,24 @@ class _Asked(Public):
     missing: list[int] = Field(description="ranks that did not answer in time")
 
 
+class SlowLink(Public):
+    """A node the job's newest link probe measured at under half the best node's rate."""
+
+    node: str
+    gbps: Number | None = Field(description="its rate to the control plane's Redis, Gbit/s")
+    best_gbps: Number | None = Field(description="the best node's rate in the same probe")
+    at: Number | None = Field(description="when the probe ran (Unix time)")
+
+
 class CommReport(_Asked):
     kind: Literal["comm"]
     ranks: RankAnswers
     problems: list[str] = Field(description="groups the ranks disagree on, and ranks stuck "
                                             "in different collectives")
     healthy: bool
+    slow_links: list[SlowLink] | None = Field(None, description=(
+        "nodes the job's last link probe found slow (a straggler); each rank's own view of "
+        "the probe is its `links`"))
 
 
 class MemoryReport(_Asked):
