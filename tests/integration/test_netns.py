@@ -175,15 +175,24 @@ def test_a_node_cut_from_redis_alone_is_a_lost_node_and_the_event_names_redis(cl
     stack, plan = cluster
     victim = stack.client.submit(job(stack, "net-redis"))
     node = _past_first_checkpoint(stack, victim["id"])
+    stale = {p["pid"] for p in stack.client.get(victim["id"])["placement"] if p["node"] == node}
     kc_drill(stack, "cut-redis", node)
+    watch = WriteWatch(_admin_redis(stack), _addr(plan, node))
     try:
         failed = wait_for(lambda: next((e for e in stack.client.events(victim["id"])["events"]
                                         if e["type"] == "failure"), None), 120, "the failure")
+        watch.start()
     finally:
         kc_drill(stack, "heal", node)
     assert failed["node"] == node and failed["unreachable"] == "redis"
     assert f"cannot reach Redis at {plan.redis_addr}" in failed["message"]
+    fenced = next(e for e in stack.client.events(victim["id"])["events"] if e["type"] == "fenced")
+    assert fenced["node"] == node and set(fenced["pids"]) >= stale
+    # The same fencing as a node cut off: the old ranks go, and write nothing once healed.
+    wait_for(lambda: not (stale & _pids_of(plan.node(node).netns)), 90, "the old ranks to exit")
     done = stack.wait_state(victim["id"], DONE, timeout=600)
+    watch.stop()
+    assert watch.writes == [], f"the cut node wrote to Redis after the heal: {watch.writes[:5]}"
     assert done["state"] == "SUCCEEDED", done["message"]
     assert done["progress"]["loss"] == pytest.approx(reference, rel=1e-6)
     assert node not in {p["node"] for p in done["placement"]}
