@@ -58,11 +58,12 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 @pytest.fixture(scope="session", autouse=True)
 def no_network_left_behind():
     """After the suite, no network namespace, link or bridge that a netns cluster of this
-    run made may remain (those present before it are another run's)."""
+    run made may remain. Each stack records its cluster's tag as it comes up; namespaces
+    of other tags belong to another run (a benchmark beside the suite, say)."""
     from kuangchao.platform.runtime import netns
+    from tests.integration.conftest import NETNS_TAGS
 
-    before = set(netns.leftovers()) if netns.unavailable() is None else set()
     yield
     if netns.unavailable() is None:
-        left = set(netns.leftovers()) - before
-        assert not left, f"the suite left network namespaces or links behind: {sorted(left)}"
+        left = sorted(name for tag in NETNS_TAGS for name in netns.leftovers(tag))
+        assert not left, f"the suite left network namespaces or links behind: {left}"

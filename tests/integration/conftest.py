@@ -194,6 +194,11 @@ def store():
         yield JobStore.from_url(url, prefix)
 
 
+# The tags of the netns clusters this run's stacks made: tests/conftest.py checks that
+# none is left behind (another run's, a benchmark's say, are not this run's to judge).
+NETNS_TAGS: list[str] = []
+
+
 @contextmanager
 def small_stack(root: Path, cluster: str, label: str, joined: tuple[str, ...] = (),
                 extra_env: dict[str, str | None] | None = None) -> Iterator[Stack]:
@@ -219,7 +224,10 @@ def small_stack(root: Path, cluster: str, label: str, joined: tuple[str, ...] = 
              "--dashboard-port", "0", "--json", env=env)
     try:
         assert out.returncode == 0, f"kc up failed:\n{out.stdout}\n{out.stderr}"
-        yield Stack(env, json.loads(out.stdout))
+        state = json.loads(out.stdout)
+        if state.get("net"):
+            NETNS_TAGS.append(state["net"]["tag"])
+        yield Stack(env, state)
     finally:
         for name in joined:
             pids = procs.matching([f'"kc.io/node": "{name}"'])

@@ -68,8 +68,14 @@ def cluster(tmp_path_factory):
 
 
 def job(stack: Stack, name: str) -> dict[str, Any]:
-    """dp4 over two nodes of two GPUs, a checkpoint every 20 steps."""
+    """dp4 over two nodes of two GPUs, a checkpoint every 20 steps.
+
+    The model is big enough for some 20 s of training: a node cut from Redis alone
+    still trains (its collectives flow), and the job must outlast its lease (the
+    heartbeat timeout; then its checkpoints block) or it could finish unharmed
+    before the cut is seen, as a job that ends within the timeout rightly does."""
     d = stack.job_doc(task={"name": name})
+    d["model"].update(n_layers=2, d_model=96, n_heads=4)
     d["parallel"].update(data_parallel_size=4, micro_batch_size=4)
     d["training"].update(steps=240, seed=5, log_interval=40)
     d["checkpoint"]["interval_steps"] = 20
@@ -179,8 +185,7 @@ def test_a_node_cut_from_redis_alone_is_a_lost_node_and_the_event_names_redis(cl
     kc_drill(stack, "cut-redis", node)
     watch = WriteWatch(_admin_redis(stack), _addr(plan, node))
     try:
-        failed = wait_for(lambda: next((e for e in stack.client.events(victim["id"])["events"]
-                                        if e["type"] == "failure"), None), 120, "the failure")
+        failed = _failure(stack, victim["id"])
         watch.start()
     finally:
         kc_drill(stack, "heal", node)
@@ -207,8 +212,7 @@ def test_a_node_cut_off_is_replaced_and_its_ranks_are_fenced_after_the_heal(clus
     stale = {p["pid"] for p in stack.client.get(victim["id"])["placement"] if p["node"] == node}
     kc_drill(stack, "cut", node)
     cut_at = time.time()
-    failed = wait_for(lambda: next((e for e in stack.client.events(victim["id"])["events"]
-                                    if e["type"] == "failure"), None), 120, "the failure")
+    failed = _failure(stack, victim["id"])
     assert failed["node"] == node and failed["unreachable"] == "network"
     assert failed["detected_after_s"] <= TIMEOUT_S + 2 * BEAT_S
     assert "cut off from the network" in failed["message"]
@@ -276,6 +280,24 @@ class WriteWatch(threading.Thread):
 def kc_drill(stack: Stack, what: str, node: str, *more: str) -> None:
     out = kc("drill", what, node, *more, env=stack.env)
     assert out.returncode == 0, out.stderr
+
+
+def _failure(stack: Stack, job_id: str) -> dict[str, Any]:
+    """The job's first `failure` event; on a timeout, what the job did instead."""
+    try:
+        return wait_for(lambda: next((e for e in stack.client.events(job_id)["events"]
+                                      if e["type"] == "failure"), None), 120, "the failure")
+    except AssertionError as exc:
+        j = stack.client.get(job_id)
+        events = [{k: e.get(k) for k in ("type", "node", "message")}
+                  for e in stack.client.events(job_id)["events"]]
+        page, logs = stack.client.logs(job_id), []
+        while page["logs"] and len(logs) < 5000:
+            logs += page["logs"]
+            page = stack.client.logs(job_id, start=page.next)
+        lines = [f"{ln.get('rank')} {ln.get('level')} {ln.get('message')}" for ln in logs[-40:]]
+        raise AssertionError(f"{exc}\njob: {j['state']} {j['progress']} {j['message']}\n"
+                             f"events: {events}\nlogs:\n" + "\n".join(lines)) from None
 
 
 def _past_first_checkpoint(stack: Stack, job_id: str) -> str:

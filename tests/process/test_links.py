@@ -27,8 +27,10 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore::User
 NODES = ["node-a", "node-a", "node-b"]
 JOB = "links-probe"
 # Seconds added to a node's measured write, per case: None measures as it is.
-CASES = [None, {"node-a": 0.3, "node-b": 0.3}, {"node-a": 0.05, "node-b": 1.0},
-         {"node-a": 0.05, "node-b": 1.0}]
+# Padded well past a loaded machine's noise: a write of 8 MiB on loopback takes
+# milliseconds, but a second when two cores run a cluster besides.
+CASES = [None, {"node-a": 1.0, "node-b": 1.0}, {"node-a": 0.05, "node-b": 2.0},
+         {"node-a": 0.05, "node-b": 2.0}]
 
 
 class _Sink:
@@ -196,9 +198,19 @@ def _train_rank(rank: int, world: int, url: str, prefix: str, root: str) -> None
             if self.inflate and step > 12:
                 self.values[m.WORKER_COMM_SECONDS.name] = 0.5
 
+    from kuangchao.workers.trainer import links
+
+    real_probe, probes = links.probe, []
+
+    def counted(ctx, trigger=None):
+        probes.append(ctx.telemetry.values.get(m.WORKER_STEP.name))
+        return real_probe(ctx, trigger)
+
+    links.probe = counted
     torch.set_num_threads(1)
     out = {}
     for i, inflate in enumerate((False, True)):
+        probes.clear()
         dist.init_process_group("gloo", init_method=f"file://{root}/rdv-{i}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=120))
         try:
@@ -220,7 +232,7 @@ def _train_rank(rank: int, world: int, url: str, prefix: str, root: str) -> None
                                telemetry=tel, node=NODES[1:][rank])
             result = train(ctx)
             sink.close()
-            out[str(inflate)] = {"result": result, "links": tel.links}
+            out[str(inflate)] = {"result": result, "links": tel.links, "probes": list(probes)}
         except Exception:
             out["error"] = traceback.format_exc()
         finally:
@@ -229,9 +241,10 @@ def _train_rank(rank: int, world: int, url: str, prefix: str, root: str) -> None
 
 
 def test_a_probe_in_the_train_loop_changes_nothing_the_run_computes(tmp_path):
-    """Communication rising 25x past step 12 makes the loop probe at step 20 (the first
-    check with 5 recent steps over 3x the first 10 steps' level), on both ranks; the run
-    ends with the parameters and loss of the same run without a probe."""
+    """Every run probes once at step 10, its baseline in; communication rising 25x past
+    step 12 makes the loop probe again at step 20 (the first check with 5 recent steps
+    over 3x the first 10 steps' level), on both ranks; the run ends with the parameters
+    and loss of the same run with the first probe only."""
     with redis_prefix("kctest-links-loop") as (url, prefix):
         mp.start_processes(_train_rank, args=(2, url, prefix, str(tmp_path)), nprocs=2,
                            start_method="spawn")
@@ -239,7 +252,9 @@ def test_a_probe_in_the_train_loop_changes_nothing_the_run_computes(tmp_path):
     assert not any("error" in r for r in ranks), [r.get("error") for r in ranks]
     for r in ranks:
         quiet, probed = r["False"], r["True"]
-        assert quiet["links"] is None  # no rise, no probe
+        assert quiet["probes"] == [10]  # no rise: the first probe only
+        assert probed["probes"] == [10, 20]
+        assert set(quiet["links"]["rates"]) == {"node-a", "node-b"}
         assert set(probed["links"]["rates"]) == {"node-a", "node-b"}
         assert probed["result"]["params_sha256"] == quiet["result"]["params_sha256"]
         assert probed["result"]["final_loss"] == quiet["result"]["final_loss"]

@@ -105,7 +105,7 @@ def _step(ctx: _Ctx, watch: LinkWatch, done: int, comm: float) -> None:
     watch.after_step(done)
 
 
-def test_the_watch_asks_every_ten_steps_and_probes_when_any_rank_is_due(monkeypatch):
+def test_the_watch_probes_once_at_the_baseline_then_asks_every_ten_steps(monkeypatch):
     probes = []
     monkeypatch.setattr(links, "probe", lambda ctx, trigger: probes.append(trigger) or {
         "rates": {"node-1": 1.0, "node-2": 1.0}})
@@ -113,19 +113,34 @@ def test_the_watch_asks_every_ten_steps_and_probes_when_any_rank_is_due(monkeypa
     watch = LinkWatch(ctx)
     for done in range(1, 21):
         _step(ctx, watch, done, 0.02)
-    assert ctx.asked == [False, False] and probes == []  # steps 10 and 20, nothing due
+    # Step 10: the baseline is in, every rank probes without a vote; step 20: nothing due.
+    assert len(probes) == 1 and ctx.asked == [False]
     for done in range(21, 31):
         _step(ctx, watch, done, 0.5)
-    assert ctx.asked[-1] is True and len(probes) == 1
+    # The first probe did not start the minute between probes: the rise is probed at once.
+    assert ctx.asked[-1] is True and len(probes) == 2
     for done in range(31, 41):
         _step(ctx, watch, done, 0.5)
-    assert ctx.asked[-1] is False and len(probes) == 1  # within the minute
+    assert ctx.asked[-1] is False and len(probes) == 2  # within the minute
     # A peer that is due takes this rank along, whatever its own trigger says.
     other = _ctx(peer_says=True)
     other_watch = LinkWatch(other)
-    for done in range(1, 11):
+    for done in range(1, 21):
         _step(other, other_watch, done, 0.0)
-    assert other.asked == [False] and len(probes) == 2
+    assert other.asked == [False] and len(probes) == 4
+
+
+def test_a_restart_mid_run_probes_once_its_own_baseline_is_in(monkeypatch):
+    probes = []
+    monkeypatch.setattr(links, "probe", lambda ctx, trigger: probes.append(trigger) or {
+        "rates": {"node-1": 1.0, "node-2": 1.0}})
+    ctx = _ctx()
+    watch = LinkWatch(ctx)  # resumed at step 105: its 10th step is 114, the check at 120
+    for done in range(106, 120):
+        _step(ctx, watch, done, 0.02)
+    assert probes == [] and ctx.asked == [False]  # step 110: only five steps in
+    _step(ctx, watch, 120, 0.02)
+    assert len(probes) == 1 and ctx.asked == [False]
 
 
 def test_one_rank_never_checks_and_one_node_stops_checking(monkeypatch):
@@ -134,12 +149,15 @@ def test_one_rank_never_checks_and_one_node_stops_checking(monkeypatch):
     for done in range(1, 31):
         _step(ctx, watch, done, 0.5)
     assert ctx.asked == []
-    monkeypatch.setattr(links, "probe", lambda ctx, trigger: {"rates": {"node-1": 1.0}})
+    probes = []
+    monkeypatch.setattr(links, "probe", lambda ctx, trigger: probes.append(1) or {
+        "rates": {"node-1": 1.0}})
     ctx = _ctx(peer_says=True)
     watch = LinkWatch(ctx)
     for done in range(1, 31):
         _step(ctx, watch, done, 0.0)
-    assert ctx.asked == [False]  # the probe found one node: nothing to compare, ever
+    # The first probe found one node: nothing to compare, ever.
+    assert probes == [1] and ctx.asked == []
 
 
 # -- the event -----------------------------------------------------------------------------

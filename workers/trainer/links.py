@@ -108,22 +108,36 @@ class CommTrigger:
 class LinkWatch:
     """The train loop's side: feed the trigger each step; every `CHECK_EVERY` steps agree
     on it across ranks and probe. Made at each (re)start of the loop, so the baseline
-    is the current generation's; the minute between probes carries over."""
+    is the current generation's; the minute between probes carries over.
+
+    Each generation also probes once when its baseline is in (the first check at or
+    after `BASELINE_STEPS` steps): a node slow from the start raises no trigger (the
+    baseline includes it), and every node's rate is known (`kc_worker_link_gbps`,
+    `kc debug comm`) before anything goes wrong. That first probe is counted by steps,
+    which every rank sees alike, so it needs no vote; it does not start the minute
+    between probes, so a slowdown right after it is still probed promptly."""
 
     def __init__(self, ctx: TrainContext) -> None:
         self.ctx = ctx
         last = (ctx.telemetry.links or {}).get("at") if ctx.telemetry is not None else None
         self.trigger = CommTrigger(last_probe=last)
         self.one_node = False  # learnt from a probe: nothing to compare
+        self.steps = 0  # trained in this generation
+        self.first_probed = False
 
     def after_step(self, done: int) -> None:
         ctx, tel = self.ctx, self.ctx.telemetry
         if ctx.world_size == 1 or self.one_node:
             return
+        self.steps += 1
         if tel is not None and m.WORKER_COMM_SECONDS.name in tel.values:
             self.trigger.observe(tel.values[m.WORKER_COMM_SECONDS.name],
                                  tel.values.get(m.WORKER_COMM_SHARE.name, 0.0))
         if done % CHECK_EVERY or done >= ctx.spec.training.steps:
+            return
+        if not self.first_probed and self.steps >= BASELINE_STEPS:
+            self.first_probed = True
+            self.one_node = len(probe(ctx, self.trigger)["rates"]) < 2
             return
         now = time.time()
         # Every rank takes part whatever its own trigger says (one without metrics says no):
