@@ -22,6 +22,7 @@ from kuangchao.workers.parallel.balance import (
     rank_speeds,
     replica_speeds,
     share_cut,
+    speeds_differ,
     stage_speeds,
     stage_split,
 )
@@ -331,3 +332,14 @@ def test_a_rank_takes_its_nodes_hardware_from_the_controller_else_the_environmen
     monkeypatch.setenv("KC_EMULATED_SPEED", "half")
     with pytest.raises(TrainingError, match="KC_EMULATED_SPEED='half'"):
         node_hardware(None)
+
+
+def test_only_a_group_of_unequal_speeds_is_measured():
+    # Equal GPUs (or no type known): even, bit for bit; noise moves nothing.
+    assert not speeds_differ([1.0, 1.0, 1.0, 1.0])
+    assert not speeds_differ([494.5e12] * 3)
+    assert not speeds_differ([2.0])
+    assert not speeds_differ([])
+    # A mix of types, or a node emulating half speed: measured.
+    assert speeds_differ([494.5e12, 187.2e12])
+    assert speeds_differ([1.0, 1.0, 0.5, 1.0])

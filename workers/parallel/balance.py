@@ -113,6 +113,12 @@ def stage_split(n_layers: int, speeds: Sequence[float]) -> tuple[int, ...]:
     return tuple(layers)
 
 
+def speeds_differ(speeds: Sequence[float]) -> bool:
+    """Whether a group's ranks run at different speeds (types or emulated speeds): only
+    then is its compute measured and its data-parallel split re-balanced by it."""
+    return len(speeds) > 1 and max(speeds) - min(speeds) > 1e-9 * max(speeds)
+
+
 def split_applies(parallel, pp: int) -> bool:
     """Whether stages are balanced: a plain pipeline (an interleaved one keeps even chunks,
     each rank holding several, which one split per rank cannot describe)."""

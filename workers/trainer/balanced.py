@@ -9,12 +9,13 @@ and derive:
 - the data-parallel shares of each step's samples (`form`), which the batches,
   the loss weights and the sample record follow.
 
-Then the speeds are measured (`after_step`): over a few steps after the first
-of the group, each rank's compute time per sample (CPU time plus emulation sleep
-on CPU, CUDA events on GPU) is all-reduced, and if the shares it calls for
-differ from the current ones by more than `REBALANCE_THRESHOLD`, the shares are
-re-balanced once. A pipeline's measured stage speeds are reported, and its layers
-stay where they are: moving layers between live stages is left to a restart.
+Then, in a group whose speeds differ, the speeds are measured (`after_step`):
+over a few steps after the first of the group, each rank's compute time per
+sample (CPU time plus emulation sleep on CPU, CUDA events on GPU) is
+all-reduced, and if the shares it calls for differ from the current ones by
+more than `REBALANCE_THRESHOLD`, the shares are re-balanced once. A pipeline's
+measured stage speeds are reported, and its layers stay where they are: moving
+layers between live stages is left to a restart.
 
 Every change of shares is an event in the job's stream (`rebalanced`: old and new
 shares, the speeds behind them, and why).
@@ -37,6 +38,7 @@ from kuangchao.workers.parallel.balance import (
     own_speed,
     rank_speeds,
     share_cut,
+    speeds_differ,
     split_applies,
     stage_speeds,
     stage_split,
@@ -134,6 +136,12 @@ def after_step(ctx: TrainContext, engine: Any) -> bool:
     state = ctx.balance
     if (not isinstance(state, BalanceState) or state.measured or ctx.world_size == 1
             or ctx.spec.resources.balance != "speed" or not dist.is_initialized()):
+        return False
+    if not speeds_differ(state.speeds):
+        # Equal GPUs split evenly, bit for bit: what they measure apart is noise (a busy
+        # host, a passing straggler), and a share moved by it would cost the run its
+        # reproducibility for no lasting gain. Every rank holds the same exchanged speeds.
+        state.measured = True
         return False
     state.steps += 1
     if state.steps <= MEASURE_SKIP:
