@@ -65,6 +65,9 @@ METRICS: dict[str, dict[str, tuple[str, str, str]]] = {
     "hf": {"tokenize_throughput": ("tokens/s", "higher", "ratio"),
            "tokenize_cache_hit_s": ("s", "lower", "ratio"),
            "hf_step_time_ratio": ("s", "lower", "ratio")},
+    "topology_live": {"topology_step_time_ratio_dp4": ("s", "lower", "ratio"),
+                      "topology_step_time_ratio_tp2dp2": ("s", "lower", "ratio"),
+                      "topology_step_time_ratio": ("s", "lower", "ratio")},
 }
 
 # What a script's quick mode leaves out (the phases it skips to stay short).
