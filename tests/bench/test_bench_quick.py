@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,9 +43,12 @@ AT_ONCE = 3
 
 def _run(script: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "KCBENCH_QUIET_TIMEOUT_S": "0"}  # no waiting for an idle machine
-    return subprocess.run([sys.executable, f"bench/{script}.py", *run_all.ARGS.get(script, []),
-                           "--quick"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1200)
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, f"bench/{script}.py", *run_all.ARGS.get(script, []),
+                          "--quick"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1200)
+    out.wall_s = round(time.monotonic() - started, 1)  # type: ignore[attr-defined]
+    return out
 
 
 def _selected(request) -> set[str]:
@@ -76,10 +80,11 @@ def test_every_bench_script_is_covered():
 
 
 @pytest.mark.parametrize("script", sorted(METRICS))
-def test_quick_mode_prints_well_formed_lines_with_both_sides(script, quick_runs):
+def test_quick_mode_prints_well_formed_lines_with_both_sides(script, quick_runs, record_property):
     if script in NEEDS_NETNS and (why := netns.unavailable()):
         pytest.skip(f"bench/{script}.py needs a netns cluster: {why}")
     out = quick_runs[script]
+    record_property("wall_s", out.wall_s)  # each script's share of the suite's time (--junitxml)
     assert out.returncode == 0, f"bench/{script}.py --quick exited {out.returncode}:\n" \
                                 f"{out.stderr[-4000:]}"
     lines = [json.loads(raw) for raw in out.stdout.splitlines() if raw.strip()]

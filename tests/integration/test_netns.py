@@ -199,7 +199,7 @@ def test_a_node_cut_from_redis_alone_is_a_lost_node_and_the_event_names_redis(cl
     watch.stop()
     assert watch.writes == [], f"the cut node wrote to Redis after the heal: {watch.writes[:5]}"
     assert done["state"] == "SUCCEEDED", done["message"]
-    assert done["progress"]["loss"] == pytest.approx(reference, rel=1e-6)
+    assert done["progress"]["loss"] == pytest.approx(reference, rel=1e-6), _story(stack, victim["id"])
     assert node not in {p["node"] for p in done["placement"]}
     # Healed, the node may take work again.
     kc("node", "release", node, env=stack.env)
@@ -288,16 +288,22 @@ def _failure(stack: Stack, job_id: str) -> dict[str, Any]:
         return wait_for(lambda: next((e for e in stack.client.events(job_id)["events"]
                                       if e["type"] == "failure"), None), 120, "the failure")
     except AssertionError as exc:
-        j = stack.client.get(job_id)
-        events = [{k: e.get(k) for k in ("type", "node", "message")}
-                  for e in stack.client.events(job_id)["events"]]
-        page, logs = stack.client.logs(job_id), []
-        while page["logs"] and len(logs) < 5000:
-            logs += page["logs"]
-            page = stack.client.logs(job_id, start=page.next)
-        lines = [f"{ln.get('rank')} {ln.get('level')} {ln.get('message')}" for ln in logs[-40:]]
-        raise AssertionError(f"{exc}\njob: {j['state']} {j['progress']} {j['message']}\n"
-                             f"events: {events}\nlogs:\n" + "\n".join(lines)) from None
+        raise AssertionError(f"{exc}\n{_story(stack, job_id)}") from None
+
+
+def _story(stack: Stack, job_id: str) -> str:
+    """The job's state, events and last log lines: what a failed assertion shows."""
+    j = stack.client.get(job_id)
+    events = [{k: e.get(k) for k in ("ts", "type", "node", "message")}
+              for e in stack.client.events(job_id)["events"]]
+    page, logs = stack.client.logs(job_id), []
+    while page["logs"] and len(logs) < 5000:
+        logs += page["logs"]
+        page = stack.client.logs(job_id, start=page.next)
+    lines = [f"{ln.get('ts')} {ln.get('rank')} {ln.get('level')} {ln.get('message')}"
+             for ln in logs[-60:]]
+    return (f"job: {j['state']} {j['progress']} {j['message']}\nevents:\n"
+            + "\n".join(map(str, events)) + "\nlogs:\n" + "\n".join(lines))
 
 
 def _past_first_checkpoint(stack: Stack, job_id: str) -> str:
