@@ -9,7 +9,8 @@ table of bench/check.py (metric, ours, baseline, ratio, target, met) to
 script that crashes, or ends without a line it documents, gets a line per
 missing metric with `"error"` (its exit code and last stderr lines): a broken
 benchmark shows in the table as failed, never as a gap. Each script's stderr
-goes to `<out>/<UTC time>.<script>.log`. It takes about an hour on 2 cores.
+goes to `<out>/<UTC time>.<script>.log`. It takes about an hour and three quarters on 2 cores
+(bench/topology_live.py 45 minutes of it).
 """
 
 from __future__ import annotations
