@@ -137,7 +137,7 @@ class LinkWatch:
             return
         if not self.first_probed and self.steps >= BASELINE_STEPS:
             self.first_probed = True
-            self.one_node = len(probe(ctx, self.trigger)["rates"]) < 2
+            self._probe()
             return
         now = time.time()
         # Every rank takes part whatever its own trigger says (one without metrics says no):
@@ -145,8 +145,10 @@ class LinkWatch:
         if not ctx.any_rank(self.trigger.due(now), "link probe due"):
             return
         self.trigger.probed(now)
-        result = probe(ctx, self.trigger)
-        self.one_node = len(result["rates"]) < 2
+        self._probe()
+
+    def _probe(self) -> None:
+        self.one_node = len(probe(self.ctx, self.trigger)["rates"]) < 2
 
 
 def probe(ctx: TrainContext, trigger: CommTrigger | None = None) -> dict[str, Any]:
