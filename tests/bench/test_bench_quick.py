@@ -75,7 +75,9 @@ def test_every_bench_script_is_covered():
                "placement_sim", "recovery_common", "recovery_kc", "recovery_ray", "recovery_rt",
                "resize_common", "resize_kc", "resize_rt", "harness", "run_all", "check",
                # a pass/fail check of the CUDA and NCCL paths, run on a GPU machine only
-               "gpu_check"}
+               "gpu_check",
+               # a simulator with its own unit tests (tests/unit/test_goodput_sim.py)
+               "goodput_sim"}
     assert runnable - helpers == set(METRICS), "a bench script without a quick-mode test"
 
 
