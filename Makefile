@@ -58,7 +58,7 @@ run: install
 test: install tools
 	$(PY) -m pytest -q --durations=20 tests
 
-# Every benchmark at its defaults (about an hour and three quarters on 2 cores; not part of `make test`,
+# Every benchmark at its defaults (about an hour and a half on 2 cores; not part of `make test`,
 # which runs each one's --quick mode): bench/results/latest.jsonl and latest.md.
 bench: install tools
 	$(PY) bench/run_all.py

@@ -4,7 +4,7 @@
                                             [--list-patterns]
 
 Needs root (Linux network namespaces). The script brings up its own stack with
-`kc up` on a netns cluster (bench/README.md, "topology_live.py"): 4 nodes of 2
+`kc up` on a netns cluster (bench/README.md, "topology_live.py"): 8 nodes of 2
 GPUs in 2 leaves, every node a network host of its own, node links shaped to
 2 Gbit/s, each leaf's uplink to the spine to 0.5 Gbit/s; `kc down` on the way
 out, whatever happened (errors, Ctrl-C, SIGTERM), and a check that none of its
@@ -77,7 +77,7 @@ BENCH = "topology_live"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # -- the cluster ----------------------------------------------------------------
-NODES, GPUS_PER_NODE, CPUS_PER_NODE, LEAVES = 4, 2, 4, 2
+NODES, GPUS_PER_NODE, CPUS_PER_NODE, LEAVES = 8, 2, 4, 2
 LEAF_GBPS, SPINE_GBPS = 2.0, 0.5
 NODE_NAMES = tuple(f"node-{i}" for i in range(NODES))
 
@@ -110,6 +110,7 @@ WARMUP, TIMED = 3, 8
 ROUNDS = 3
 QUIET_S = 15  # the longest wait for quiet CPUs before each run
 QUICK_WARMUP, QUICK_TIMED = 1, 3
+QUICK_JOBS = "tp2dp2"
 TARGET, TARGET_MAX_PATTERN = 0.7, 1.05
 # GPU types that steer each holder job to its node (any catalogue types will do;
 # the overrides last only until the holders are admitted).
@@ -382,23 +383,28 @@ class Stack:
 
     def hold(self, pattern: dict[str, int]) -> list[dict[str, Any]]:
         """Submit one holder job per occupied node, steered there; returns the running jobs."""
-        steer = dict(zip(pattern, STEER_TYPES, strict=False))
         jobs = []
+        nodes = list(pattern)
         try:
-            try:
-                for node, kind in steer.items():
-                    self.client.set_node(node, gpu_type=kind)
-                self.wait(lambda: all(n.get("gpu_type") == steer.get(n["name"], n.get("gpu_type"))
-                                      for n in self.client.nodes()["nodes"]), 60, "the overrides")
-                for node, count in pattern.items():
-                    jobs.append(self.client.submit(kc_doc(f"hold-{node}", self.home, 1, 1, count,
-                                                          [steer[node]])))
-                for job in jobs:
-                    self.wait(lambda j=job: self.client.get(j.id)["state"] != "QUEUED", 120,
-                              f"holder {job.id} admitted")
-            finally:
-                for node in steer:
-                    self.client.set_node(node, gpu_type=None)
+            # As many nodes at a time as there are steering types (each a type of its own).
+            for at in range(0, len(nodes), len(STEER_TYPES)):
+                steer = dict(zip(nodes[at:at + len(STEER_TYPES)], STEER_TYPES, strict=False))
+                try:
+                    for node, kind in steer.items():
+                        self.client.set_node(node, gpu_type=kind)
+                    self.wait(lambda s=steer: all(n.get("gpu_type") == s.get(n["name"], n.get("gpu_type"))
+                                                  for n in self.client.nodes()["nodes"]), 60,
+                              "the overrides")
+                    batch = [self.client.submit(kc_doc(f"hold-{node}", self.home, 1, 1,
+                                                       pattern[node], [kind]))
+                             for node, kind in steer.items()]
+                    jobs += batch
+                    for job in batch:
+                        self.wait(lambda j=job: self.client.get(j.id)["state"] != "QUEUED", 120,
+                                  f"holder {job.id} admitted")
+                finally:
+                    for node in steer:
+                        self.client.set_node(node, gpu_type=None)
             placed = []
             for job in jobs:
                 got = self.wait(lambda j=job: (r := self.client.get(j.id))["state"] in
@@ -731,15 +737,22 @@ METRICS = ("topology_step_time_ratio_dp4", "topology_step_time_ratio_tp2dp2",
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help=f"one pattern per job, {QUICK_WARMUP} + {QUICK_TIMED} steps")
+                    help=f"pattern 0 of tp2dp2 alone (unless --jobs), {QUICK_WARMUP} + "
+                         f"{QUICK_TIMED} steps")
     ap.add_argument("--patterns", type=int, default=PATTERNS, help="patterns per job")
     ap.add_argument("--rounds", type=int, default=None,
                     help=f"runs of each placement per pattern (default {ROUNDS}; quick 1)")
-    ap.add_argument("--jobs", default=",".join(JOBS), help="comma-separated: dp4,tp2dp2")
+    ap.add_argument("--jobs", default=None,
+                    help="comma-separated: dp4,tp2dp2 (default both; quick tp2dp2)")
     ap.add_argument("--list-patterns", action="store_true", help="print the patterns and exit")
     args = ap.parse_args(argv)
     count = 1 if args.quick else args.patterns
-    jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
+    # The quick mode (make test) runs tp2dp2 alone: it goes through every code path dp4
+    # does (its data-parallel all-reduce in a group) and the tensor-parallel ones too.
+    default_jobs = QUICK_JOBS if args.quick else ",".join(JOBS)
+    jobs = [j.strip() for j in (args.jobs or default_jobs).split(",") if j.strip()]
+    if unknown := [j for j in jobs if j not in JOBS]:
+        ap.error(f"--jobs: unknown job(s) {', '.join(unknown)}; choose from {', '.join(JOBS)}")
     patterns = {job: draw_patterns(job, count) for job in jobs}
     if args.list_patterns:
         for job, ps in patterns.items():
