@@ -319,7 +319,9 @@ def test_cancel_is_a_flag_that_wakes_the_scheduler(store):
 
 def test_preempt_and_resize_flags_set_and_clear(store):
     assert not store.preempt_requested("j1") and not store.resize_requested("j1")
+    assert store.preempt_reason("j1") is None
     store.request_preempt("j1", "big")
+    assert store.preempt_reason("j1") == "big"
     store.request_resize("j1")
     assert store.preempt_requested("j1") and store.resize_requested("j1")
     store.clear_preempt("j1")

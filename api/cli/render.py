@@ -98,6 +98,8 @@ def print_job(job: dict[str, Any]) -> None:
         rows.append(("plan", plan_line(job["plan"], job.get("measured_step_s"))))
     elif isinstance(job.get("measured_step_s"), int | float):
         rows.append(("step time", f"measured {_secs(job['measured_step_s'])} s/step"))
+    if job.get("goodput"):
+        rows.append(("goodput", goodput_line(job["goodput"])))
     if job.get("waiting_for"):
         rows.append(("waiting for", job["waiting_for"]))
     if job.get("message"):
@@ -118,6 +120,18 @@ def print_job(job: dict[str, Any]) -> None:
     if ckpts:
         last = ckpts[-1]
         say(f"checkpoint   step {last['step']} at {last['path']} ({last['bytes']} bytes)")
+
+
+def goodput_line(g: dict[str, Any]) -> str:
+    """`ETTR 87.1% of 1.2h: lost recovery 310s, redone 120s, ...`, the largest losses first."""
+    ettr, wall = g.get("ettr"), g.get("wall_s")
+    if not isinstance(ettr, int | float) or not isinstance(wall, int | float):
+        return f"- ({g.get('reason') or 'not known yet'})"
+    lost = sorted(((s, c) for c, s in (g.get("by_cause") or {}).items()
+                   if isinstance(s, int | float) and s >= 0.5), reverse=True)
+    wall_text = f"{wall / 3600:.1f}h" if wall >= 3600 else f"{wall:.0f}s"
+    parts = ", ".join(f"{c} {s:.0f}s" for s, c in lost[:4])
+    return f"ETTR {100 * ettr:.1f}% of {wall_text}" + (f": lost {parts}" if parts else "")
 
 
 def _secs(v: Any) -> str:
@@ -241,7 +255,8 @@ def print_nodes(data: dict[str, Any]) -> None:
     for n in data["nodes"]:
         leaf = n["leaf"] + ("~" if n.get("leaf_measured") else "")
         islands = "_".join(".".join(map(str, i)) for i in n["nvlink"]) or "-"
-        status = "lost" if not n["alive"] else "quarantined" if n.get("quarantine") else "ready"
+        status = ("lost" if not n["alive"] else "draining" if n.get("draining")
+                  else "quarantined" if n.get("quarantine") else "ready")
         if n.get("quarantine"):
             quarantined.append(n)
         overridden = overridden or bool(n.get("overrides"))
@@ -261,6 +276,13 @@ def print_nodes(data: dict[str, Any]) -> None:
         until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(q["until"]))
         say(f"\n{n['name']} is quarantined until {until}: {q['reason']}\n"
                    f"  release it early with `kc node release {n['name']}`")
+    for n in data["nodes"]:
+        if n["alive"] and n.get("draining"):
+            deadline = n.get("drain_deadline")
+            when = "no deadline" if deadline is None else "to be killed at " + time.strftime(
+                "%Y-%m-%d %H:%M:%S", time.localtime(deadline))
+            say(f"\n{n['name']} is draining ({when}): nothing new is placed there, and the "
+                "jobs on it checkpoint and move off")
 
 
 def print_probe(result: dict[str, Any]) -> None:

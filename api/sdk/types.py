@@ -95,6 +95,31 @@ class Checkpoint(View):
         return str(self["path"])
 
 
+class Goodput(View):
+    """Where a job's wall-clock time went: `productive_s` plus `by_cause` is `wall_s`."""
+
+    _shown = ("ettr", "wall_s")
+
+    @property
+    def ettr(self) -> float | None:
+        """Effective training time ratio: productive seconds over wall-clock seconds."""
+        return self.get("ettr")
+
+    @property
+    def wall_s(self) -> float | None:
+        return self.get("wall_s")
+
+    @property
+    def productive_s(self) -> float | None:
+        return self.get("productive_s")
+
+    @property
+    def by_cause(self) -> dict[str, float | None]:
+        """Seconds by cause: startup, checkpoint, detection, recovery, redone, queueing,
+        preemption, other."""
+        return dict(self._get("by_cause", {}))
+
+
 class Job(View):
     """A job as `GET /v1/jobs/{id}` returns it."""
 
@@ -160,6 +185,12 @@ class Job(View):
     @property
     def spec(self) -> dict[str, Any]:
         return dict(self._get("spec", {}))
+
+    @property
+    def goodput(self) -> Goodput | None:
+        """Where its time went; only on one job's view (`Client.get`), not on a listing."""
+        found = self.get("goodput")
+        return None if found is None else Goodput(found)
 
 
 class Event(View):

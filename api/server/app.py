@@ -10,12 +10,22 @@ from fastapi.responses import JSONResponse
 from kuangchao.api.server import metrics
 from kuangchao.api.server.dependencies.auth import Caller
 from kuangchao.api.server.edge import Edge
-from kuangchao.api.server.routers import admin, audit, debug, health, jobs, nodes, queues, ui
+from kuangchao.api.server.routers import (
+    admin,
+    audit,
+    debug,
+    goodput,
+    health,
+    jobs,
+    nodes,
+    queues,
+    ui,
+)
 from kuangchao.platform.errors import StoreUnavailable
 from kuangchao.platform.version import __version__
 
-ROUTERS = (health.router, jobs.router, debug.router, queues.router, nodes.router, admin.router,
-           audit.router, ui.router)
+ROUTERS = (health.router, jobs.router, goodput.router, debug.router, queues.router, nodes.router,
+           admin.router, audit.router, ui.router)
 
 
 def create_app() -> FastAPI:

@@ -8,15 +8,20 @@ publishes the node list to Redis for the API.
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from typing import Any
 
+from kuangchao.platform.cluster.drain import mark_draining, notices_from
 from kuangchao.platform.cluster.hardware import gpu_type_from_ray
 from kuangchao.platform.cluster.overrides import OVERRIDES_INFO, apply_overrides
 from kuangchao.platform.cluster.probe import apply_probe
 from kuangchao.platform.cluster.topology import LABEL_ROLE, NodeInfo, gpu_resource, node_from_labels
 
 ACCELERATOR_PREFIX = "accelerator_type:"
+
+log = logging.getLogger(__name__)
 
 
 def nodes_from_ray(ray_nodes: list[dict[str, Any]]) -> tuple[NodeInfo, ...]:
@@ -63,6 +68,24 @@ def head_node_id(ray_nodes: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def draining_nodes() -> dict[str, Any]:
+    """Ray's GCS table of the nodes being drained, `{node_id_hex: deadline_ms}` (drain.py).
+
+    Read from the GCS, the only writer of drains, on every call (Ray Train polls the
+    same table). A process not connected to Ray (a unit test, a tool) knows no drain,
+    and Ray is not loaded for it. A GCS that cannot answer means no drain is known: the
+    node view must not fail over it, and a node about to go is then caught as lost.
+    """
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return {}
+    try:
+        return ray._private.state.state.get_draining_nodes() or {}
+    except Exception as exc:  # noqa: BLE001 -- a private API, which must not stop scheduling
+        log.warning("could not read Ray's draining nodes: %s", exc)
+        return {}
+
+
 def current_nodes(store=None, raw: list[dict[str, Any]] | None = None) -> tuple[NodeInfo, ...]:
     """The node view as the scheduler sees it (Ray's nodes, the probe's spines,
     the operator's overrides of GPU type and emulated speed), without publishing
@@ -88,7 +111,8 @@ class Registry:
         import ray
 
         raw = ray.nodes()
-        nodes = current_nodes(self.store, raw)
+        # A draining node shows as such in `kc nodes`; the scheduler places nothing there.
+        nodes = mark_draining(current_nodes(self.store, raw), notices_from(draining_nodes()))
         if self.store is not None:
             # `ips` beside the node list: the API's node route shows `nodes` only.
             self.store.set_info("nodes", {"nodes": [n.to_json() for n in nodes],

@@ -73,6 +73,8 @@ class NodeInfo:
             label, an emulated speed on real GPUs), for the node view.
         leaf_measured: Whether `leaf` was found by `kc topology probe` (the node
             has no `kc.io/leaf` label), not read from a label.
+        draining: Whether Ray is draining the node (drain.py): no new placements.
+        drain_deadline: When the drain's node is killed (epoch seconds); None: no deadline.
     """
 
     name: str
@@ -89,6 +91,8 @@ class NodeInfo:
     emulated_speed: float | None = None
     problems: tuple[str, ...] = ()
     leaf_measured: bool = False
+    draining: bool = False
+    drain_deadline: float | None = None
 
     def labels(self) -> dict[str, str]:
         out = {LABEL_NODE: self.name, LABEL_LEAF: self.leaf,
@@ -108,7 +112,8 @@ class NodeInfo:
                 "alive": self.alive,
                 "pinned_gpus": self.pinned_gpus, "accelerator": self.accelerator,
                 "gpu_type": self.gpu_type, "emulated_speed": self.emulated_speed,
-                "problems": list(self.problems)}
+                "problems": list(self.problems), "draining": self.draining,
+                "drain_deadline": self.drain_deadline}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> NodeInfo:
@@ -123,7 +128,10 @@ class NodeInfo:
                    emulated_speed=(float(d["emulated_speed"])
                                    if d.get("emulated_speed") is not None else None),
                    problems=tuple(str(p) for p in d.get("problems") or ()),
-                   leaf_measured=bool(d.get("leaf_measured")))
+                   leaf_measured=bool(d.get("leaf_measured")),
+                   draining=bool(d.get("draining")),
+                   drain_deadline=(float(d["drain_deadline"])
+                                   if d.get("drain_deadline") is not None else None))
 
 
 # `node_storage` of a local cluster's YAML: "shared" (every node sees $KC_HOME, as

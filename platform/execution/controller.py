@@ -23,6 +23,7 @@ import redis
 
 from kuangchao.platform.errors import Cancelled, KuangchaoError, Preempted, RankFailed, WorkerLost
 from kuangchao.platform.execution.detection import FailureDetector
+from kuangchao.platform.execution.drain import DrainResponder
 from kuangchao.platform.execution.failure_policy import Action
 from kuangchao.platform.execution.formation import Formation
 from kuangchao.platform.execution.inplace import InPlaceReplacement
@@ -91,6 +92,7 @@ class JobController:
                                         redis_address(settings.redis_url))
         self.in_place = InPlaceReplacement(store, job_id, group, self.formation)
         self.resizer = ResizeExecutor(store, job_id, group, self.formation, live=False)
+        self.drain = DrainResponder(store, job_id, group, self.resizer)
         self.latest_checkpoint = latest_checkpoint or _latest_verified
         self.backend = ""
 
@@ -233,6 +235,7 @@ class JobController:
                     preempt_deadline = time.monotonic() + PREEMPT_GRACE_S
                 if not results and self.store.resize_requested(self.job_id):
                     self.resizer.on_request(spec)
+                self.drain.check(spec, finishing=bool(results))  # off a draining node
             except redis.RedisError:
                 pass  # Redis away: the heartbeat watch holds its verdicts; training goes on
             if preempt_deadline is not None and time.monotonic() > preempt_deadline:
@@ -244,7 +247,8 @@ class JobController:
             pass  # bookkeeping: the job's outcome does not wait on it
         out = [results[i] for i in range(self.group.world)]
         if out and isinstance(out[0], dict) and out[0].get("preempted"):
-            raise Preempted(f"preempted at step {out[0].get('steps')}; checkpointed and requeued")
+            raise Preempted(self.drain.yielded(out[0]) or
+                            f"preempted at step {out[0].get('steps')}; checkpointed and requeued")
         return out
 
     def _finish(self, spec: JobSpec, results: list[Any]) -> None:

@@ -82,7 +82,8 @@ def write_failure(store: JobStore, job_id: str, failure: Failure,
     Returns:
         True when the job is now RECOVERING.
     """
-    store.add_event(job_id, {"type": "failure", "message": failure.message, **failure.record()})
+    store.add_event(job_id, {"type": "failure", "message": failure.message, **failure.record(),
+                             **reached(store, job_id)})
     if failure.detected_after_s is not None:
         store.recorder().observe(
             metrics.FAILURE_DETECTION, failure.detected_after_s, cause=failure.kind)
@@ -103,6 +104,24 @@ def write_failure(store: JobStore, job_id: str, failure: Failure,
     store.recorder(job_id).inc(metrics.RESTARTS, job=job_id,
                                                           cause=failure.kind)
     return True
+
+
+def reached(store: JobStore, job_id: str) -> dict[str, Any]:
+    """The step rank 0 had last reported when the failure was declared, and when.
+
+    For the goodput ledger (platform/jobs/goodput_facts.py): the loss curve holds
+    only logged steps, and a failed rank's last heartbeat may be older than steps
+    its peers finished with it, so without this the steps trained since the last
+    logged one would count as detection rather than as work a rollback undoes.
+    """
+    try:
+        progress = store.progress(job_id)
+    except Exception:  # noqa: BLE001 -- bookkeeping: the failure is written without it
+        return {}
+    step, at = progress.get("step"), progress.get("updated_at")
+    if isinstance(step, int) and isinstance(at, int | float):
+        return {"progress_step": step, "progress_at": at}
+    return {}
 
 
 def judge(store: JobStore, job_id: str, failure: Failure, group: Any, spec: Any, live: bool,

@@ -86,6 +86,22 @@ class ResizeExecutor:
         except FinishedDuringResize:
             pass  # the old group's results are in; the watch collects them
 
+    def shrink_off(self, spec: JobSpec, m: Membership, cause: str) -> bool:
+        """A planned shrink to `m` with no one joining: the ranks it leaves out (a drained
+        node's, platform/execution/drain.py) go at their next step, the others train on.
+
+        Returns whether the group now runs at `m`: False when the job finished first
+        (the old group's results are in) or the shrink was called off.
+        """
+        rpr = spec.elastic_range.ranks_per_replica
+        self._begin({"to": m.world_size // rpr, "from": self.group.world // rpr, "cause": cause,
+                     "requested_at": time.time()}, m, spec)
+        try:
+            self._run_generation(spec, m, [], dead=set(), planned=True)
+        except FinishedDuringResize:
+            return False
+        return self.group.world == m.world_size
+
     def after_loss(self, failure: Failure, decision: FailureDecision, spec: JobSpec) -> bool:
         """An elastic job lost ranks: re-form the group around the survivors, as decided.
 

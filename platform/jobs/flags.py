@@ -64,6 +64,10 @@ class ControlFlags:
     def preempt_requested(self, job_id: str) -> bool:
         return bool(self.r.exists(keys.preempt(self.p, job_id)))
 
+    def preempt_reason(self, job_id: str) -> str | None:
+        """What asked for the preemption (a job's id, a resize, a drain); None: none asked."""
+        return self.r.get(keys.preempt(self.p, job_id))
+
     def clear_preempt(self, job_id: str) -> None:
         self.r.delete(keys.preempt(self.p, job_id))
 

@@ -278,6 +278,9 @@ class MemoryStore(RecordEdits, MemoryExtras, MemorySecurity):
     def preempt_requested(self, job_id: str) -> bool:
         return self._flag("preempt", job_id) is not None
 
+    def preempt_reason(self, job_id: str) -> str | None:
+        return self._flag("preempt", job_id)
+
     def clear_preempt(self, job_id: str) -> None:
         self._lower("preempt", job_id)
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kuangchao.platform.observability.goodput import CAUSES
 from kuangchao.platform.protocol.interfaces import INTERFACES
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ FAILURE_CAUSES = ("died", "node_lost", "expired", "hung", "numeric", "controller
                   "resize")
 # What a capability token may refuse (platform/protocol/interfaces.py).
 TOKEN_INTERFACES = tuple(sorted(INTERFACES))
+# Where a job's wall-clock time went (observability/goodput.py): kept steps, then the causes.
+GOODPUT_CAUSES = ("productive", *CAUSES)
 ACTIVE_STATES = ("QUEUED", "PLACING", "RUNNING", "RECOVERING", "RESIZING")
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 
@@ -94,6 +97,15 @@ HEARTBEAT_AGE = _m("kc_rank_heartbeat_age_seconds", "gauge", "Seconds since a ra
                    "heartbeat", "job", "rank", "node")
 HEARTBEAT_UP = _m("kc_rank_heartbeat_up", "gauge", "1 when a placed rank's heartbeat is present, "
                   "0 when it is missing", "job", "rank")
+JOB_GOODPUT = _m("kc_job_goodput_seconds", "gauge", "An active job's wall-clock time since submit "
+                 "by where it went: productive (kept steps) or the cause of the loss "
+                 "(platform/observability/goodput.py)", "job", "cause")
+JOB_ETTR = _m("kc_job_ettr_ratio", "gauge", "An active job's effective training time ratio: "
+              "productive seconds over wall-clock seconds since submit", "job")
+CLUSTER_GOODPUT = _m("kc_cluster_goodput_seconds", "gauge", "Every active job's wall-clock time "
+                     "since submit, summed, by where it went", "cause")
+CLUSTER_ETTR = _m("kc_cluster_ettr_ratio", "gauge", "The active jobs' ETTR, weighted by their "
+                  "wall-clock time: productive seconds over wall-clock seconds, summed")
 QUEUE_OLDEST_WAIT = _m("kc_queue_oldest_wait_seconds", "gauge", "How long the longest-waiting "
                        "queued job of a queue has waited (0 when none waits)", "queue")
 QUEUE_GPUS = _m("kc_queue_gpus", "gauge", "GPUs held by a queue's jobs, and its quota",
@@ -180,7 +192,8 @@ WORKER = (WORKER_STEP, WORKER_STEP_SECONDS, WORKER_TOKENS, WORKER_SAMPLES, WORKE
           WORKER_MEMORY, WORKER_MFU, WORKER_PEAK_FLOPS)
 CONTROL_PLANE = (JOBS, JOB_INFO, JOB_STATE_AGE, JOB_RECOVERING, JOB_WORLD_SIZE, JOB_STEP, JOB_TOTAL_STEPS,
                  JOB_LOSS, JOB_EVAL_LOSS, CHECKPOINT_AGE, HEARTBEAT_AGE, HEARTBEAT_UP,
-                 QUEUE_OLDEST_WAIT, QUEUE_GPUS, CLUSTER_GPUS, NODES, *CLUSTER_RECORDED, *JOB_RECORDED,
+                 JOB_GOODPUT, JOB_ETTR, CLUSTER_GOODPUT, CLUSTER_ETTR, QUEUE_OLDEST_WAIT,
+                 QUEUE_GPUS, CLUSTER_GPUS, NODES, *CLUSTER_RECORDED, *JOB_RECORDED,
                  API_REQUEST, API_AUTH_DENIALS, STORE_UP)
 ALL = CONTROL_PLANE + WORKER
 

@@ -63,11 +63,12 @@ class Scheduler:
 
     def snapshot(self) -> Snapshot:
         jobs = self.store.list_active()
-        # A quarantined node is as good as gone for new placements; jobs
-        # already running there keep running.
+        # A quarantined or draining node is as good as gone for new placements;
+        # jobs already running there keep running (a drained job's controller
+        # moves it off: platform/execution/drain.py).
         blocked = quarantine.active(self.store.quarantine(), time.time())
-        nodes = tuple(dataclasses.replace(n, alive=False) if quarantine.holds(blocked, n) else n
-                      for n in self.nodes())
+        nodes = tuple(dataclasses.replace(n, alive=False)
+                      if n.draining or quarantine.holds(blocked, n) else n for n in self.nodes())
         return Snapshot(nodes=nodes,
                         queued=tuple(j for j in jobs if j.state is JobState.QUEUED),
                         active=tuple(j for j in jobs if j.state.holds_resources),

@@ -37,6 +37,7 @@ def test_sigkilled_worker_recovers_to_the_failure_free_loss(stack):
              "the job to pass its first checkpoint")
     rank1 = next(p for p in stack.client.get(victim["id"])["placement"] if p["rank"] == 1)
     assert alive(rank1["pid"])
+    stop_past_a_checkpoint(stack, victim["id"], rank1["pid"], every=50)
     os.kill(rank1["pid"], signal.SIGKILL)
 
     done = stack.wait_state(victim["id"], DONE, timeout=600)
@@ -63,9 +64,45 @@ def test_sigkilled_worker_recovers_to_the_failure_free_loss(stack):
                 if "restored checkpoint" in r["message"]]
     assert restored, "the job did not resume from a checkpoint"
 
+    # Its goodput accounts for the whole wall-clock time, the kill's cost among it.
+    lost = adds_up_to_wall_clock(done)
+    assert lost["detection"] > 0 and lost["recovery"] > 0
+    assert lost["redone"] > 0  # the steps past entry["resumed_step"], trained twice
+
     reference = stack.wait_state(clean["id"], DONE, timeout=600)
     assert reference["state"] == "SUCCEEDED" and reference["restarts"] == 0
     assert done["progress"]["loss"] == pytest.approx(reference["progress"]["loss"], rel=1e-6)
+    clean_lost = adds_up_to_wall_clock(reference)
+    assert clean_lost["detection"] == clean_lost["recovery"] == clean_lost["redone"] == 0
+
+
+def stop_past_a_checkpoint(stack, job_id: str, pid: int, every: int) -> int:
+    """SIGSTOP rank `pid` (its peers then wait in their next collective) at a step that
+    no checkpoint is of, so that killing it costs steps the restore undoes; returns it.
+
+    Steps take milliseconds here, heartbeats (which carry rank 0's reports) a second:
+    only a stopped job shows the step it is at. Stopped for 2.5 s, well inside the
+    heartbeat timeout, so the kill is still what the controller sees."""
+    for _ in range(20):
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(2.5)  # two heartbeats: rank 0's last report reaches the job
+        step = stack.client.get(job_id)["progress"]["step"]
+        if step % every:
+            return step
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} stopped only at checkpoint steps")
+
+
+def adds_up_to_wall_clock(job: dict) -> dict[str, float]:
+    """Assert that a finished job's `goodput` splits its wall-clock time (within 1%) with
+    an ETTR in (0, 1); return its seconds by cause."""
+    g = job["goodput"]
+    wall = job["finished_at"] - job["created_at"]
+    assert g["wall_s"] == pytest.approx(wall, rel=0.01)
+    assert g["productive_s"] + sum(g["by_cause"].values()) == pytest.approx(wall, rel=0.01), g
+    assert 0 < g["ettr"] < 1 and g["live"] is False and g["reason"] is None, g
+    return g["by_cause"]
 
 
 def test_stopped_worker_is_detected_as_hung_and_replaced(stack):

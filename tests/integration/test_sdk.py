@@ -47,6 +47,13 @@ def test_submit_by_path_waits_and_returns_a_typed_job(finished):
     assert [p.rank for p in finished.placement] == list(range(finished.world_size))
     assert all(p.node and p.gpus for p in finished.placement)
     assert [c.step for c in finished.checkpoints][-1] == 12
+    # Where its time went: productive steps and the causes add up to its wall-clock time.
+    g = finished.goodput
+    assert g is not None and 0 < g.ettr < 1
+    wall = finished["finished_at"] - finished["created_at"]
+    assert g.wall_s == pytest.approx(wall, rel=0.01)
+    assert g.productive_s + sum(g.by_cause.values()) == pytest.approx(wall, rel=0.01)
+    assert g.by_cause["redone"] == g.by_cause["detection"] == 0
 
 
 def test_get_and_list_filter_by_state_and_queue(sdk, finished):

@@ -45,7 +45,7 @@ def cards(tmp_path_factory) -> list[dict]:
     node = shutil.which("node")
     assert node is not None, "the console's cluster-map test runs cluster.js under Node.js: install nodejs"
     work = tmp_path_factory.mktemp("cluster")
-    for name in ("cluster.js", "dom.js", "api.js"):
+    for name in ("cluster.js", "dom.js", "api.js", "goodput.js"):
         shutil.copy(ASSETS / name, work / name)
     (work / "package.json").write_text('{"type": "module"}')
     (work / "fake_dom.js").write_text(FAKE_DOM)

@@ -27,15 +27,17 @@ PURE = [
     "platform/security/tokens.py", "platform/security/apikeys.py",
     "platform/jobs/redis_acl.py", "platform/security/audit.py",
     "platform/observability/metrics.py", "platform/observability/scrape_targets.py",
-    "platform/observability/logjson.py",
+    "platform/observability/logjson.py", "platform/observability/goodput.py",
+    "platform/jobs/goodput_facts.py",
     "platform/execution/failure_policy.py", "platform/jobs/claims.py",
     "platform/execution/members.py", "platform/cluster/netplan.py", "platform/cluster/leaves.py",
+    "platform/cluster/drain.py", "platform/execution/drain_policy.py",
 ]
 # Modules that may reach Redis but never Ray: the controller reaches Ray only through its
 # worker group, loaded when none is given. (The scheduler takes its store injected and is pure.)
 RAY_FREE = [*PURE, "platform/execution/controller.py", "platform/execution/formation.py",
             "platform/execution/detection.py", "platform/execution/inplace.py",
-            "platform/execution/resize.py"]
+            "platform/execution/resize.py", "platform/execution/drain.py"]
 SERVICES = ("ray", "redis", "torch")
 MAX_TOP_LEVEL_MODULES = 8
 

@@ -42,3 +42,12 @@ def test_job_output_reaches_the_terminal_escaped_not_obeyed(capsys):
     assert "\nline two\tok" in out  # newlines and tabs are text
     print_log_lines([{"rank": 0, "message": hostile}], as_json=True)
     assert "\\u001b[2J" in capsys.readouterr().out  # JSON escapes them itself
+
+
+def test_status_line_of_goodput_names_the_ratio_and_the_largest_losses_first():
+    from kuangchao.api.cli.render import goodput_line
+
+    g = {"ettr": 0.871, "wall_s": 4320.0, "by_cause": {"startup": 40.0, "recovery": 310.0,
+                                                        "redone": 120.0, "other": 0.1}}
+    assert goodput_line(g) == "ETTR 87.1% of 1.2h: lost recovery 310s, redone 120s, startup 40s"
+    assert goodput_line({"ettr": None, "wall_s": None, "reason": "could not"}) == "- (could not)"

@@ -29,6 +29,7 @@ PAIRS: dict[type[sdk.View], type[BaseModel]] = {
     sdk.Progress: schemas.ProgressPublic,
     sdk.Placement: schemas.PlacementPublic,
     sdk.Checkpoint: schemas.CheckpointPublic,
+    sdk.Goodput: schemas.GoodputPublic,
     sdk.Event: schemas.EventPublic,
     sdk.LogLine: schemas.LogLinePublic,
     sdk.MetricPoint: schemas.MetricPointPublic,

@@ -23,6 +23,7 @@ from kuangchao.api.server.schemas.jobs import (
 )
 from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.control import operations as jobs
+from kuangchao.platform.control.goodput import job_goodput
 from kuangchao.platform.errors import AdmissionRefused, InvalidTransition, SpecError
 from kuangchao.platform.placement.pools import island_problem
 from kuangchao.platform.security.apikeys import Principal
@@ -127,10 +128,11 @@ def visible_jobs(store: Any, who: Principal, limit: int) -> list[Any]:
     return picked[-limit:]
 
 
-@router.get("/{job_id}", summary="One job", response_model=JobPublic,
-            response_model_exclude_unset=True)
+@router.get("/{job_id}", summary="One job, with where its time went (`goodput`)",
+            response_model=JobPublic, response_model_exclude_unset=True)
 def get_job(job_id: str, store: Store, who: Reader) -> dict[str, Any]:
-    return jobs.job_view(store, visible_job(store, who, job_id, "job.read"), active_jobs(store))
+    job = visible_job(store, who, job_id, "job.read")
+    return {**jobs.job_view(store, job, active_jobs(store)), "goodput": job_goodput(store, job)}
 
 
 @router.post("/{job_id}/cancel", summary="Cancel a job", response_model=JobPublic,

@@ -53,6 +53,54 @@ class CheckpointPublic(Passthrough):
     committed_at: Number | None = None
 
 
+class GoodputPublic(Public):
+    """Where the job's wall-clock time went (platform/observability/goodput.py): productive
+    time plus `by_cause` adds up to `wall_s`. Null numbers, with `reason`, when the
+    job's records could not be split."""
+
+    wall_s: Number | None = Field(description="from submit to the end, or to `as_of` while live")
+    ettr: Number | None = Field(description="effective training time ratio: productive_s / wall_s")
+    productive_s: Number | None = Field(description="time on training steps that are kept")
+    by_cause: dict[str, Number | None] = Field(
+        description="seconds by cause: startup, checkpoint, detection, recovery, redone, "
+                    "queueing, preemption, other")
+    lost_s: Number | None = Field(description="every cause together: wall_s - productive_s")
+    since: Number = Field(description="the job's creation")
+    as_of: Number | None = Field(description="the end of the split: the job's end, or now")
+    live: bool
+    open_cause: str | None = Field(description="what the time from now on counts as, while live "
+                                               "(`productive` while training)")
+    reason: str | None = Field(description="why part of the split is uncertain, or missing")
+
+
+class GoodputTotal(Public):
+    """Several jobs' splits summed; `ettr` is weighted by each job's wall-clock time."""
+
+    jobs: int
+    wall_s: Number
+    productive_s: Number
+    ettr: Number | None
+    by_cause: dict[str, Number]
+
+
+class GoodputJob(Public):
+    id: str
+    name: str
+    state: JobStateName
+    wall_s: Number
+    ettr: Number | None
+    lost_s: Number
+
+
+class ClusterGoodput(Public):
+    """`GET /v1/goodput`: the caller's newest jobs, summed (active and finished apart)."""
+
+    all: GoodputTotal
+    active: GoodputTotal
+    finished: GoodputTotal
+    jobs: list[GoodputJob] = Field(description="each job counted, oldest first")
+
+
 class JobPublic(Public):
     """A job: its stored record (`JobRecord`, less its version) and what the
     view adds: progress, elastic range, checkpoints and queue position."""
@@ -97,6 +145,7 @@ class JobPublic(Public):
     measured_step_s: Number | None
     checkpoints: list[CheckpointPublic]
     queue_position: int | None = Field(description="1-based place in the queue while QUEUED")
+    goodput: GoodputPublic | None = Field(None, description="only on `GET /v1/jobs/{id}`")
 
 
 class JobList(Public):

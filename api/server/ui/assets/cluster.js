@@ -1,10 +1,11 @@
 // #/cluster: nodes grouped by leaf switch, NVLink islands inside each node,
 // each GPU coloured by the job holding it and labelled with the rank; and
-// the queues with their quota bars. A GPU held by a job the caller may not
-// see reads "in use" and names no job.
+// the queues with their quota bars; and the goodput of the caller's jobs. A
+// GPU held by a job the caller may not see reads "in use" and names no job.
 
 import {get} from "./api.js";
 import {fmtTime, h, jobColour} from "./dom.js";
+import {clusterBlock} from "./goodput.js";
 
 const HOLDING = new Set(["PLACING", "RUNNING", "RECOVERING", "RESIZING"]);
 
@@ -139,10 +140,13 @@ export function mount(main) {
   const legend = h("ul", {class: "legend", "aria-label": "Jobs on the map"});
   const map = h("div", {class: "map"});
   const updated = h("p", {class: "muted"});
+  const goodput = h("div");
   main.append(h("h1", {text: "Cluster"}),
     h("section", {"aria-labelledby": "sec-queues"}, [h("h2", {id: "sec-queues", text: "Queues"}), policy, queues]),
     h("section", {"aria-labelledby": "sec-nodes"}, [h("h2", {id: "sec-nodes", text: "Nodes by leaf switch"}),
-      updated, legend, map]));
+      updated, legend, map]),
+    h("section", {"aria-labelledby": "sec-goodput"}, [h("h2", {id: "sec-goodput", text: "Goodput (ETTR)"}),
+      goodput]));
   let drawn = "";
 
   function draw(nodeDoc, queueDoc, names) {
@@ -173,8 +177,10 @@ export function mount(main) {
 
   return {
     async refresh() {
-      const [nodeDoc, queueDoc, jobsDoc] = await Promise.all([get("/v1/nodes"), get("/v1/queues"),
-        get("/v1/jobs")]);
+      const [nodeDoc, queueDoc, jobsDoc, goodputDoc] = await Promise.all([get("/v1/nodes"),
+        get("/v1/queues"), get("/v1/jobs"), get("/v1/goodput").catch(() => null)]);
+      goodput.replaceChildren(...(goodputDoc ? clusterBlock(goodputDoc)
+        : [h("p", {class: "muted", text: "Goodput is not available from this server."})]));
       if (nodeDoc.nodes.some((n) => !Array.isArray(n.gpu_map))) deriveGpuMaps(nodeDoc.nodes, jobsDoc.jobs);
       const names = new Map(jobsDoc.jobs.map((j) => [j.id, j.name]));
       updated.textContent = `Registry view of ${fmtTime(nodeDoc.updated_at)}.`;

@@ -1,10 +1,11 @@
-// #/jobs/ID: one job: state, progress, throughput, plan, loss curve, events,
-// recoveries, checkpoints and placement, with Cancel for roles that may.
+// #/jobs/ID: one job: state, progress, throughput, goodput, plan, loss curve,
+// events, recoveries, checkpoints and placement, with Cancel for roles that may.
 
 import {ApiError, api, enc, get} from "./api.js";
 import {lossChart} from "./chart.js";
 import {TERMINAL, announce, dl, fmtBytes, fmtNum, fmtTime, h, stateBadge, table} from "./dom.js";
 import {recoveries, timeline} from "./events.js";
+import {goodputBlock} from "./goodput.js";
 
 function section(title, id, children = []) {
   return h("section", {"aria-labelledby": id}, [h("h2", {id, text: title}), ...children]);
@@ -31,6 +32,7 @@ export function mount(main, ctx, {id}) {
   const actions = h("div", {class: "toolbar", role: "group", "aria-label": "Job actions"});
   const summary = h("div");
   const progress = h("div");
+  const goodput = h("div");
   const plan = h("div");
   const chart = lossChart("Loss per logged step");
   const chartNote = h("p", {class: "muted"});
@@ -41,6 +43,7 @@ export function mount(main, ctx, {id}) {
   main.append(heading, subtitle, actions,
     section("Summary", "sec-summary", [summary]),
     section("Progress and throughput", "sec-progress", [progress]),
+    section("Goodput (ETTR)", "sec-goodput", [goodput]),
     section("Plan", "sec-plan", [plan]),
     section("Loss curve", "sec-loss", [chart.el, chartNote]),
     section("Events", "sec-events", [events.el, recov]),
@@ -118,6 +121,7 @@ export function mount(main, ctx, {id}) {
         ["Replicas", elastic ? `${job.replicas} (elastic ${job.min_replicas}..${job.max_replicas})` : null],
         ["Samples seen", elastic ? `${job.samples_seen} (global batch ${job.global_batch})` : null],
       ]));
+    goodput.replaceChildren(...goodputBlock(job.goodput));
     plan.replaceChildren(job.plan ? dl(scalars(job.plan))
       : h("p", {class: "muted", text: "Hand-written layout (no planner plan)."}));
     recov.replaceChildren(...recoveries(job));
