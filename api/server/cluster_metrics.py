@@ -172,11 +172,14 @@ class ClusterCollector:
     def _node_gauges(self, jobs: list[JobRecord], info: dict[str, Any],
                      now: float) -> Iterator[Metric]:
         blocked = quarantine.active(self.store.quarantine(), now)
-        status = {"alive": 0, "lost": 0, "quarantined": 0}
+        status = {"alive": 0, "lost": 0, "quarantined": 0, "draining": 0}
         total = 0
         for n in info.get("nodes", []):
             if n.get("name") in blocked:
                 status["quarantined"] += 1
+            elif n.get("alive", True) and n.get("draining"):
+                # Nothing new lands on a node Ray drains: its GPUs are no capacity.
+                status["draining"] += 1
             elif n.get("alive", True):
                 status["alive"] += 1
                 total += int(n.get("gpus", 0))

@@ -111,7 +111,7 @@ QUEUE_OLDEST_WAIT = _m("kc_queue_oldest_wait_seconds", "gauge", "How long the lo
 QUEUE_GPUS = _m("kc_queue_gpus", "gauge", "GPUs held by a queue's jobs, and its quota",
                 "queue", "kind")
 CLUSTER_GPUS = _m("kc_cluster_gpus", "gauge", "GPUs of live nodes: used, free, total", "kind")
-NODES = _m("kc_nodes", "gauge", "Nodes by status (alive, lost, quarantined)", "status")
+NODES = _m("kc_nodes", "gauge", "Nodes by status (alive, lost, quarantined, draining)", "status")
 
 # Recorded where they happen.
 JOBS_FINISHED = _m("kc_jobs_finished_total", "counter", "Jobs that reached a final state",

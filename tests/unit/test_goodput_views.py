@@ -141,3 +141,18 @@ def test_a_failure_event_carries_the_step_rank_0_had_reached():
     assert write_failure(store, job.id, Failure("died", "rank 1 died", rank=1), None, None)
     failure = next(e for e in store.events(job.id) if e["type"] == "failure")
     assert (failure["progress_step"], failure["progress_at"]) == (70, 123.5)
+
+
+def test_kc_nodes_counts_a_draining_node_apart_and_its_gpus_out_of_capacity():
+    store = MemoryStore()
+    store.set_info("nodes", {"nodes": [
+        {"name": "n0", "gpus": 4, "alive": True},
+        {"name": "n1", "gpus": 4, "alive": True, "draining": True, "drain_deadline": 9e9},
+        {"name": "n2", "gpus": 4, "alive": False}], "updated_at": 1.0})
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(ClusterCollector(store))
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+    nodes = {s.labels["status"]: s.value for s in fams["kc_nodes"].samples}
+    assert nodes == {"alive": 1, "lost": 1, "quarantined": 0, "draining": 1}
+    gpus = {s.labels["kind"]: s.value for s in fams["kc_cluster_gpus"].samples}
+    assert gpus["total"] == 4
