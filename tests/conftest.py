@@ -13,7 +13,10 @@ up). So modules run in three tiers: those with a stack of their own first, then
 those that need no stack, then those that use the shared one, which comes up
 for the last tier and goes down when the session ends. Within a tier, modules
 keep pytest's order, and a module's tests stay together and in their order
-(module fixtures are set up once; some modules run a test last on purpose).
+(module fixtures are set up once; some modules run a test last on purpose),
+except the benchmarks' quick runs: they start in the background as the
+no-stack tier begins, and their module comes last in that tier
+(tests/bench/quick.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from __future__ import annotations
 import pytest
 
 OWN_STACK, NO_STACK, SHARED_STACK = 0, 1, 2
+BENCH_MODULE = "test_bench_quick.py"
+_TIERS: dict[object, int] = {}
+_BACKGROUND: list[bool] = []  # the quick runs were started
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +58,25 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for item in items:
         by_module.setdefault(item.path, []).append(item)
     tiers = {module: _tier(module, group) for module, group in by_module.items()}
-    items[:] = sorted(items, key=lambda item: tiers[item.path])
+    # The benchmarks' quick runs start in the background when the no-stack tier begins;
+    # their module comes last in it and collects them (tests/bench/quick.py).
+    items[:] = sorted(items, key=lambda item: (tiers[item.path], item.path.name == BENCH_MODULE))
+    _TIERS.update(tiers)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if not _BACKGROUND and _TIERS.get(item.path, NO_STACK) >= NO_STACK:
+        from tests.bench import quick
+
+        _BACKGROUND.append(True)
+        quick.launch(quick.selected_scripts(item.session.items))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _BACKGROUND:
+        from tests.bench import quick
+
+        quick.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,64 +9,31 @@ numbers, and name the metrics the script documents (`bench/run_all.py`'s
 `METRICS`). Timing targets are not judged here: quick runs are too short, and
 speed goals live in bench/.
 
-The scripts run a few at a time: most of a quick run is waiting (a Ray cluster
-coming up, ranks importing torch), and each uses its own ports, Redis key
-prefix, cluster and temporary folders, so they do not see each other. Longest
-first, so the slow ones overlap the rest.
+The scripts run in the background while the tests that need no Ray stack run
+(tests/bench/quick.py says how and why); this module comes last among those and
+collects what they printed.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from bench import check, run_all
 from kuangchao.platform.runtime import netns
+from tests.bench import quick
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS = {script: set(metrics) for script, metrics in run_all.METRICS.items()}
-# Roughly longest first (quick-mode wall time on 2 cores).
-ORDER = ["hf", "topology_live", "recovery", "resize", "overhead", "heartbeats", "planner", "metrics",
-         "tokens", "api", "ckpt_io", "placement"]
-# Scripts that build a netns cluster (root, iproute2): elsewhere they print their lines
-# with an error saying why, and their test is skipped.
-NEEDS_NETNS = {"topology_live"}
-AT_ONCE = 3
-
-
-def _run(script: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KCBENCH_QUIET_TIMEOUT_S": "0"}  # no waiting for an idle machine
-    started = time.monotonic()
-    out = subprocess.run([sys.executable, f"bench/{script}.py", *run_all.ARGS.get(script, []),
-                          "--quick"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=1200)
-    out.wall_s = round(time.monotonic() - started, 1)  # type: ignore[attr-defined]
-    return out
-
-
-def _selected(request) -> set[str]:
-    """The scripts whose tests this session runs (`-k topology` runs one script, not all)."""
-    out = set()
-    for item in request.session.items:
-        spec = getattr(item, "callspec", None)
-        if item.module is request.module and spec is not None and "script" in spec.params:
-            out.add(spec.params["script"])
-    return out
+NEEDS_NETNS = quick.NEEDS_NETNS
 
 
 @pytest.fixture(scope="module")
 def quick_runs(request) -> dict[str, subprocess.CompletedProcess]:
-    chosen = _selected(request) - {s for s in NEEDS_NETNS if netns.unavailable()}  # skipped anyway
-    scripts = [s for s in [*ORDER, *sorted(set(METRICS) - set(ORDER))] if s in chosen]
-    with ThreadPoolExecutor(AT_ONCE) as pool:
-        return dict(zip(scripts, pool.map(_run, scripts), strict=True))
+    return quick.results(quick.selected_scripts(request.session.items))
 
 
 def test_every_bench_script_is_covered():

@@ -1,0 +1,116 @@
+"""The benchmarks' quick runs, started in the background while other tests run.
+
+A quick run is mostly waiting: a Ray cluster coming up, ranks importing torch,
+a job's controller polling. Run alone, the dozen scripts took over five minutes
+of the suite's wall time with the CPUs half idle. So tests/conftest.py starts
+them as soon as the modules with a Ray stack of their own are done (those are the
+timing-sensitive ones, run on a quiet machine) and the tier of modules that need
+no stack begins; tests/bench/test_bench_quick.py, ordered last in that tier, only
+collects what they printed.
+
+The scripts run at a lower CPU priority (`nice`), so the tests running beside
+them keep theirs: a quick run's timings are not judged (speed goals live in
+bench/), its lines and exit status are. Each script uses its own ports, Redis key
+prefix, cluster and temporary folders, so they do not see each other.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from bench import run_all
+
+ROOT = Path(__file__).resolve().parents[2]
+# Roughly longest first (quick-mode wall time on 2 cores), so the slow ones overlap the rest.
+ORDER = ["hf", "topology_live", "recovery", "resize", "overhead", "heartbeats", "planner", "metrics",
+         "tokens", "api", "ckpt_io", "placement"]
+# Scripts that build a netns cluster (root, iproute2): elsewhere they print their lines
+# with an error saying why, and their test is skipped.
+NEEDS_NETNS = {"topology_live"}
+AT_ONCE = 3
+NICE = 5  # below the tests beside them, not so low that a busy tier starves them
+TIMEOUT_S = 1200
+
+_pool: ThreadPoolExecutor | None = None
+_runs: dict[str, Future] = {}
+
+
+_running: dict[str, subprocess.Popen] = {}
+
+
+def _run(script: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KCBENCH_QUIET_TIMEOUT_S": "0"}  # no waiting for an idle machine
+    started = time.monotonic()
+    args = ["nice", "-n", str(NICE), sys.executable, f"bench/{script}.py",
+            *run_all.ARGS.get(script, []), "--quick"]
+    with subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:
+        _running[script] = proc
+        try:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _interrupt(proc)
+            stdout, stderr = proc.communicate()
+            stderr += f"\n[quick runs] killed after {TIMEOUT_S}s"
+        finally:
+            _running.pop(script, None)
+    out = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+    out.wall_s = round(time.monotonic() - started, 1)  # type: ignore[attr-defined]
+    return out
+
+
+def _interrupt(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """Ctrl-C for a script's process group (its `finally` brings its cluster down), then
+    SIGKILL for what is left after `grace_s`."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def stop() -> None:
+    """At the session's end: runs never collected (a test run stopped early) are interrupted."""
+    if _pool is not None:
+        _pool.shutdown(wait=False, cancel_futures=True)
+    for proc in list(_running.values()):
+        _interrupt(proc)
+
+
+def selected_scripts(items) -> set[str]:
+    """The scripts whose tests this session runs (`-k topology` runs one script, not all),
+    less those skipped anyway (no netns here)."""
+    from kuangchao.platform.runtime import netns
+
+    out = set()
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if item.path.name == "test_bench_quick.py" and spec is not None and "script" in spec.params:
+            out.add(spec.params["script"])
+    return out - {s for s in NEEDS_NETNS if netns.unavailable()}
+
+
+def launch(scripts: set[str]) -> None:
+    """Start the quick runs of `scripts` not started yet, longest first, a few at a time."""
+    global _pool
+    todo = [s for s in [*ORDER, *sorted(set(scripts) - set(ORDER))] if s in scripts and s not in _runs]
+    if not todo:
+        return
+    if _pool is None:
+        _pool = ThreadPoolExecutor(AT_ONCE, thread_name_prefix="bench-quick")
+    for script in todo:
+        _runs[script] = _pool.submit(_run, script)
+
+
+def results(scripts: set[str]) -> dict[str, subprocess.CompletedProcess]:
+    """Every script's finished run (started now where the background start did not)."""
+    launch(scripts)
+    return {s: _runs[s].result() for s in scripts}
