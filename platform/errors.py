@@ -143,6 +143,16 @@ class FinishedDuringResize(Picklable, Exception):
     """The ranks finished the job's last step instead of moving to the new generation."""
 
 
+class CopyRefused(KuangchaoError):
+    """A keeper refused a rank's peer-memory copy (platform/protocol/memory_copies.py).
+    `reason` is one of: too_large, checksum, malformed. The rank logs it and the job
+    relies on its disk checkpoints for that step."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
 class TokenError(Picklable, PermissionError):
     """A token was refused. `reason` is one of: missing, malformed, expired,
     tampered, revoked, denied."""

@@ -199,11 +199,11 @@ class JobController:
                                  self.resizer.live, self.settings.quarantine)
                 if decision.action is Action.REPLACE and self.in_place.replace(
                         exc.failure, self.detector.slot(exc.failure.rank), spec):
-                    self._start_spares(spec)  # replace the spare just used
                     self.group.run(doc)
-                elif not (decision.action is Action.RESHAPE
+                elif not (decision.action is Action.RESHAPE  # survivors keep their work
                           and self.resizer.after_loss(exc.failure, decision, spec)):
                     raise
+                self._start_spares(spec)  # replace the spare just used
 
     def _follow(self, spec: JobSpec) -> list[Any]:
         """Wait for every rank's `run` (a live resize may change who they are)."""

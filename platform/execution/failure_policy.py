@@ -6,10 +6,18 @@ a `FailureView`; `decide` turns them into a frozen `FailureDecision`. The
 controller then applies it: replace the rank in place, shrink (or re-form)
 the group around the survivors, send the job back to the queue, or fail it.
 Nothing here touches Ray or Redis, so every branch is unit-tested directly.
+
+Two notions stay apart: `live` (an elastic job that resizes in place: a failure
+may shrink it) and `keeps` (the survivors keep their work: a failed replica
+whose node remains is refilled live at the same size, elastic or not). A job
+that keeps its work but cannot refill (its node lost or quarantined) goes back
+to the queue; one that does not keep it is replaced in place from the newest
+checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -38,6 +46,8 @@ class FailureView:
     slots: Where the current group's ranks run.
     lost_nodes: Node ids that are gone; blocked: node names in quarantine.
     elastic: The job's replica range.
+    keeps: Survivors keep their processes and state while a lost replica is
+        refilled live (`JobSpec.survivors_keep_work`), elastic or not.
     """
 
     kind: str
@@ -50,6 +60,7 @@ class FailureView:
     lost_nodes: frozenset[str] = frozenset()
     blocked: frozenset[str] = frozenset()
     elastic: ElasticRange | None = None
+    keeps: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,8 +99,32 @@ def decide(view: FailureView) -> FailureDecision:
     if slot is not None and slot.node in view.blocked:
         return FailureDecision(Action.REQUEUE, f"node {slot.node} is quarantined: place the job "
                                                "elsewhere")
+    if view.keeps and view.elastic is not None:
+        return _refill(view, slot)
     return FailureDecision(Action.REPLACE, f"replace rank {view.rank} in place",
                            dead=frozenset({view.rank}))
+
+
+def _refill(view: FailureView, slot: PlacedRank | None) -> FailureDecision:
+    """Survivors keep their work: the failed replica is refilled live, in its own placement
+    group, at the same size, when every node it holds is still there and not quarantined."""
+    rng = view.elastic
+    assert rng is not None and view.rank is not None
+    if slot is not None and slot.node_id in view.lost_nodes:
+        return FailureDecision(Action.REQUEUE, f"node {slot.node} is lost: place the job again",
+                               dead=frozenset({view.rank}))
+    d = _reshape(view)
+    if d.action is not Action.RESHAPE or d.membership is None or (
+            d.membership.world_size != len(view.slots)):
+        return FailureDecision(Action.REQUEUE, "a failed replica cannot be refilled where it ran "
+                                               "(a node lost or quarantined): place the job again",
+                               dead=d.dead)
+    if not d.membership.ranks:  # one replica: nobody holds the state to hand over
+        return FailureDecision(Action.REPLACE, f"replace rank {view.rank} in place (no survivor "
+                                               "holds the state)", dead=frozenset({view.rank}))
+    return dataclasses.replace(d, reason=f"refill rank(s) {sorted(d.dead)} live at "
+                                         f"{d.membership.world_size // rng.ranks_per_replica} "
+                                         "replica(s); the survivors keep their work")
 
 
 def _reshape(view: FailureView) -> FailureDecision:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import socket
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -26,7 +25,7 @@ from kuangchao.platform.errors import Cancelled, KuangchaoError, RankFailed, Wor
 from kuangchao.platform.execution.bundles import pinned_nodes, rank_resources, replica_pg
 from kuangchao.platform.execution.grants import Credentials, worker_settings
 from kuangchao.platform.execution.members import GroupSnapshot, Member, Outcome
-from kuangchao.platform.execution.reachability import NodeReach, alive_nodes
+from kuangchao.platform.execution.reachability import NodeReach, alive_nodes, node_lost
 from kuangchao.platform.execution.reachability import probe as probe_node
 from kuangchao.platform.execution.recovery import Failure
 from kuangchao.platform.execution.spares import SparePool, kill_actor
@@ -284,13 +283,17 @@ class RayWorkerGroup:
                 kill_actor(m.actor)
         self.members, self.pgs = [dataclasses.replace(m) for m in snap.members], list(snap.pgs)
 
-    def reshape(self, order: list[int], joiners: list[tuple[list[PlacedRank], Any]]) -> None:
+    def reshape(self, order: list[int], joiners: list[tuple[list[PlacedRank], Any]],
+                spares: bool = False) -> int:
         """Keep the ranks `order` names, in that order, and add the joiners' replicas.
 
         Each joiner is a replica's slots and its placement group (None: make one).
         The new ranks start, and their start is awaited, while the others train on.
+        With `spares`, a slot a failed rank held (`slot.rank` below the old world) is
+        taken by its node's warm spare, on that rank's GPUs, where there is one.
+        Returns how many new ranks are spares.
         """
-        spec = self._spec()
+        spec, was = self._spec(), [m.info for m in self.members]
         kept = [order[i] // self.rpr for i in range(0, len(order), self.rpr)]
         pinned = pinned_nodes()
         fresh = []
@@ -305,10 +308,15 @@ class RayWorkerGroup:
             Member(None, rank_resources(spec, s, pinned), s.gpus if s.node_id in pinned else None)
             for s in slots]
         self._await_pgs(fresh, 60.0)
-        first = len(order)
+        first, taken = len(order), 0
         try:
             for rank, s in enumerate(slots, start=first):
-                self.members[rank].actor = self._spawn(rank, s.node)
+                m, spare = self.members[rank], None
+                if spares and s.rank < len(was):  # a failed rank's slot: its GPUs, its spare
+                    m.info = dict(was[s.rank])
+                    spare = self._take_spare(rank, s)
+                taken += spare is not None
+                m.actor = spare or self._spawn(rank, s.node)
         except ray.exceptions.RayError as exc:
             raise RankFailed(f"a new rank could not start: {_first_line(exc)}") from None
         infos = self.describe(60.0, range(first, self.world))
@@ -316,6 +324,7 @@ class RayWorkerGroup:
             if s.node_id and info["node_id"] != s.node_id:
                 raise RankFailed(f"a new rank was planned on {s.node} but started on node "
                                  f"{info['node_id'][:12]}")
+        return taken
 
     def release(self, snap: GroupSnapshot, leaving: list[int], wait_s: float) -> None:
         """Let the leaving ranks (of `snap`) finish, then stop every rank and free every
@@ -343,26 +352,7 @@ class RayWorkerGroup:
         """Whether node `node_id` answers Ray, and reaches Redis from there."""
         return probe_node(node_id, redis)
 
-    @staticmethod
-    def node_lost(node_id: str | None) -> bool:
-        """Whether a node is gone: Ray says so, or its raylet no longer takes connections.
-
-        Ray marks a node dead only after its health checks fail for a while
-        (tens of seconds); a refused connection to the raylet says it at once.
-        """
-        if not node_id:
-            return False
-        entry = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
-        if entry is None or not entry.get("Alive"):
-            return True
-        try:
-            with socket.create_connection((entry["NodeManagerAddress"],
-                                           entry["NodeManagerPort"]), timeout=2):
-                return False
-        except ConnectionRefusedError:
-            return True
-        except OSError:
-            return False  # slow or filtered is not proof of death; heartbeats decide
+    node_lost = staticmethod(node_lost)  # whether a node is gone (reachability.py)
 
     def _wait(self, refs: list[Any], timeout_s: float, what: str,
               lost: Callable[[], bool] | None = None) -> list[Any]:

@@ -86,3 +86,26 @@ def alive_nodes() -> set[str]:
     import ray
 
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def node_lost(node_id: str | None) -> bool:
+    """Whether a node is gone: Ray says so, or its raylet no longer takes connections.
+
+    Ray marks a node dead only after its health checks fail for a while
+    (tens of seconds); a refused connection to the raylet says it at once.
+    """
+    if not node_id:
+        return False
+    import ray
+
+    entry = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    if entry is None or not entry.get("Alive"):
+        return True
+    try:
+        with socket.create_connection((entry["NodeManagerAddress"],
+                                       entry["NodeManagerPort"]), timeout=2):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False  # slow or filtered is not proof of death; heartbeats decide

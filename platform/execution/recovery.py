@@ -140,13 +140,15 @@ def judge(store: JobStore, job_id: str, failure: Failure, group: Any, spec: Any,
     if job.state.is_terminal:
         raise GaveUp(failure.message)
     slots = tuple(p for p in job.placement if p.rank < group.world)
-    lost = frozenset(s.node_id for s in slots if live and group.node_lost(s.node_id))
+    keeps = bool(spec.survivors_keep_work)  # a failed replica is refilled live, elastic or not
+    nodes = {s.node_id for s in slots} if live or keeps else set()
+    lost = frozenset(n for n in nodes if group.node_lost(n))
     decision = decide(FailureView(
         kind=failure.kind, rank=failure.rank, restarts=job.restarts,
         max_restarts=spec.fault_tolerance.max_restarts, live=live, has_group=group.placed,
         slots=slots, lost_nodes=lost,
         blocked=frozenset(quarantine.active(store.quarantine(), time.time())),
-        elastic=spec.elastic_range))
+        elastic=spec.elastic_range, keeps=keeps))
     gave_up = decision.reason if decision.action is Action.FAIL else None
     if not write_failure(store, job_id, failure, quarantined, gave_up):
         raise GaveUp(failure.message)

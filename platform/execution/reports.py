@@ -13,6 +13,10 @@ applies it between two polls of its ranks:
   its timings and the job is RUNNING again.
 - `first_step`: the first step after a restart or at a new size; it closes the
   open resize entry (with its event and metrics) and stamps the restart entry.
+  After a live recovery (the survivors kept their work, restart entry `path`
+  "live") it is the survivors' first step in the new generation: the entry gets
+  `survivor_stall_s`, from the failure's declaration to that step, and the job an
+  event saying at which step the survivors went on.
 """
 
 from __future__ import annotations
@@ -60,6 +64,28 @@ def _first_step(store: JobStore, job_id: str, report: dict[str, Any], _max: int)
         _resized(store, job_id, entry)
     if report.get("restart"):
         store.annotate_restart(job_id, dict(report["restart"]))
+    elif report.get("after") == "resize":
+        _kept_work(store, job_id, report)
+
+
+def _kept_work(store: JobStore, job_id: str, report: dict[str, Any]) -> None:
+    """The survivors' first step after the live recovery that formed this generation."""
+    job = store.get(job_id)
+    last = job.restart_log[-1] if job.restart_log else None
+    if (last is None or last.get("path") != "live" or "survivor_stall_s" in last
+            or last.get("generation") != report.get("generation")):
+        return  # a planned resize's first step, or this recovery's is recorded already
+    at, step = float(report["at"]), int(report["step"])
+    stall = round(at - float(last.get("failed_at", at)), 3)
+    took = report.get("first_step_s")
+    store.annotate_restart(job_id, {
+        "survivor_stall_s": stall, "first_step_at": at, "resumed_step": step - 1,
+        "first_step_s": round(float(took), 3) if isinstance(took, int | float) else None})
+    store.add_event(job_id, {
+        "type": "survivors_kept", "step": step - 1, "survivor_stall_s": stall,
+        "restart": last.get("restart"),
+        "message": f"the survivors kept their work at step {step - 1}: no step redone; they "
+                   f"trained step {step} {stall:.2f}s after the failure was declared"})
 
 
 def _resized(store: JobStore, job_id: str, entry: dict[str, Any]) -> None:

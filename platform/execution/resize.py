@@ -26,7 +26,14 @@ from typing import Any
 from kuangchao.platform.errors import Cancelled, FinishedDuringResize, KuangchaoError, WorkerLost
 from kuangchao.platform.execution.failure_policy import FailureDecision
 from kuangchao.platform.execution.recovery import Failure
-from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank, resize, settle_resize
+from kuangchao.platform.jobs.state import (
+    JobRecord,
+    JobState,
+    PlacedRank,
+    resize,
+    settle_resize,
+    start,
+)
 from kuangchao.platform.spec.elastic import Membership, plan_membership
 from kuangchao.platform.spec.jobspec import JobSpec
 
@@ -103,11 +110,13 @@ class ResizeExecutor:
         return self.group.world == m.world_size
 
     def after_loss(self, failure: Failure, decision: FailureDecision, spec: JobSpec) -> bool:
-        """An elastic job lost ranks: re-form the group around the survivors, as decided.
+        """A job whose survivors keep their work lost ranks: re-form the group around them.
 
-        Replicas in `decision.refill` get fresh ranks in their own placement
-        group; the others are dropped. Returns False when the job finished
-        meanwhile (the caller sends it back to the queue).
+        Replicas in `decision.refill` get new ranks in their own placement group
+        (a warm spare on the node with `spare_workers`, else a fresh actor); the
+        others are dropped (an elastic job shrinks). A refill at the same size
+        keeps the job RECOVERING until the new generation formed. Returns False
+        when the job finished meanwhile (the caller sends it back to the queue).
         """
         assert decision.membership is not None and failure.rank is not None
         rng = spec.elastic_range
@@ -125,18 +134,25 @@ class ResizeExecutor:
                      "cause": failure.kind, "requested_at": failure.failed_at or time.time()},
                     m, spec)
         t0 = time.monotonic()
+        spares = bool(spec.fault_tolerance.spare_workers and joiners)
         try:
-            self._run_generation(spec, m, joiners, dead=set(decision.dead))
+            formed = self._run_generation(spec, m, joiners, dead=set(decision.dead), spares=spares)
         except FinishedDuringResize:
             return False
-        self.store.annotate_restart(self.job_id, {"path": "live", "placement_s":
-                                                  round(time.monotonic() - t0, 3)})
+        gen, taken = formed or (None, 0)
+        # The survivors' first step in `gen` closes it (`survivor_stall_s`, reports.py).
+        self.store.annotate_restart(self.job_id, {
+            "path": "live", "placement_s": round(time.monotonic() - t0, 3), "generation": gen,
+            "refilled": len(m.joining), "spare": taken > 0 if spares else None})
         return True
 
     # -- the generation change -----------------------------------------------------
     def _run_generation(self, spec: JobSpec, m: Membership, joiners: list[Joiner],
-                        dead: set[int], planned: bool = False) -> None:
-        """Move the job to membership `m`.
+                        dead: set[int], planned: bool = False,
+                        spares: bool = False) -> tuple[int, int] | None:
+        """Move the job to membership `m`; returns the generation and how many joiners
+        were warm spares (`spares`: refill a failed rank with its node's spare), or None
+        when a planned resize was called off.
 
         Raises:
             WorkerLost: (kind "resize") when it fails once the ranks were told to
@@ -149,12 +165,12 @@ class ResizeExecutor:
         old = self.group.snapshot()
         order = sorted(m.ranks, key=m.ranks.__getitem__)  # old ranks in their new order
         try:
-            self.group.reshape(order, joiners)
+            taken = self.group.reshape(order, joiners, spares=spares)
         except KuangchaoError as exc:
             if isinstance(exc, Cancelled) or not planned:
                 self._fail_resize(exc, m)
             self._call_off(old, exc)
-            return
+            return None
         try:
             gen = self.formation.publish(m.ranks, m.joining, self.cause, signal=True)
             self.group.run(spec.model_dump(mode="json"), m.joining, join=gen.to_json(),
@@ -169,6 +185,7 @@ class ResizeExecutor:
         leaving = [r for r in range(len(old.members)) if r not in m.ranks and r not in dead]
         self.group.release(old, leaving, LEAVE_WAIT_S)
         self._commit(spec, m, [s for slots, _ in joiners for s in slots], gen, formed_s)
+        return gen.gen, int(taken or 0)
 
     @staticmethod
     def _fail_resize(exc: KuangchaoError, m: Membership) -> None:
@@ -246,13 +263,11 @@ class ResizeExecutor:
         cur = self.group.world // rpr
         self.cause = str(req.get("cause") or "requested")
         entry = self._entry(req, m.world_size // rpr, rpr, "live")
-        message = (f"resizing from {cur} to {entry['to']} replica(s) ({self.cause})"
-                   if entry["to"] != cur else f"replacing {len(m.joining)} rank(s) in place")
-
-        def begin(j: JobRecord):
-            log = j.resize_log + ((entry,) if entry["to"] != cur else ())
-            return resize(j, message, resize_log=log)
-        self.store.update(self.job_id, begin)
+        if entry["to"] == cur:
+            return  # a refill at the same size: nothing resizes, the job stays RECOVERING
+        message = f"resizing from {cur} to {entry['to']} replica(s) ({self.cause})"
+        self.store.update(self.job_id, lambda j: resize(j, message,
+                                                        resize_log=(*j.resize_log, entry)))
 
     def _commit(self, spec: JobSpec, m: Membership, slots: list[PlacedRank], gen: Any,
                 formed_s: float) -> None:
@@ -260,20 +275,25 @@ class ResizeExecutor:
         by_new = {new: old for old, new in m.ranks.items()}
 
         def done(j: JobRecord):
-            if j.state is not JobState.RESIZING:
+            if j.state not in (JobState.RESIZING, JobState.RECOVERING):
                 return None
             old = {p.rank: p for p in j.placement}
             placement = tuple(
                 dataclasses.replace(old[by_new[r]] if r in by_new else slots[r - len(by_new)],
                                     rank=r, pid=infos[r]["pid"])
                 for r in range(world))
-            return settle_resize(j, f"generation {gen.gen}: {world} rank(s), {gen.replicas} "
-                                    f"replica(s), {gen.accum} micro-batch(es) per step; formed in "
-                                    f"{formed_s:.2f}s",
-                                 placement=placement, world_size=world, replicas=gen.replicas,
-                                 gpus=world * spec.parallel.gpus_per_rank, resize=None)
+            # A refill at the same size never left RECOVERING: the job runs again.
+            settle, kept = ((settle_resize, "") if j.state is JobState.RESIZING else
+                            (start, f"; {len(m.joining)} rank(s) refilled live, "
+                                    f"{len(by_new)} survivor(s) kept their work"))
+            return settle(j, f"generation {gen.gen}: {world} rank(s), {gen.replicas} "
+                             f"replica(s), {gen.accum} micro-batch(es) per step; formed in "
+                             f"{formed_s:.2f}s{kept}",
+                          placement=placement, world_size=world, replicas=gen.replicas,
+                          gpus=world * spec.parallel.gpus_per_rank, resize=None)
+        resizing = self.store.get(self.job_id).state is JobState.RESIZING  # not a refill
         self.store.update(self.job_id, done)
-        if self.store.get(self.job_id).resize_log:
+        if resizing and self.store.get(self.job_id).resize_log:
             self.store.annotate_resize(self.job_id, {"formed_s": round(formed_s, 3)})
         self.store.clear_rejoin(self.job_id)
         self.store.wake_scheduler(self.job_id)  # GPUs a shrink freed are someone's now

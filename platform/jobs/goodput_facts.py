@@ -16,7 +16,10 @@ its own reasons, and whose timestamps the ledger can trust.
 - the checkpoint list (rank 0's commits, workers/runtime/worker.py): the step
   each checkpoint saved and how long it blocked training (`blocked_s`);
 - the resize log: a live resize's formation time (`formed_s`), while the
-  survivors wait for the joiners.
+  survivors wait for the joiners;
+- the restart log: a live recovery whose survivors kept their work (`path`
+  "live", closed by their first step with `survivor_stall_s`), which rolls
+  nothing back.
 
 Every value is checked: a record of an older release, or one a rank's code
 wrote oddly, costs its fact, never the view. Pure.
@@ -33,6 +36,7 @@ from kuangchao.platform.observability.goodput import (
     Fact,
     Failure,
     Goodput,
+    Kept,
     Stall,
     State,
     Step,
@@ -119,13 +123,26 @@ def resize_facts(resize_log: Iterable[Any]) -> list[Fact]:
     return out
 
 
+def restart_facts(restart_log: Iterable[Any]) -> list[Fact]:
+    """Live recoveries whose survivors went on from their own step (no rollback)."""
+    out: list[Fact] = []
+    for r in restart_log:
+        if not isinstance(r, dict) or r.get("path") != "live":
+            continue
+        at = _num(r.get("failed_at"))
+        if at is not None and _num(r.get("survivor_stall_s")) is not None:
+            out.append(Kept(at))
+    return out
+
+
 def job_goodput(job: JobRecord, events: list[Any], points: list[Any], checkpoints: list[Any],
                 progress: dict[str, Any] | None, now: float) -> Goodput:
     """The split of `job`'s wall-clock time, from its records (live jobs: up to `now`)."""
     first = events[0] if events and isinstance(events[0], dict) else {}
     created = first.get("type") == "state" and first.get("from") is None
     facts = [*event_facts(events), *step_facts(points, progress),
-             *checkpoint_facts(checkpoints), *resize_facts(job.resize_log)]
+             *checkpoint_facts(checkpoints), *resize_facts(job.resize_log),
+             *restart_facts(job.restart_log)]
     live = not job.state.is_terminal
     end = now if live else (job.finished_at or job.state_since or now)
     return account(job.created_at, end, facts, live, reason=None if created else TRIMMED)

@@ -11,7 +11,8 @@ wall-clock time by construction. The causes:
 - `detection`: from a failure (its estimated moment) until it is declared;
 - `recovery`: from the declaration until a step completes again;
 - `redone`: steps later rolled back to an older checkpoint, and the step a
-  failure interrupted (moved out of productive when the rollback is seen);
+  failure interrupted (moved out of productive when the rollback is seen; after
+  a live recovery, `Kept`, nothing is redone: that part-step is detection);
 - `queueing`: QUEUED, at submit and after a recovery's requeue;
 - `preemption`: checkpoint-and-yield, the wait and the restart after a
   scheduler preemption (or a resize by restart);
@@ -80,12 +81,20 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Kept:
+    """The survivors of the failure declared at `ts` kept their state: no step is redone."""
+
+    ts: float
+    order: int = field(default=1, repr=False)
+
+
+@dataclass(frozen=True)
 class _Declared:
     ts: float
     order: int = 1
 
 
-Fact = State | Failure | Stall | Step
+Fact = State | Failure | Stall | Step | Kept
 
 
 @dataclass
@@ -219,6 +228,7 @@ class _Sweep:
         self.first: tuple[str, float, int] | None = None  # a run's first step, not yet timed
         self.stretch = 0.0  # seconds in the current (non-training) mode since it was entered
         self.tail: list[float] | None = None  # a failed run's last stretch, its steps estimated
+        self.kept = False  # the survivors of the last failure kept their work (`Kept`)
 
     def _advance(self, ts: float) -> None:
         dt = max(0.0, ts - self.cursor)
@@ -245,6 +255,8 @@ class _Sweep:
             if self.mode == "detection":
                 self._to("recovery")
                 self.after = "failure"
+        elif isinstance(f, Kept):
+            self.kept = True
         elif isinstance(f, Stall):
             if self.mode == TRAINING and f.seconds > 0:
                 took = min(f.seconds, self.open_s)
@@ -285,14 +297,16 @@ class _Sweep:
         if f.checkpoint or self.mode == "detection":
             return
         # The first step of a run: the time before it was start-up, recovery or preemption,
-        # and the run restored the checkpoint of the step before it.
-        self._rollback(f.step - 1)
+        # and the run restored the checkpoint of the step before it (or, `Kept`, went on).
+        self._rollback(f.step - 1, "detection" if self.kept else "redone")
+        self.kept = False
         self.tail = None
         self.first = (self.mode, self.stretch, f.step)
         self._to(TRAINING)
         self.last, self.open_s = float(f.step), 0.0
 
     def _fault(self) -> None:
+        self.kept = False
         if self.mode == TRAINING:
             self._end_run(None)
         self._to("detection")
@@ -357,8 +371,8 @@ class _Sweep:
         self.totals[cause] -= moved
         self._chunk(step - 1, step, moved)
 
-    def _rollback(self, to_step: float) -> None:
-        """Training went back to after step `to_step`: what was spent beyond it is redone."""
+    def _rollback(self, to_step: float, cause: str = "redone") -> None:
+        """Training went back to after step `to_step`: what was spent beyond it is `cause`."""
         kept = []
         for chunk in self.chunks:
             lo, hi, secs = chunk
@@ -366,7 +380,7 @@ class _Sweep:
                 kept.append(chunk)
                 continue
             share = 1.0 if lo >= to_step or math.isinf(hi) else (hi - to_step) / (hi - lo)
-            self.totals["redone"] += secs * share
+            self.totals[cause] += secs * share
             if share < 1.0:
                 kept.append([lo, to_step, secs * (1.0 - share)])
         self.chunks = kept

@@ -181,6 +181,13 @@ class JobSpec(_Section):
         return mode == "live" or (mode == "auto" and self.entrypoint is None
                                   and not self.parallel.hybrid)
 
+    @property
+    def survivors_keep_work(self) -> bool:
+        """Whether a failed replica is refilled live, at the same size, while the others keep
+        their processes and state (elastic or not): a live-resizing train function with plain
+        data parallelism. Otherwise a failure restores every rank from the newest checkpoint."""
+        return self.live_resize and not self.parallel.hybrid
+
     def spec_hash(self) -> str:
         """Stable hash of the full spec, recorded in checkpoint manifests."""
         canon = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

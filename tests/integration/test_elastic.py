@@ -193,8 +193,10 @@ def test_kc_scale_refuses_bad_sizes_then_shrinks_live_and_the_job_finishes(elast
 
 
 def two_ranks(stack: Stack, name: str, steps: int, interval: int) -> dict:
-    """A fixed-size job of two ranks (two nodes), global batch 24 as the others."""
-    d = elastic_doc(stack, name, steps=steps)
+    """A fixed-size job of two ranks (two nodes), global batch 24 as the others. A killed
+    rank is replaced from the store's checkpoint (`resize: restart`; otherwise its
+    survivor would keep its work and refill it live, test_survivors.py)."""
+    d = elastic_doc(stack, name, steps=steps, resize="restart")
     d["parallel"].update(data_parallel_size=2, micro_batch_size=4, gradient_accumulation_steps=3)
     d["checkpoint"]["interval_steps"] = interval
     return d

@@ -104,17 +104,18 @@ def test_redis_restart_mid_job_is_ridden_out(infra):
 
 def test_a_node_failing_twice_is_quarantined_and_the_job_moves(infra):
     client: Client = infra.client
-    # Still training when the second kill comes: it follows the in-place recovery's
+    # Still training when the second kill comes: it follows the first recovery's
     # first step, well inside 800 steps.
     job, first = past_first_checkpoint(infra, "infra-flaky", steps=800)
     node = first[1]["node"]
     os.kill(first[1]["pid"], signal.SIGKILL)
-    # The first failure is repaired in place, on the same node.
+    # The first failure is repaired on the same node: the rank refilled live there, the
+    # survivor keeping its work.
     again = wait_for(lambda: (j := client.get(job["id"]))["state"] == "RUNNING"
                      and j["restarts"] == 1 and j["placement"][1]["pid"] != first[1]["pid"]
                      and j["progress"]["step"] > j["restart_log"][0].get("resumed_step", 1e9)
-                     and j, 300, "the in-place recovery")
-    assert again["restart_log"][0]["path"] == "in_place" and again["placement"][1]["node"] == node
+                     and j, 300, "the first recovery")
+    assert again["restart_log"][0]["path"] == "live" and again["placement"][1]["node"] == node
     os.kill(again["placement"][1]["pid"], signal.SIGKILL)
     done = infra.wait_state(job["id"], DONE, timeout=600)
     assert done["state"] == "SUCCEEDED", done["message"]

@@ -32,6 +32,10 @@ def test_sigkilled_worker_recovers_to_the_failure_free_loss(stack):
     clean = stack.client.submit(spec(stack, "ft-clean"))
     killed = spec(stack, "ft-killed")
     killed["fault_tolerance"] = {"spare_workers": True}  # training math is the same
+    # Replaced in place from the checkpoint: the path a train function that does not
+    # resize live takes (the built-in trainer's survivors keep their work otherwise,
+    # test_survivors.py).
+    killed["elastic"] = {"resize": "restart"}
     victim = stack.client.submit(killed)
     wait_for(lambda: stack.client.get(victim["id"])["progress"]["step"] >= 60, 400,
              "the job to pass its first checkpoint")
@@ -191,6 +195,7 @@ def test_nan_loss_rolls_back_and_skips_the_batch(stack):
 def test_truncated_newest_checkpoint_is_skipped_on_restore(stack):
     d = spec(stack, "ft-truncated")
     d["training"]["steps"] = 400
+    d["elastic"] = {"resize": "restart"}  # every rank is killed: all restore (no survivor)
     job = stack.client.submit(d)
     wait_for(lambda: stack.client.get(job["id"])["progress"]["step"] >= 160, 400,
              "three checkpoints")

@@ -200,8 +200,13 @@ class FakeGroup:
     def restore(self, snap: GroupSnapshot) -> None:
         self.members, self.pgs = [dict(m) for m in snap.members], list(snap.pgs)
 
-    def reshape(self, order: list[int], joiners: list[tuple[list[PlacedRank], Any]]) -> None:
+    def reshape(self, order: list[int], joiners: list[tuple[list[PlacedRank], Any]],
+                spares: bool = False) -> int:
         self.calls.append(("reshape", tuple(order), len(joiners)))
+        # A warm spare on each refilled slot's node, as `start_spares` kept one there.
+        taken = sum(len(slots) for slots, _ in joiners if spares)
+        if taken:
+            self.calls.append(("spares_taken", taken))
         rpr = max(1, len(self.members) // max(1, len(self.pgs)))
         kept = [order[i] // rpr for i in range(0, len(order), rpr)]
         self.pgs = [self.pgs[i] for i in kept] + [pg or f"pg-new{i}"
@@ -211,6 +216,7 @@ class FakeGroup:
         self.pg_history.append(list(self.pgs))
         # A rank keeps running across the change; the ones that moved take their new number.
         self.running = set(range(len(order)))
+        return taken
 
     def release(self, snap: GroupSnapshot, leaving: list[int], wait_s: float) -> None:
         self.calls.append(("release", tuple(leaving)))

@@ -32,6 +32,7 @@ PURE = [
     "platform/execution/failure_policy.py", "platform/jobs/claims.py",
     "platform/execution/members.py", "platform/cluster/netplan.py", "platform/cluster/leaves.py",
     "platform/cluster/drain.py", "platform/execution/drain_policy.py",
+    "platform/protocol/memory_copies.py",
 ]
 # Modules that may reach Redis but never Ray: the controller reaches Ray only through its
 # worker group, loaded when none is given. (The scheduler takes its store injected and is pure.)

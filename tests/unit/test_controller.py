@@ -36,6 +36,9 @@ def spec_doc(tmp_path, world=2, **sections) -> dict:
 SETTINGS = Settings(redis_url=None, redis_prefix="kc-test:", ray_address=None,
                     api_url="http://127.0.0.1:1", quarantine=QuarantinePolicy())
 ELASTIC = {"min_replicas": 1, "max_replicas": 4, "resize": "live"}
+# A train function that does not resize live: a failed rank is replaced in place from the
+# newest checkpoint (with it, the built-in trainer's survivors keep their work instead).
+RESTORES = {"resize": "restart"}
 
 
 @pytest.fixture
@@ -64,7 +67,7 @@ def test_a_job_whose_ranks_all_return_finishes_at_its_final_checkpoint(store, tm
 
 
 def test_a_rank_that_dies_is_replaced_in_place_and_the_survivor_keeps_its_process(store, tmp_path):
-    placed_job(store, "j1", spec_doc(tmp_path), ["n0", "n1"])
+    placed_job(store, "j1", spec_doc(tmp_path, elastic=RESTORES), ["n0", "n1"])
     group = FakeGroup(tmp_path / "ckpt" / "j1", [Step([Outcome(1, died="killed by SIGKILL")])])
     assert controller(store, group).run() == "SUCCEEDED"
     job = store.get("j1")
@@ -116,7 +119,7 @@ def test_expired_heartbeats_on_a_node_that_reaches_redis_are_the_ranks_own_fault
 
 
 def test_survivors_that_do_not_stop_send_the_job_back_to_the_queue(store, tmp_path):
-    placed_job(store, "j1", spec_doc(tmp_path), ["n0", "n1"])
+    placed_job(store, "j1", spec_doc(tmp_path, elastic=RESTORES), ["n0", "n1"])
     group = FakeGroup(tmp_path / "ckpt" / "j1", [Step([Outcome(0, died="gone")])])
     group.survivors_stop = False
     assert controller(store, group).run() == "QUEUED"
@@ -126,7 +129,7 @@ def test_survivors_that_do_not_stop_send_the_job_back_to_the_queue(store, tmp_pa
 
 
 def test_a_job_past_max_restarts_fails_and_says_which_setting_to_change(store, tmp_path):
-    doc = spec_doc(tmp_path, fault_tolerance={"max_restarts": 1})
+    doc = spec_doc(tmp_path, fault_tolerance={"max_restarts": 1}, elastic=RESTORES)
     placed_job(store, "j1", doc, ["n0", "n1"])
     script = [Step([Outcome(1, died="first")]), Step([Outcome(1, died="second")])]
     group = FakeGroup(tmp_path / "ckpt" / "j1", script)
@@ -136,6 +139,74 @@ def test_a_job_past_max_restarts_fails_and_says_which_setting_to_change(store, t
     assert "second" in job.message and "gave up after 1 restart(s)" in job.message
     assert "fault_tolerance.max_restarts" in job.message
     assert group.calls.count(("replace", 1)) == 1
+
+
+def test_survivors_of_a_fixed_size_job_keep_their_work_and_a_spare_refills_the_rank(store,
+                                                                                  tmp_path):
+    placed_job(store, "j1", spec_doc(tmp_path, fault_tolerance={"spare_workers": True}),
+               ["n0", "n1"])
+
+    def first_step(generation: int, step: int):  # what rank 0 reports (TrainContext.report)
+        return Step(action=lambda: store.post_report("j1", {
+            "kind": "first_step", "at": time.time(), "world_size": 2, "step": step,
+            "generation": generation, "after": "resize", "first_step_s": 0.25}))
+    group = FakeGroup(tmp_path / "ckpt" / "j1", [Step([Outcome(1, died="killed by SIGKILL")]),
+                                                 first_step(1, 9), first_step(2, 14),
+                                                 first_step(2, 15)])
+    assert controller(store, group).run() == "SUCCEEDED"
+    job = store.get("j1")
+    assert job.world_size == 2 and job.replicas == 2 and job.restarts == 1
+    entry = job.restart_log[0]
+    assert entry["path"] == "live" and entry["spare"] is True and entry["refilled"] == 1
+    assert entry["generation"] == 2 and entry["placement_s"] >= 0
+    # The survivors' first step in generation 2 (not another generation's) closes it.
+    assert entry["resumed_step"] == 13 and entry["first_step_s"] == 0.25
+    assert 0 <= entry["survivor_stall_s"] == pytest.approx(entry["first_step_at"]
+                                                           - entry["failed_at"], abs=1e-3)
+    kept = [e for e in events(store) if e["type"] == "survivors_kept"]
+    assert len(kept) == 1 and kept[0]["step"] == 13
+    assert "kept their work at step 13" in kept[0]["message"]
+    # Nobody was stopped but the dead rank, nobody restored: the survivor kept its process.
+    assert ("stop", 1, False) in group.calls and ("replace", 1) not in group.calls
+    assert not [c for c in group.calls if c[0] == "reset"]
+    assert ("reshape", (0,), 1) in group.calls and ("spares_taken", 1) in group.calls
+    assert group.pg_history == [["pg-r0", "pg-r1"]]  # the dead replica's group, reused
+    assert [p.node for p in job.placement] == ["n0", "n1"] and job.resize_log == ()
+    # Same size: RECOVERING straight back to RUNNING, no RESIZING; the spare is replaced.
+    states = [e["to"] for e in events(store) if e["type"] == "state"]
+    assert "RESIZING" not in states and states[-3:] == ["RECOVERING", "RUNNING", "SUCCEEDED"]
+    assert "survivor(s) kept their work" in next(
+        e["message"] for e in events(store) if e["type"] == "state" and e["from"] == "RECOVERING")
+    assert group.calls.count(("spares", ("id-n0", "id-n1"))) == 2
+
+
+def test_a_fixed_size_job_refills_with_a_fresh_rank_without_spares(store, tmp_path):
+    placed_job(store, "j1", spec_doc(tmp_path), ["n0", "n1"])
+    group = FakeGroup(tmp_path / "ckpt" / "j1", [Step([Outcome(0, died="oom")])])
+    assert controller(store, group).run() == "SUCCEEDED"
+    job = store.get("j1")
+    assert job.restart_log[0]["path"] == "live" and "spare" not in job.restart_log[0]
+    # Rank 1 survived and is rank 0 now; the new rank 1 runs in rank 0's old group.
+    assert ("reshape", (1,), 1) in group.calls and group.pg_history == [["pg-r1", "pg-r0"]]
+    assert [p.node for p in job.placement] == ["n1", "n0"]
+    assert not [c for c in group.calls if c[0] in ("spares", "spares_taken")]
+
+
+def test_a_fixed_size_job_whose_node_is_lost_or_quarantined_is_placed_again(store, tmp_path):
+    placed_job(store, "j1", spec_doc(tmp_path), ["n0", "n1"])
+    group = FakeGroup(tmp_path / "ckpt" / "j1", [Step([Outcome(1, died="raylet gone")])],
+                      lost_nodes={"id-n1"})
+    assert controller(store, group).run() == "QUEUED"
+    assert store.get("j1").restart_log[0]["path"] == "requeue"
+    assert not [c for c in group.calls if c[0] == "reshape"]
+
+    store.quarantine_node("n1", {"since": time.time(), "until": time.time() + 600,
+                                 "failures": 2, "reason": "flaky"})
+    placed_job(store, "j2", spec_doc(tmp_path), ["n0", "n1"])
+    group = FakeGroup(tmp_path / "ckpt" / "j2", [Step([Outcome(1, died="again")])])
+    assert controller(store, group, job_id="j2").run() == "QUEUED"
+    assert store.get("j2").restart_log[0]["path"] == "requeue"
+    assert not [c for c in group.calls if c[0] == "reshape"]
 
 
 def test_a_train_function_error_with_every_rank_alive_fails_the_job_without_a_restart(store,

@@ -21,6 +21,7 @@ EXAMPLES = {
     "SpecError": lambda cls: cls([("parallel.tp", "must divide n_heads"), ("", "second problem")]),
     "WorkerLost": lambda cls: cls(Failure("died", "rank 3 died (SIGKILL)", rank=3, node="n1", pid=42)),
     "TokenError": lambda cls: cls("denied", "all_to_all is not in the token's interfaces"),
+    "CopyRefused": lambda cls: cls("too_large", "rank 3's copy of step 12 is 80 MB, over 64"),
     "NumericFault": lambda cls: cls(11, 12, "loss is nan"),
     "ResizeNow": lambda cls: cls(4),
     "ApiError": lambda cls: cls(422, [{"loc": ["body", "parallel", "tp"], "msg": "must divide n_heads"}]),

@@ -83,3 +83,56 @@ def test_a_live_job_below_min_replicas_goes_back_to_the_queue():
 
 def test_a_failure_during_a_live_resize_is_placed_again():
     assert decide(view(kind="resize", live=True, elastic=elastic())).action is Action.REQUEUE
+
+
+# Survivors keep their work (`keeps`): a job of one size (min == max replicas).
+def fixed(replicas=4, rpr=1) -> ElasticRange:
+    return elastic(min_replicas=replicas, max_replicas=replicas, rpr=rpr)
+
+
+def test_a_fixed_size_job_whose_survivors_keep_their_work_refills_the_rank_live():
+    for kind in ("died", "expired", "hung"):
+        d = decide(view(kind=kind, keeps=True, elastic=fixed()))
+        assert d.action is Action.RESHAPE and d.dead == {1} and d.refill == (1,), kind
+        # Same size: the three survivors keep their order, the refill joins as rank 3.
+        assert d.membership.world_size == 4 and d.membership.joining == (3,)
+        assert d.membership.ranks == {0: 0, 2: 1, 3: 2}
+        assert "survivors keep their work" in d.reason
+
+
+def test_a_fixed_size_job_refills_a_whole_replica_of_several_ranks():
+    slots = (slot(0, "a", "ida"), slot(1, "a", "ida"), slot(2, "b", "idb"), slot(3, "b", "idb"))
+    d = decide(view(rank=3, slots=slots, keeps=True, elastic=fixed(replicas=2, rpr=2)))
+    assert d.action is Action.RESHAPE and d.refill == (1,) and d.membership.joining == (2, 3)
+
+
+def test_a_single_replica_job_has_no_survivor_to_keep_work_and_is_replaced_in_place():
+    d = decide(view(rank=0, slots=SLOTS[:1], keeps=True, elastic=fixed(replicas=1)))
+    assert d.action is Action.REPLACE and d.dead == {0} and "no survivor" in d.reason
+
+
+def test_a_fixed_size_job_whose_node_is_lost_goes_back_to_the_queue():
+    d = decide(view(keeps=True, lost_nodes=frozenset({"id1"}), elastic=fixed()))
+    assert d.action is Action.REQUEUE and "lost" in d.reason
+    # Another rank's node lost with it: that replica cannot be refilled where it ran.
+    d = decide(view(keeps=True, lost_nodes=frozenset({"id2"}), elastic=fixed()))
+    assert d.action is Action.REQUEUE and d.dead == {1, 2}
+    assert decide(view(kind="node_lost", keeps=True, elastic=fixed())).action is Action.REQUEUE
+
+
+def test_a_fixed_size_job_on_a_quarantined_node_goes_back_to_the_queue():
+    d = decide(view(keeps=True, blocked=frozenset({"n1"}), elastic=fixed()))
+    assert d.action is Action.REQUEUE and "quarantined" in d.reason
+
+
+def test_a_job_whose_survivors_do_not_keep_their_work_is_replaced_in_place_as_before():
+    d = decide(view(keeps=False, elastic=fixed()))
+    assert d.action is Action.REPLACE and d.dead == {1} and d.membership is None
+    assert decide(view(keeps=True, restarts=3, max_restarts=3, elastic=fixed())).action \
+        is Action.FAIL
+
+
+def test_keeping_work_does_not_change_an_elastic_jobs_decisions():
+    for kw in ({}, {"kind": "node_lost", "lost_nodes": frozenset({"id1"})}):
+        assert decide(view(live=True, keeps=True, elastic=elastic(), **kw)) == \
+            decide(view(live=True, elastic=elastic(), **kw))

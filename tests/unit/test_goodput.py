@@ -12,6 +12,7 @@ from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.observability.goodput import (
     CAUSES,
     Failure,
+    Kept,
     Stall,
     State,
     Step,
@@ -92,6 +93,42 @@ def test_ledger_keeps_a_survivors_work_when_the_run_continues_past_the_failure()
     # The tail after step 20 (3.5 s at 1 s/step) held steps 21-23.5; only the half step
     # the failure interrupted is redone.
     assert g.by_cause["redone"] == pytest.approx(0.5)
+
+
+def test_ledger_redoes_nothing_when_the_survivors_kept_their_work():
+    # The same failure, but the record says the survivors kept their state (`Kept`: a live
+    # refill, RECOVERING straight back to RUNNING): the half step the failure interrupted
+    # is lost to detection, not redone.
+    facts = [created(), *run(0, 1), *steps(2, 1, 20, log=10), Failure(24.5, 25.0),
+             Kept(25.0), State(25, "RECOVERING", "RUNNING"), State(27, "RUNNING", "RECOVERING"),
+             *steps(28, 24, 30, log=10), State(35, "SUCCEEDED", "RUNNING")]
+    g = account(0.0, 35.0, facts, live=False)
+    adds_up(g, 35)
+    assert g.by_cause["redone"] == 0
+    assert g.by_cause["detection"] == pytest.approx(0.5 + 0.5)  # the half step, then to 25
+    assert g.by_cause["recovery"] == pytest.approx(2)  # 25 to step 24 at 28, less its second
+
+
+def test_job_goodput_reads_a_live_recovery_from_the_restart_log():
+    events = [{"ts": 0.0, "type": "state", "from": None, "to": "QUEUED"},
+              {"ts": 0.0, "type": "state", "from": "QUEUED", "to": "PLACING"},
+              {"ts": 0.5, "type": "state", "from": "PLACING", "to": "RUNNING"},
+              {"ts": 9.0, "type": "failure", "failed_at": 9.0, "detected_after_s": 0.1,
+               "progress_step": 70, "progress_at": 8.5},
+              {"ts": 9.0, "type": "state", "from": "RUNNING", "to": "RECOVERING"},
+              {"ts": 10.0, "type": "state", "from": "RECOVERING", "to": "RUNNING"},
+              {"ts": 20.0, "type": "state", "from": "RUNNING", "to": "SUCCEEDED"}]
+    # Step 1 s apart at first; the steps after 70 were faster than that rate, so the
+    # estimate of the stretch to the failure overshoots the survivors' step 71.
+    points = [{"step": 1, "ts": 1.0}, {"step": 50, "ts": 6.0}, {"step": 72, "ts": 10.5},
+              {"step": 100, "ts": 15.0}]
+    entry = {"restart": 1, "path": "live", "failed_at": 9.0, "survivor_stall_s": 1.5,
+             "resumed_step": 71}
+    for log, redone in (((), True), ((entry,), False)):
+        job = record(state=JobState.SUCCEEDED, finished_at=20.0, restart_log=log)
+        g = job_goodput(job, events, points, [], {}, now=99.0)
+        adds_up(g, 20)
+        assert (g.by_cause["redone"] > 0) is redone, g.by_cause
 
 
 def test_ledger_counts_a_numeric_rollback_in_place():

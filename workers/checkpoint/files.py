@@ -277,11 +277,17 @@ def load_rank_state(path: Path) -> dict[str, Any]:
         CheckpointError: For a file that holds anything else, or none that loads.
     """
     try:
-        with torch.serialization.safe_globals(_plain_numpy()):
-            return torch.load(path, weights_only=True)
+        return load_plain(path)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
         # torch's own message would suggest loading it unsafely; this one does not.
         raise CheckpointError(f"{path}: not a rank state this platform reads "
                               f"({type(exc).__name__}); a rank state holds only tensors, "
                               "numbers, text and NumPy arrays, so this one was not written by "
                               "kuangchao's checkpoint manager, or is damaged") from None
+
+
+def load_plain(source: Any) -> Any:
+    """`torch.load` of `source` (a path or a binary file object) with the weights-only
+    loader and NumPy's arrays allowed: what a rank state or a peer-memory copy holds."""
+    with torch.serialization.safe_globals(_plain_numpy()):
+        return torch.load(source, weights_only=True)

@@ -59,6 +59,9 @@ class TrainContext:
             controller's node view; they set the rank's speed for balancing work.
         shares: The data-parallel split of each step's samples
             (`kuangchao.workers.data.shares.Shares`); None: even.
+        keepers: The job's peer-memory keepers (a `KeeperPlan` or its JSON) as the
+            controller passed them to `run`; None: no copies in peers' memory, whatever
+            `checkpoint.in_memory` says (workers/checkpoint/peer_memory.py).
     """
 
     job_id: str
@@ -86,6 +89,8 @@ class TrainContext:
     gpu_type: str | None = None
     emulated_speed: float | None = None
     shares: Any = None
+    keepers: Any = None
+    peer_memory: Any = None  # this rank's PeerMemory, made on first use (peer_memory.of)
     balance: Any = None  # the trainer's balancing state (workers/trainer/balanced.py)
     eval_source: Any = None  # the held-out split's batches (`data.eval_fraction`), if any
     # The platform's calls for a user's own function (workers/trainer/own.py), handed in
@@ -98,6 +103,7 @@ class TrainContext:
     _last_report: dict[str, Any] = field(default_factory=dict)
     _reported_once: bool = False
     _first_after: str = "restart"
+    _first_armed_at: float = 0.0  # when `expect_first_step` was called (state in place)
     # (step, perf_counter) of rank 0's last report, and recent seconds per step.
     _step_mark: tuple[int, float] | None = None
     _step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
@@ -203,7 +209,7 @@ class TrainContext:
     def expect_first_step(self, after: str = "restart") -> None:
         """The next report is the first step after a restore (or a `resize`): record its timings."""
         self._reported_once = False
-        self._first_after = after
+        self._first_after, self._first_armed_at = after, time.time()
         self._step_mark = None  # the restore or resize is no training step
 
     @contextmanager
@@ -231,7 +237,13 @@ class TrainContext:
         controller, which closes the resize entry and stamps the restart entry (a rank
         never writes the job record; platform/execution/reports.py)."""
         now = time.time()
-        report: dict[str, Any] = {"kind": "first_step", "at": now, "world_size": self.world_size}
+        # `step`, `generation` and `first_step_s` let the controller close a live recovery
+        # (the survivors' first step: `survivor_stall_s`, platform/execution/reports.py).
+        report: dict[str, Any] = {"kind": "first_step", "at": now, "world_size": self.world_size,
+                                  "step": step, "generation": self.generation,
+                                  "after": self._first_after}
+        if self._first_after == "resize" and self._first_armed_at:
+            report["first_step_s"] = now - self._first_armed_at
         if self._first_after != "resize":  # a resize by a restart ends here too, and restarts
             ckpt = self.checkpoint
             load_s = getattr(ckpt, "last_load_s", None)
@@ -279,8 +291,9 @@ class TrainContext:
                 preempt = float(self.heartbeat.flags.get("preempt", False))
             else:
                 preempt = float(self._asked(lambda s: s.preempt_requested(self.job_id)))
-            if self.live_resize:
-                # Read every step, not with the heartbeat: a resize waits on it.
+            if self.live_resize and self.spec.elastic_range.elastic:
+                # Read every step, not with the heartbeat: a resize waits on it. (A job
+                # of one size never resizes; a lost peer breaks its group by itself.)
                 gen = float(self._asked(lambda s: s.rejoin_requested(self.job_id)))
                 rejoin = gen if gen > self.generation else 0.0
         if self.world_size == 1 or not dist.is_initialized():

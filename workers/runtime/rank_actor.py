@@ -33,8 +33,8 @@ class RankActor:
     def join(self, *args: Any, **kwargs: Any) -> str:
         return self.worker.join(*args, **kwargs)
 
-    def run(self, spec_doc: dict[str, Any]) -> dict[str, Any]:
-        return self.worker.run(spec_doc)
+    def run(self, spec_doc: dict[str, Any], keepers: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.worker.run(spec_doc, keepers)
 
     def reset(self) -> None:
         self.worker.reset()

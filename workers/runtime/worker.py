@@ -251,13 +251,15 @@ class TrainWorker:
         backend, self._group_store = join_generation(gen, self.rank, timeout_s)
         return backend
 
-    def run(self, spec_doc: dict[str, Any]) -> dict[str, Any]:
-        """Run the train function; on failure raise `TrainingError` with the traceback."""
+    def run(self, spec_doc: dict[str, Any], keepers: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run the train function; on failure raise `TrainingError` with the traceback.
+        `keepers`: the job's peer-memory keepers (`KeeperPlan.to_json()`), or None."""
         spec = validate_spec(spec_doc)
         torch.set_num_threads(spec.training.torch_threads)
         with capture_output(self.sink):
             try:
                 ctx = self._context(spec)
+                ctx.keepers = keepers
                 fn = resolve_entrypoint(spec.entrypoint)
                 if spec.entrypoint is None:
                     result = fn(ctx)
@@ -306,7 +308,10 @@ class TrainWorker:
                             accum_steps=gen.accum if gen else rng.accumulation(replicas),
                             generation=gen.gen if gen else 0,
                             joining=bool(gen and self.rank in gen.joining),
-                            live_resize=spec.live_resize and rng.elastic and self.store is not None,
+                            # A lost peer is refilled live (elastic or not) where survivors
+                            # keep their work; planned resizes need an elastic range.
+                            live_resize=(spec.survivors_keep_work or spec.live_resize and rng.elastic)
+                            and self.store is not None,
                             group_store=self._group_store, telemetry=self.telemetry,
                             gpu_type=hw.get("gpu_type"), emulated_speed=speed)
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kuangchao.platform.protocol.checkpoint import CheckpointInfo
+from kuangchao.workers.checkpoint import peer_memory
 from kuangchao.workers.checkpoint.async_save import PendingCheckpoint
 from kuangchao.workers.errors import CheckpointError
 from kuangchao.workers.runtime.context import TrainContext
@@ -103,6 +104,19 @@ def save_step(ctx: TrainContext, step: int, model: torch.nn.Module, optimizer: t
                 "writing in the background", step=step, blocked_s=pending.blocked_s)
         pending.add_done_callback(lambda p: _log_commit(ctx, p))
     return pending
+
+
+def push_to_peers(ctx: TrainContext, step: int, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer, pos: Position, guard: GradNormGuard) -> None:
+    """Every `checkpoint.in_memory.interval_steps` steps, this rank's state to its keepers
+    (workers/checkpoint/peer_memory.py): training waits for the CPU copy only. Inert
+    without `checkpoint.in_memory`, or when the controller named no keepers."""
+    section = ctx.spec.checkpoint.in_memory
+    if section is None or ctx.keepers is None or step % section.interval_steps:
+        return
+    peers = peer_memory.of(ctx)
+    if peers is not None:
+        peers.push(step, model, optimizer, rank_state(step, pos.skipped, guard))
 
 
 def skip_event(ctx: TrainContext, step: int, previous: PendingCheckpoint | None) -> None:

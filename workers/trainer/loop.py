@@ -29,7 +29,7 @@ from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.runtime.telemetry import model_flops_per_token
 from kuangchao.workers.trainer import balanced, debug_step, links
 from kuangchao.workers.trainer import live_resize as resize
-from kuangchao.workers.trainer.checkpoints import save_step, settles_checkpoints
+from kuangchao.workers.trainer.checkpoints import push_to_peers, save_step, settles_checkpoints
 from kuangchao.workers.trainer.feed import Feed, even_shares, loss_weight
 from kuangchao.workers.trainer.job_data import eval_loss, job_sources
 from kuangchao.workers.trainer.job_model import build_job_model, dims
@@ -242,6 +242,8 @@ def _train_from(ctx: TrainContext, pos: Position, engine: Engine, source: BatchS
                 ctx.report(done)
             if done % spec.checkpoint.interval_steps == 0 and done != t.steps:
                 save_step(ctx, done, model, optimizer, pos, guard)
+            if done != t.steps:
+                push_to_peers(ctx, done, model, optimizer, pos, guard)
             if done == t.steps:
                 continue
             preempt, rejoin = ctx.control()

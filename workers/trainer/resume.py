@@ -18,7 +18,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kuangchao.platform.protocol.checkpoint import step_of
 from kuangchao.platform.version import __version__
+from kuangchao.workers.checkpoint import peer_memory
 from kuangchao.workers.errors import CheckpointError, NumericFault, TrainingError
 from kuangchao.workers.runtime.context import TrainContext
 from kuangchao.workers.trainer.numerics import GradNormGuard
@@ -62,8 +64,15 @@ def rank_state(step: int, skipped: list[int], guard: GradNormGuard) -> dict[str,
 
 def restore_latest(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    guard: GradNormGuard) -> Position | None:
-    """Load the newest checkpoint that verifies; broken newer ones are skipped with an event."""
+    """Load the newest checkpoint that verifies; broken newer ones are skipped with an event.
+    With peer-memory copies, a step every rank holds there, at least as new as the
+    newest on disk, wins (workers/checkpoint/peer_memory.py)."""
     ctx.checkpoint.wait()
+    peers = peer_memory.of(ctx)
+    if peers is not None:
+        pos = _from_peers(ctx, peers, model, optimizer, guard)
+        if pos is not None:
+            return pos
     for path in reversed(ctx.checkpoint.list()):
         try:
             manifest = ctx.checkpoint.verify(path)
@@ -80,6 +89,24 @@ def restore_latest(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.o
                 + (f"; skipping batches {pos.skipped}" if pos.skipped else ""))
         return pos
     return None
+
+
+def _from_peers(ctx: TrainContext, peers: peer_memory.PeerMemory, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer, guard: GradNormGuard) -> Position | None:
+    """Restore from peers' memory (collective), or None: every rank goes to disk."""
+    disk = [s for s in map(step_of, ctx.checkpoint.list()) if s is not None]
+    got = peer_memory.restore(peers, max(disk) if disk else None, model, optimizer)
+    if got is None:
+        return None
+    state = got["rank_state"]
+    set_rng_state(state["rng"])
+    guard.load_state(state.get("grad_norms"))
+    pos = Position(int(got["step"]), list(state.get("skipped_batches") or []))
+    ckpt = ctx.checkpoint  # for the restart record (TrainContext._note_first_step)
+    ckpt.last_restored_step, ckpt.last_load_s, ckpt.last_load_end = pos.step, got["restore_s"], time.time()
+    ctx.log(f"restored step {pos.step} from peer memory (the keeper on {got['node']}) in "
+            f"{got['restore_s']:.2f}s" + (f"; skipping batches {pos.skipped}" if pos.skipped else ""))
+    return pos
 
 
 def fresh_start(ctx: TrainContext, model: torch.nn.Module,
