@@ -41,11 +41,12 @@ def _family(d: m.MetricDef) -> Metric:
 
 
 def recorded_families(samples: Iterable[m.Sample]) -> Iterator[Metric]:
-    """Counters and histograms from recorded samples (unknown series are dropped)."""
+    """Counters, recorded gauges and histograms from recorded samples (unknown series
+    are dropped)."""
     counters: dict[str, list[m.Sample]] = defaultdict(list)
     hist: dict[str, dict[tuple, dict[str, Any]]] = defaultdict(dict)
     for s in samples:
-        if s.series in _BY_NAME and _BY_NAME[s.series].kind == "counter":
+        if s.series in _BY_NAME and _BY_NAME[s.series].kind in ("counter", "gauge"):
             counters[s.series].append(s)
             continue
         base, _, part = s.series.rpartition("_")

@@ -27,6 +27,7 @@ from kuangchao.platform.execution.drain import DrainResponder
 from kuangchao.platform.execution.failure_policy import Action
 from kuangchao.platform.execution.formation import Formation
 from kuangchao.platform.execution.inplace import InPlaceReplacement
+from kuangchao.platform.execution.memory_plan import JobKeepers
 from kuangchao.platform.execution.reachability import redis_address
 from kuangchao.platform.execution.recovery import Failure, judge, record_failure, requeue_for_recovery
 from kuangchao.platform.execution.reports import apply_reports
@@ -93,6 +94,7 @@ class JobController:
         self.in_place = InPlaceReplacement(store, job_id, group, self.formation)
         self.resizer = ResizeExecutor(store, job_id, group, self.formation, live=False)
         self.drain = DrainResponder(store, job_id, group, self.resizer)
+        self.keepers = JobKeepers(store, job_id, group, self.credentials)  # checkpoint.in_memory
         self.latest_checkpoint = latest_checkpoint or _latest_verified
         self.backend = ""
 
@@ -133,6 +135,7 @@ class JobController:
                         else f"{type(exc).__name__}: {exc}")
         finally:
             self._teardown()
+            self.keepers.end()  # once the job is terminal
             self.credentials.retire(self.store)
         return self.store.get(self.job_id).state.value
 
@@ -168,6 +171,7 @@ class JobController:
         self.resizer.live = bool(spec.elastic_range.elastic and spec.live_resize)
         self.formation.begin(spec)
         infos = self.group.start(job.placement, spec)
+        self.keepers.begin(spec, job.placement)  # before the ranks run
         self.formation.record(infos)
         self.backend = self.formation.form(infos)
         self._apply(start, f"{self.group.world} rank(s) joined the {self.backend} process group")
@@ -236,6 +240,7 @@ class JobController:
                 if not results and self.store.resize_requested(self.job_id):
                     self.resizer.on_request(spec)
                 self.drain.check(spec, finishing=bool(results))  # off a draining node
+                self.keepers.tick()
             except redis.RedisError:
                 pass  # Redis away: the heartbeat watch holds its verdicts; training goes on
             if preempt_deadline is not None and time.monotonic() > preempt_deadline:

@@ -75,6 +75,10 @@ class Credentials:
         return ray.get(authority.grant_workers.remote(self._credential(), self.job_id, ranks_gpus),
                        timeout=60)
 
+    def public_key(self) -> str:
+        """The token authority's public key (PEM): what the job's keepers verify with."""
+        return str(ray.get(self._authority().info.remote(), timeout=60)["public_key"])
+
     def _claims(self) -> Claims:
         """The controller's own token (role `controller`), verified with the public key."""
         if self.own_claims is None:

@@ -79,6 +79,8 @@ class RayWorkerGroup:
         self.kv: Any = None  # the rendezvous store of every generation
         self.fresh_grants: dict[int, dict[str, Any]] = {}
         self.spec: JobSpec | None = None
+        # What every `run` carries: the job's peer-memory keepers (memory_plan.py), or None.
+        self.keeper_plan: Callable[[], dict[str, Any] | None] = lambda: None
 
     # -- what the controller reads -------------------------------------------
     @property
@@ -181,11 +183,12 @@ class RayWorkerGroup:
     def run(self, doc: dict[str, Any], ranks: Sequence[int] | None = None,
             join: dict[str, Any] | None = None, join_timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> None:
         """Start the train function on these ranks (all by default); joiners join first."""
+        keepers = self.keeper_plan()  # every rank gets the plan, or none does
         for r in range(self.world) if ranks is None else ranks:
             m = self.members[r]
             if join is not None:
                 m.actor.join.remote(join, r, join_timeout_s)
-            m.ref = m.actor.run.remote(doc)
+            m.ref = m.actor.run.remote(doc, keepers)
 
     def poll(self, timeout_s: float, skip: set[int] = frozenset()) -> list[Outcome]:
         """The ranks (not in `skip`) whose `run` ended within `timeout_s`; one is enough."""

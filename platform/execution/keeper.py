@@ -34,6 +34,7 @@ import ray
 
 from kuangchao.platform.errors import TokenError
 from kuangchao.platform.protocol.memory_copies import (
+    KEEPER_PREFIX,
     CopyMeta,
     CopyStore,
     keeper_name,
@@ -194,6 +195,26 @@ def kill_keepers(job_id: str, namespace: str = RAY_NAMESPACE,
         except ValueError:  # gone already
             continue
     return killed
+
+
+def sweep_keepers(ended: Callable[[str], bool], namespace: str = RAY_NAMESPACE,
+                  names: Iterable[str] | None = None,
+                  kill: Callable[[str], Any] | None = None) -> list[str]:
+    """Kill the keepers of every job that has ended (`ended(job_id)`: terminal, or gone
+    from the store); returns those jobs. The scheduler's backstop for keepers no
+    controller killed: a job cancelled while queued after a run, a controller that died
+    as its job ended. `names` (default: Ray's named actors) and `kill` are for tests."""
+    if names is None:
+        from ray.util import list_named_actors
+
+        names = [a["name"] for a in list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == namespace]
+    prefix = KEEPER_PREFIX + ":"
+    jobs = {n[len(prefix):].split(":", 1)[0] for n in names if n.startswith(prefix)}
+    done = [job for job in sorted(jobs) if job and ended(job)]
+    for job in done:
+        (kill or (lambda j: kill_keepers(j, namespace)))(job)
+    return done
 
 
 def keeper_stats(names: Mapping[str, str], namespace: str = RAY_NAMESPACE,

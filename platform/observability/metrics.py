@@ -138,6 +138,9 @@ CHECKPOINT_LOAD = _m("kc_checkpoint_load_seconds", "histogram", "Restoring a job
                      "newest checkpoint that verifies", "job")
 CHECKPOINT_BYTES = _m("kc_checkpoint_saved_bytes_total", "counter", "Bytes of committed "
                       "checkpoints", "job")
+MEMORY_CHECKPOINT_BYTES = _m("kc_job_memory_checkpoint_bytes", "gauge", "Bytes of peer-memory "
+                             "checkpoint copies a job's keeper on a node holds "
+                             "(checkpoint.in_memory; read every 10 s)", "job", "node")
 TOKEN_DENIALS = _m("kc_token_denials_total", "counter", "Operations a rank's capability token "
                    "refused", "job", "interface", zero={"interface": TOKEN_INTERFACES})
 
@@ -154,7 +157,7 @@ STORE_UP = _m("kc_store_up", "gauge", "1 when the API server could read the job 
 CLUSTER_RECORDED = (JOBS_FINISHED, QUEUE_WAIT, PLACEMENT_SOLVE, SCHEDULER_CYCLE,
                     FAILURE_DETECTION)
 JOB_RECORDED = (RESTARTS, RESIZES, RESIZE_SECONDS, CHECKPOINT_SAVE, CHECKPOINT_BLOCKED,
-                CHECKPOINT_LOAD, CHECKPOINT_BYTES, TOKEN_DENIALS)
+                CHECKPOINT_LOAD, CHECKPOINT_BYTES, TOKEN_DENIALS, MEMORY_CHECKPOINT_BYTES)
 
 # -- workers (one endpoint per rank; labels job, rank, node on every series) ----
 WORKER_LABELS = ("job", "rank", "node")
@@ -208,6 +211,11 @@ def _field(series: str, labels: Mapping[str, str]) -> str:
     return json.dumps([series, dict(sorted(labels.items()))], separators=(",", ":"))
 
 
+def series_field(metric: MetricDef, labels: Mapping[str, str]) -> str:
+    """The hash field of one series of a counter or a recorded gauge."""
+    return _field(metric.name, {k: str(v) for k, v in labels.items()})
+
+
 def _le(bound: float) -> str:
     return "+Inf" if math.isinf(bound) else repr(float(bound))
 
@@ -250,12 +258,25 @@ class MetricsRecorder:
             return
         self._add(metric, float(value), labels)
 
+    def set(self, metric: MetricDef, value: float, held: float, **labels: Any) -> None:
+        """A recorded gauge (one writer per series: a controller) to `value`, the hash
+        holding `held` for it now: adds the difference, as a counter's field is added to."""
+        if metric.kind != "gauge" or set(labels) != set(metric.labels):
+            log.error("metric not recorded: %s is a %s with labels %s, set with %s", metric.name,
+                      metric.kind, metric.labels, sorted(labels))
+            return
+        if value != held:
+            self._write({series_field(metric, labels): float(value) - float(held)})
+
     def _add(self, metric: MetricDef, value: float, labels: dict[str, Any]) -> None:
         try:
             fields = increments(metric, value, labels)
         except ValueError as exc:  # a recording bug: loud in the log, harmless to the job
             log.error("metric not recorded: %s", exc)
             return
+        self._write(fields)
+
+    def _write(self, fields: dict[str, float]) -> None:
         try:
             self.write(fields)
         except Exception as exc:  # noqa: BLE001 -- telemetry is best effort by design

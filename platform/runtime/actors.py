@@ -25,7 +25,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kuangchao.platform.cluster.registry import Registry, head_node_id
+from kuangchao.platform.errors import JobNotFound
 from kuangchao.platform.execution.controller import JobController
+from kuangchao.platform.execution.keeper import sweep_keepers
 from kuangchao.platform.jobs.claims import LAUNCHING, claim
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.observability.logjson import use_json_logs
@@ -138,6 +140,7 @@ class SchedulerService:
                 self.cycles += 1
                 if time.monotonic() >= next_reconcile:
                     self.orphans.check()
+                    sweep_keepers(self._ended)  # peer-memory keepers of ended jobs
                     next_reconcile = time.monotonic() + RECONCILE_S
             except Exception:
                 log.exception("scheduling cycle failed; retrying")
@@ -146,6 +149,12 @@ class SchedulerService:
                 self.store.wait_for_wake(self.idle_s)
             except Exception:
                 time.sleep(self.idle_s)
+
+    def _ended(self, job_id: str) -> bool:
+        try:
+            return self.store.get(job_id).state.is_terminal
+        except JobNotFound:
+            return True
 
     def info(self) -> dict[str, Any]:
         return {"cycles": self.cycles, "pid": os.getpid(), "redis_prefix": self.settings.redis_prefix}

@@ -67,6 +67,9 @@ class FakeCredentials:
     def __init__(self) -> None:
         self.retired = 0
 
+    def public_key(self) -> str:
+        return "-----BEGIN PUBLIC KEY----- (fake)"
+
     def within_job(self, path: Path | str) -> Path:
         return Path(path)
 
@@ -94,6 +97,8 @@ class FakeGroup:
         self.results: Callable[[int], Any] = lambda rank: final_checkpoint(
             self.checkpoints, self.final_step)
         self.next_pid = 1000
+        self.keeper_plan: Callable[[], Any] = lambda: None
+        self.plans: list[tuple[tuple[int, ...], Any]] = []  # what each `run` carried
 
     def watch_factory(self, store: Any, job_id: str, ranks: list[int], *args: Any,
                       **kw: Any) -> FakeWatch:
@@ -141,6 +146,7 @@ class FakeGroup:
             join_timeout_s: float = 0) -> None:
         ranks = list(range(self.world)) if ranks is None else list(ranks)
         self.calls.append(("run", tuple(ranks)))
+        self.plans.append((tuple(ranks), self.keeper_plan()))
         self.running |= set(ranks)
 
     def poll(self, timeout_s: float, skip: set[int] = frozenset()) -> list[Outcome]:

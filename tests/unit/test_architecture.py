@@ -38,7 +38,8 @@ PURE = [
 # worker group, loaded when none is given. (The scheduler takes its store injected and is pure.)
 RAY_FREE = [*PURE, "platform/execution/controller.py", "platform/execution/formation.py",
             "platform/execution/detection.py", "platform/execution/inplace.py",
-            "platform/execution/resize.py", "platform/execution/drain.py"]
+            "platform/execution/resize.py", "platform/execution/drain.py",
+            "platform/execution/memory_plan.py"]
 SERVICES = ("ray", "redis", "torch")
 MAX_TOP_LEVEL_MODULES = 8
 

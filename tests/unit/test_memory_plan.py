@@ -1,0 +1,232 @@
+"""The controller's peer-memory wiring (platform/execution/memory_plan.py), driven
+through the controller with a fake worker group, in-memory keepers and the in-memory
+store: which keepers start, what every rank's `run` carries, the gauge, the end."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import pytest
+
+from kuangchao.platform.execution.controller import JobController
+from kuangchao.platform.execution.members import Outcome
+from kuangchao.platform.execution.memory_plan import STATS_EVERY_S, JobKeepers, KeeperOps
+from kuangchao.platform.jobs.memory import MemoryStore
+from kuangchao.platform.jobs.state import JobState
+from kuangchao.platform.observability import metrics
+from kuangchao.platform.protocol.memory_copies import KeeperPlan, keeper_name
+from tests.unit.controller_fakes import FakeCredentials, FakeGroup, Step, ask_resize, placed_job
+from tests.unit.test_controller import ELASTIC, RESTORES, SETTINGS, spec_doc
+
+IN_MEMORY = {"interval_steps": 1, "max_mb_per_rank": 64}
+
+
+class FakeKeepers:
+    """Keepers as Ray would hold them: by name, per job; `down` nodes never start."""
+
+    def __init__(self, down: set[str] = frozenset(), live: dict[str, str] | None = None) -> None:
+        self.down, self.live_names = set(down), dict(live or {})  # name -> job
+        self.starts: list[dict[str, str]] = []
+        self.keys: list[Any] = []
+        self.killed: list[str] = []
+        self.bytes: dict[str, int] = {}
+        self.unreachable = False
+
+    def ops(self) -> KeeperOps:
+        return KeeperOps(self.start, self.live, self.kill, self.stats)
+
+    def start(self, job_id: str, nodes: dict[str, str], key: Any, max_bytes: int) -> dict[str, str]:
+        self.starts.append(dict(nodes))
+        self.keys.append((key, max_bytes))
+        up = {n: keeper_name(job_id, n) for n in nodes if n not in self.down}
+        self.live_names.update(dict.fromkeys(up.values(), job_id))
+        return up
+
+    def live(self, job_id: str) -> list[str]:
+        return sorted(n for n, j in self.live_names.items() if j == job_id)
+
+    def kill(self, job_id: str) -> int:
+        gone = self.live(job_id)
+        for name in gone:
+            del self.live_names[name]
+        self.killed.append(job_id)
+        return len(gone)
+
+    def stats(self, names: dict[str, str]) -> dict[str, dict[str, Any]]:
+        if self.unreachable:
+            raise TimeoutError("no keeper answered")
+        return {n: {"bytes": self.bytes[n]} for n in names if n in self.bytes}
+
+
+@pytest.fixture
+def store():
+    return MemoryStore(prefix=f"kc-test-{time.monotonic_ns()}:")
+
+
+def wired(store, group, keepers: FakeKeepers, job_id="j1") -> JobController:
+    c = JobController(job_id, SETTINGS, store=store, poll_s=0.0, group=group,
+                      watch_factory=group.watch_factory, credentials=FakeCredentials())
+    c.keepers = JobKeepers(store, job_id, group, c.credentials, ops=keepers.ops())
+    return c
+
+
+def plans(group) -> list[tuple[tuple[int, ...], KeeperPlan | None]]:
+    return [(ranks, None if p is None else KeeperPlan.from_json(p)) for ranks, p in group.plans]
+
+
+def test_every_run_of_an_in_place_replacement_carries_the_plan_and_the_end_kills_them(
+        store, tmp_path):
+    placed_job(store, "j1", spec_doc(tmp_path, elastic=RESTORES,
+                                     checkpoint={"in_memory": IN_MEMORY}), ["n0", "n1"])
+    group = FakeGroup(tmp_path / "ckpt" / "j1", [Step([Outcome(1, died="killed by SIGKILL")])])
+    keepers = FakeKeepers()
+    assert wired(store, group, keepers).run() == "SUCCEEDED"
+    assert keepers.starts == [{"n0": "id-n0", "n1": "id-n1"}]
+    assert keepers.keys == [(FakeCredentials().public_key(), 64 * 1024 * 1024)]
+    expected = KeeperPlan({"n0": keeper_name("j1", "n0"), "n1": keeper_name("j1", "n1")},
+                          {0: "n0", 1: "n1"})
+    assert plans(group) == [((0, 1), expected), ((0, 1), expected)]  # first run, replacement
+    assert keepers.killed == ["j1"] and keepers.live("j1") == []
+    started = [e for e in store.events("j1") if e["type"] == "peer_memory"]
+    assert len(started) == 1 and started[0]["nodes"] == ["n0", "n1"]
+    assert started[0]["bound_mb"] == 2 * 64 * 2 * 2  # 2 copies x 64 MB x (1 + 1 replica) x 2 ranks
+
+
+def test_without_in_memory_no_keeper_is_started_and_no_rank_gets_a_plan(store, tmp_path):
+    placed_job(store, "j1", spec_doc(tmp_path), ["n0", "n1"])
+    group = FakeGroup(tmp_path / "ckpt" / "j1")
+    keepers = FakeKeepers()
+    assert wired(store, group, keepers).run() == "SUCCEEDED"
+    assert keepers.starts == [] and keepers.killed == []
+    assert plans(group) == [((0, 1), None)]
+
+
+def test_a_node_whose_keeper_does_not_start_is_left_out_with_an_event(store, tmp_path):
+    placed_job(store, "j1", spec_doc(tmp_path, checkpoint={"in_memory": IN_MEMORY}), ["n0", "n1"])
+    group = FakeGroup(tmp_path / "ckpt" / "j1")
+    assert wired(store, group, FakeKeepers(down={"n1"})).run() == "SUCCEEDED"
+    [(_, plan)] = plans(group)
+    assert plan is not None and set(plan.keepers) == {"n0"} and plan.node_of == {0: "n0", 1: "n1"}
+    missing = [e for e in store.events("j1") if e["type"] == "peer_memory_keeper_missing"]
+    assert missing and missing[0]["nodes"] == ["n1"]
+
+
+def test_with_no_keeper_at_all_every_rank_runs_without_a_plan(store, tmp_path):
+    placed_job(store, "j1", spec_doc(tmp_path, checkpoint={"in_memory": IN_MEMORY}), ["n0", "n1"])
+    group = FakeGroup(tmp_path / "ckpt" / "j1")
+    assert wired(store, group, FakeKeepers(down={"n0", "n1"})).run() == "SUCCEEDED"
+    assert plans(group) == [((0, 1), None)]
+    assert any(e["type"] == "peer_memory_off" for e in store.events("j1"))
+
+
+def test_joiners_of_a_live_grow_get_the_new_membership_and_keepers_on_their_nodes(store,
+                                                                                  tmp_path):
+    placed_job(store, "j1", spec_doc(tmp_path, elastic=ELASTIC,
+                                     checkpoint={"in_memory": IN_MEMORY}), ["n0", "n1"])
+    grow = Step(action=lambda: ask_resize(store, "j1", 4, "grow", ["n2", "n3"]))
+    group = FakeGroup(tmp_path / "ckpt" / "j1", [grow])
+    keepers = FakeKeepers()
+    assert wired(store, group, keepers).run() == "SUCCEEDED"
+    assert keepers.starts == [{"n0": "id-n0", "n1": "id-n1"}, {"n2": "id-n2", "n3": "id-n3"}]
+    (_, first), (joiners, grown) = plans(group)
+    assert first is not None and first.node_of == {0: "n0", 1: "n1"}
+    assert joiners == (2, 3) and grown is not None
+    assert grown.node_of == {0: "n0", 1: "n1", 2: "n2", 3: "n3"}
+    assert set(grown.keepers) == {"n0", "n1", "n2", "n3"}
+
+
+def test_a_requeued_job_finds_its_earlier_keepers_and_keeps_them_while_queued(store, tmp_path):
+    placed_job(store, "j1", spec_doc(tmp_path, elastic=RESTORES,
+                                     checkpoint={"in_memory": IN_MEMORY}), ["n0", "n2"])
+    # The earlier run's keepers: n1's node is no longer placed, its copies still wanted.
+    keepers = FakeKeepers(live={keeper_name("j1", "n0"): "j1", keeper_name("j1", "n1"): "j1"})
+    preempted = {"preempted": True, "steps": 3}
+    group = FakeGroup(tmp_path / "ckpt" / "j1", [
+        Step(action=lambda: store.request_preempt("j1", "j2")),
+        Step([Outcome(0, value=preempted), Outcome(1, value=preempted)])])
+    assert wired(store, group, keepers).run() == "QUEUED"
+    assert keepers.starts == [{"n2": "id-n2"}]  # n0's keeper is found, not started again
+    [(_, plan)] = plans(group)
+    assert plan is not None and set(plan.keepers) == {"n0", "n1", "n2"}
+    assert plan.node_of == {0: "n0", 1: "n2"}
+    assert keepers.killed == [] and len(keepers.live("j1")) == 3  # queued: kept
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gauge(store, node: str, job_id="j1") -> float:
+    field = metrics.series_field(metrics.MEMORY_CHECKPOINT_BYTES, {"job": job_id, "node": node})
+    return store.metric_fields(job_id).get(field, 0.0)
+
+
+def test_the_gauge_reads_the_keepers_at_most_every_ten_seconds_and_never_fails(store, tmp_path):
+    placed_job(store, "j1", spec_doc(tmp_path, checkpoint={"in_memory": IN_MEMORY}), ["n0", "n1"])
+    group, keepers, clock = FakeGroup(tmp_path), FakeKeepers(), Clock()
+    group.start(store.get("j1").placement, _spec(store))
+    jk = JobKeepers(store, "j1", group, FakeCredentials(), ops=keepers.ops(), clock=clock)
+    jk.begin(_spec(store), store.get("j1").placement)
+    keepers.bytes = {"n0": 1000, "n1": 3000}
+    jk.tick()
+    assert (gauge(store, "n0"), gauge(store, "n1")) == (1000.0, 3000.0)
+    keepers.bytes = {"n0": 500, "n1": 4000}
+    clock.now += STATS_EVERY_S / 2
+    jk.tick()  # too soon: not read
+    assert gauge(store, "n0") == 1000.0
+    clock.now += STATS_EVERY_S
+    jk.tick()
+    assert (gauge(store, "n0"), gauge(store, "n1")) == (500.0, 4000.0)
+    keepers.bytes = {"n0": 700}  # n1's keeper does not answer: it counts 0
+    clock.now += STATS_EVERY_S
+    jk.tick()
+    assert (gauge(store, "n0"), gauge(store, "n1")) == (700.0, 0.0)
+    keepers.unreachable = True
+    clock.now += STATS_EVERY_S
+    jk.tick()  # logged, not raised; the gauge keeps what it had
+    assert gauge(store, "n0") == 700.0
+    # A later controller (a requeue) sets the same series from what the hash holds.
+    keepers.unreachable, keepers.bytes = False, {"n0": 200, "n1": 100}
+    again = JobKeepers(store, "j1", group, FakeCredentials(), ops=keepers.ops(), clock=Clock())
+    again.begin(_spec(store), store.get("j1").placement)
+    again.tick()
+    assert (gauge(store, "n0"), gauge(store, "n1")) == (200.0, 100.0)
+    store.update("j1", lambda j: (dataclasses.replace(j, state=JobState.CANCELLED), None))
+    again.end()
+    assert (gauge(store, "n0"), gauge(store, "n1")) == (0.0, 0.0) and keepers.killed == ["j1"]
+
+
+def _spec(store):
+    from kuangchao.platform.spec.jobspec import validate_spec
+
+    return validate_spec(store.get("j1").spec)
+
+
+def test_a_recorded_gauge_is_served_as_a_gauge(store):
+    from kuangchao.api.server.cluster_metrics import recorded_families
+
+    rec = store.recorder("j1")
+    rec.set(metrics.MEMORY_CHECKPOINT_BYTES, 5.0, 0.0, job="j1", node="n0")
+    rec.set(metrics.MEMORY_CHECKPOINT_BYTES, 2.0, 5.0, job="j1", node="n0")
+    samples = metrics.own_job_samples(metrics.parse_hash(store.metric_fields("j1")), "j1")
+    [fam] = list(recorded_families(samples))
+    assert fam.type == "gauge" and fam.name == "kc_job_memory_checkpoint_bytes"
+    assert [(s.labels, s.value) for s in fam.samples] == [({"job": "j1", "node": "n0"}, 2.0)]
+
+
+def test_the_schedulers_sweep_kills_the_keepers_of_ended_or_vanished_jobs_only():
+    from kuangchao.platform.execution.keeper import sweep_keepers
+
+    names = [keeper_name("done", "n0"), keeper_name("done", "n1"), keeper_name("running", "n0"),
+             keeper_name("gone", "n2"), "kc-job-running-abc", "kc-scheduler"]
+    state = {"done": True, "running": False}  # job -> ended; "gone" is not in the store
+    killed: list[str] = []
+    assert sweep_keepers(lambda j: state.get(j, True), names=names, kill=killed.append) == [
+        "done", "gone"]
+    assert killed == ["done", "gone"]
