@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import raylet_of, wait_for
+from tests.unit.test_peer_memory import digest
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +33,7 @@ HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
 
 
 @dataclass
-class Stack:
+class Bed:
     ray: Any
     a: str  # node ids
     b: str
@@ -52,7 +53,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
+def bed() -> Iterator[Bed]:
     import ray
     from ray.cluster_utils import Cluster
 
@@ -70,7 +71,7 @@ def stack() -> Iterator[Stack]:
         pem = public_pem(key).decode()
         keepers = start_keepers(JOB, {"a": a, "b": b}, pem, BOUND_MB * 1024 * 1024)
         assert sorted(keepers) == ["a", "b"], keepers
-        yield Stack(ray, a, b, Minter(key), pem, keepers)
+        yield Bed(ray, a, b, Minter(key), pem, keepers)
     finally:
         ray.shutdown()
         c.shutdown()
@@ -90,28 +91,28 @@ def _meta(rank: int, step: int, data: bytes, crc: int | None = None) -> dict[str
                     CopyLayout(1, "h")).to_json()
 
 
-def test_keepers_refuse_another_jobs_token_and_a_missing_or_expired_one(stack: Stack) -> None:
+def test_keepers_refuse_another_jobs_token_and_a_missing_or_expired_one(bed: Bed) -> None:
     from kuangchao.platform.errors import TokenError
 
-    ray, b = stack.ray, stack.keeper("b")
+    ray, b = bed.ray, bed.keeper("b")
     data = b"rank state"
-    for tok, reason in ((stack.token(job="another-job"), "denied"), (None, "missing"),
-                        (stack.token(ttl_s=60, now=time.time() - 120), "expired")):
+    for tok, reason in ((bed.token(job="another-job"), "denied"), (None, "missing"),
+                        (bed.token(ttl_s=60, now=time.time() - 120), "expired")):
         exc = _cause(lambda tok=tok: ray.get(b.put.remote(tok, _meta(9, 1, data), data), timeout=30))
         assert isinstance(exc, TokenError) and exc.reason == reason, exc
-    exc = _cause(lambda: ray.get(b.get.remote(stack.token(job="another-job"), 9, 1), timeout=30))
+    exc = _cause(lambda: ray.get(b.get.remote(bed.token(job="another-job"), 9, 1), timeout=30))
     assert isinstance(exc, TokenError) and "another-job" in str(exc)
-    assert ray.get(b.listing.remote(stack.token(), 9), timeout=30) == []
+    assert ray.get(b.listing.remote(bed.token(), 9), timeout=30) == []
     assert ray.get(b.stats.remote(), timeout=30)["refused"] == 4
 
 
-def test_keepers_enforce_the_bound_and_refuse_a_corrupted_copy(stack: Stack) -> None:
+def test_keepers_enforce_the_bound_and_refuse_a_corrupted_copy(bed: Bed) -> None:
     from kuangchao.platform.errors import CopyRefused
     from kuangchao.platform.protocol.memory_copies import KeeperPlan
     from kuangchao.platform.spec.checkpoint import InMemorySection
     from kuangchao.workers.checkpoint.peer_memory import PeerMemory
 
-    ray, b, tok = stack.ray, stack.keeper("b"), stack.token()
+    ray, b, tok = bed.ray, bed.keeper("b"), bed.token()
     big = b"x" * (BOUND_MB * 1024 * 1024 + 1)
     exc = _cause(lambda: ray.get(b.put.remote(tok, _meta(8, 1, big), big), timeout=60))
     assert isinstance(exc, CopyRefused) and exc.reason == "too_large"
@@ -123,7 +124,7 @@ def test_keepers_enforce_the_bound_and_refuse_a_corrupted_copy(stack: Stack) -> 
     # Bytes that pass their checksum but are no state: fetched, refused, nothing loaded.
     ray.get(b.put.remote(tok, _meta(8, 2, data), data), timeout=30)
     lines: list[str] = []
-    pm = PeerMemory(KeeperPlan(stack.keepers, {8: "b"}), 8, 1, "h",
+    pm = PeerMemory(KeeperPlan(bed.keepers, {8: "b"}), 8, 1, "h",
                     InMemorySection(interval_steps=1, max_mb_per_rank=BOUND_MB), lambda: tok,
                     lambda m, level="INFO": lines.append(m))
     assert pm.available() == {2: ["b"]}
@@ -169,8 +170,7 @@ def _pusher(ray: Any) -> Any:
     return push
 
 
-def test_a_copy_outlives_its_node_and_restores_bit_identically(stack: Stack) -> None:
-    import hashlib
+def test_a_copy_outlives_its_node_and_restores_bit_identically(bed: Bed) -> None:
 
     import torch
 
@@ -179,17 +179,17 @@ def test_a_copy_outlives_its_node_and_restores_bit_identically(stack: Stack) -> 
     from kuangchao.platform.spec.checkpoint import InMemorySection
     from kuangchao.workers.checkpoint import peer_memory
 
-    ray, tok = stack.ray, stack.token()
-    plan = KeeperPlan(stack.keepers, {0: "a", 1: "b"})  # rank 0 on A; its peer is B
+    ray, tok = bed.ray, bed.token()
+    plan = KeeperPlan(bed.keepers, {0: "a", 1: "b"})  # rank 0 on A; its peer is B
     pushed = ray.get(_pusher(ray).remote(plan.to_json(), tok), timeout=120)
     assert pushed["pushed"] == 1 and pushed["last"]["nodes"] == ["a", "b"], pushed
-    held = keeper_stats(stack.keepers)
+    held = keeper_stats(bed.keepers)
     assert held["a"]["bytes"] == held["b"]["bytes"] == pushed["last"]["bytes"] > 0
 
-    os.kill(raylet_of(stack.a), signal.SIGKILL)  # node A is lost, and its keeper with it
-    wait_for(lambda: not next(n["Alive"] for n in ray.nodes() if n["NodeID"] == stack.a), 30,
+    os.kill(raylet_of(bed.a), signal.SIGKILL)  # node A is lost, and its keeper with it
+    wait_for(lambda: not next(n["Alive"] for n in ray.nodes() if n["NodeID"] == bed.a), 30,
              "the GCS to declare node A dead", interval=0.2)
-    wait_for(lambda: stack.keepers["a"] not in job_keepers(JOB), 30, "A's keeper to be gone")
+    wait_for(lambda: bed.keepers["a"] not in job_keepers(JOB), 30, "A's keeper to be gone")
 
     lines: list[str] = []
     pm = peer_memory.PeerMemory(plan, 0, 1, "h", InMemorySection(interval_steps=1,
@@ -201,13 +201,7 @@ def test_a_copy_outlives_its_node_and_restores_bit_identically(stack: Stack) -> 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     got = peer_memory.restore(pm, 3, model, opt)
     assert got is not None and got["step"] == 4 and got["node"] == "b", lines
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode() + t.numpy().tobytes())
-    for pid, st in sorted(opt.state_dict()["state"].items()):
-        for k, v in sorted(st.items()):
-            h.update(f"{pid}{k}".encode() + v.numpy().tobytes())
-    assert h.hexdigest() == pushed["digest"]
+    assert digest(model, opt) == pushed["digest"]
     # A newer disk checkpoint wins over the copy.
     assert peer_memory.restore(pm, 5, model, opt) is None
 
