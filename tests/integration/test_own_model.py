@@ -77,9 +77,11 @@ def finished(stack: Stack, job_id: str) -> dict:
 def test_a_sigkilled_rank_resumes_fine_tuning_at_the_exact_sample(stack, files):
     client = stack.client
     clean = client.submit(doc(stack, "hf-clean", files))
-    victim = client.submit(doc(stack, "hf-killed", files))
+    # The checkpoint path: with a live resize the survivor would keep its work instead
+    # (tests/integration/test_survivors.py), and nothing would be restored.
+    victim = client.submit({**doc(stack, "hf-killed", files), "elastic": {"resize": "restart"}})
     own_clean = client.submit(own(stack, "own-clean", files))
-    own_victim = client.submit(own(stack, "own-killed", files))
+    own_victim = client.submit(own(stack, "own-killed", files, resize="restart"))
     for job in (victim, own_victim):
         kill_rank1_after(stack, job["id"], INTERVAL + 5)
     for killed, reference in ((victim, clean), (own_victim, own_clean)):

@@ -6,7 +6,8 @@ node's keeper. The keepers check real signed tokens and the bound.
 A Ray cluster of the module's own (`ray.cluster_utils.Cluster`: a head and two
 nodes, A and B, each with a custom resource to pin work there), with a fast GCS
 health check so that the lost node is declared dead within seconds. It starts no
-kuangchao stack, so it runs in the no-stack tier (tests/conftest.py). About 30 s on
+kuangchao stack; being a Ray cluster of its own, it runs in the first tier, before
+the shared stack's driver connects (tests/conftest.py). About 30 s on
 2 cores, most of it the cluster coming up.
 """
 
@@ -24,7 +25,7 @@ import pytest
 from tests.integration.conftest import raylet_of, wait_for
 from tests.unit.test_peer_memory import digest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_stack]
 
 JOB = "job-peer-mem"
 BOUND_MB = 2

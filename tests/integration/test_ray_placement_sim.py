@@ -36,7 +36,7 @@ from bench.placement_sim import (  # noqa: E402
 )
 from tests.integration.conftest import wait_for  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_stack]
 
 GPUS = (8, 8, 6, 4)
 CPUS = (4, 2, 4, 3)

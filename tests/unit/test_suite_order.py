@@ -9,8 +9,10 @@ from pathlib import Path
 
 LIVE = [Path(__file__).resolve().parents[1] / d for d in ("integration", "security")]
 # What a fixture that brings a stack up calls: `kc up`, or a Ray head by hand.
-# `small_stack(` is tests/integration/conftest.py's `kc up` for a module's own stack.
-STARTS_A_STACK = ('kc("up"', '"start", "--head"', "small_stack(")
+# `small_stack(` is tests/integration/conftest.py's `kc up` for a module's own stack;
+# `Cluster(` is `ray.cluster_utils.Cluster`, a Ray cluster of the module's own (its
+# driver connects and disconnects: beside the shared stack's it would cut that one).
+STARTS_A_STACK = ('kc("up"', '"start", "--head"', "small_stack(", "Cluster(")
 
 
 def _is_fixture(node: ast.FunctionDef) -> bool:
