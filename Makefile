@@ -14,17 +14,18 @@ LOCK := constraints.txt
 install: $(VENV)/.installed
 
 # Debian packages the tests need: Prometheus (with promtool) for the observability
-# tests, Chromium and its driver for the console's browser test.
+# tests, Chromium and its driver for the console's browser test. apt waits up to
+# 5 min for another apt (an unattended upgrade) to let go of the dpkg lock.
 APT_TOOLS := prometheus chromium chromium-driver
 tools:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null && \
 	  command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
 	  if [ "$$(id -u)" != 0 ]; then \
 	    echo "the tests need: sudo apt-get install $(APT_TOOLS)" >&2; exit 2; fi; \
-	  export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get install -y -q --no-install-recommends $(APT_TOOLS) >/dev/null 2>&1 || { \
-	    apt-get update -q >/dev/null && \
-	    apt-get install -y -q --no-install-recommends $(APT_TOOLS) >/dev/null; }; }
+	  export DEBIAN_FRONTEND=noninteractive; APT="apt-get -o DPkg::Lock::Timeout=300"; \
+	  $$APT install -y -q --no-install-recommends $(APT_TOOLS) >/dev/null 2>&1 || { \
+	    $$APT update -q >/dev/null && \
+	    $$APT install -y -q --no-install-recommends $(APT_TOOLS) >/dev/null; }; }
 
 # torch is installed first and pinned: the CPU build serves here, and an
 # unpinned `torch` could pull a multi-GB CUDA build. Everything else comes at the

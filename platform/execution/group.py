@@ -25,7 +25,7 @@ from kuangchao.platform.errors import Cancelled, KuangchaoError, RankFailed, Wor
 from kuangchao.platform.execution.bundles import pinned_nodes, rank_resources, replica_pg
 from kuangchao.platform.execution.grants import Credentials, worker_settings
 from kuangchao.platform.execution.members import GroupSnapshot, Member, Outcome
-from kuangchao.platform.execution.reachability import NodeReach, alive_nodes, node_lost
+from kuangchao.platform.execution.reachability import NodeReach, alive_nodes, lost_among, node_lost
 from kuangchao.platform.execution.reachability import probe as probe_node
 from kuangchao.platform.execution.recovery import Failure
 from kuangchao.platform.execution.spares import SparePool, kill_actor
@@ -356,6 +356,7 @@ class RayWorkerGroup:
         return probe_node(node_id, redis)
 
     node_lost = staticmethod(node_lost)  # whether a node is gone (reachability.py)
+    lost_among = staticmethod(lost_among)  # which of several nodes are gone, in one read
 
     def _wait(self, refs: list[Any], timeout_s: float, what: str,
               lost: Callable[[], bool] | None = None) -> list[Any]:

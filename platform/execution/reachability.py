@@ -94,13 +94,31 @@ def node_lost(node_id: str | None) -> bool:
     Ray marks a node dead only after its health checks fail for a while
     (tens of seconds); a refused connection to the raylet says it at once.
     """
-    if not node_id:
-        return False
+    return bool(node_id) and node_id in lost_among({node_id})
+
+
+def lost_among(node_ids: set[str] | frozenset[str]) -> frozenset[str]:
+    """Which of `node_ids` are gone, as `node_lost` judges each, from one read of
+    Ray's node table and the raylet connects made side by side (a judgement of
+    a job on many nodes must not cost a GCS read and a connect timeout per node)."""
+    wanted = {n for n in node_ids if n}
+    if not wanted:
+        return frozenset()
     import ray
 
-    entry = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
-    if entry is None or not entry.get("Alive"):
-        return True
+    entries = {n["NodeID"]: n for n in ray.nodes() if n["NodeID"] in wanted}
+    gone = {n for n in wanted if not entries.get(n, {}).get("Alive")}
+    up = [entries[n] for n in wanted - gone]
+    if up:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(16, len(up))) as pool:
+            refused = list(pool.map(_raylet_refuses, up))
+        gone |= {e["NodeID"] for e, r in zip(up, refused, strict=True) if r}
+    return frozenset(gone)
+
+
+def _raylet_refuses(entry: dict) -> bool:
     try:
         with socket.create_connection((entry["NodeManagerAddress"],
                                        entry["NodeManagerPort"]), timeout=2):

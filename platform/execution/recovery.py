@@ -142,7 +142,7 @@ def judge(store: JobStore, job_id: str, failure: Failure, group: Any, spec: Any,
     slots = tuple(p for p in job.placement if p.rank < group.world)
     keeps = bool(spec.survivors_keep_work)  # a failed replica is refilled live, elastic or not
     nodes = {s.node_id for s in slots} if live or keeps else set()
-    lost = frozenset(n for n in nodes if group.node_lost(n))
+    lost = group.lost_among(nodes) if nodes else frozenset()
     decision = decide(FailureView(
         kind=failure.kind, rank=failure.rank, restarts=job.restarts,
         max_restarts=spec.fault_tolerance.max_restarts, live=live, has_group=group.placed,

@@ -173,6 +173,10 @@ class FakeGroup:
     def node_lost(self, node_id: str | None) -> bool:
         return node_id in self.lost_nodes
 
+    def lost_among(self, node_ids: set[str]) -> frozenset[str]:
+        self.calls.append(("lost_among", tuple(sorted(node_ids))))
+        return frozenset(n for n in node_ids if n in self.lost_nodes)
+
     def reach(self, node_id: str, redis: tuple[str, int]) -> NodeReach:
         """What a probe of the node finds: `unreachable` maps node ids to
         "network" (no answer) or "redis" (answers, cannot reach Redis)."""

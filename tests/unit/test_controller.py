@@ -227,6 +227,8 @@ def test_a_lost_node_shrinks_a_live_elastic_job_around_its_survivors(store, tmp_
     assert job.world_size == 1 and job.replicas == 1 and [p.node for p in job.placement] == ["n0"]
     assert job.restarts == 1 and job.restart_log[0]["kind"] == "node_lost"
     assert job.restart_log[0]["path"] == "live"
+    # one question about all the job's nodes, not a GCS read and a connect per node
+    assert [c for c in group.calls if c[0] == "lost_among"] == [("lost_among", ("id-n0", "id-n1"))]
     assert job.resize_log[-1]["from"] == 2 and job.resize_log[-1]["to"] == 1
     assert job.resize_log[-1]["cause"] == "node_lost"
     assert ("reshape", (0,), 0) in group.calls and ("replace", 1) not in group.calls
