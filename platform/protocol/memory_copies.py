@@ -222,11 +222,13 @@ class CopyStore:
         return {r for r, _ in self._copies}
 
     def stats(self) -> dict[str, Any]:
-        """What the controller reads for its metrics: bytes and copies held, and the
-        most this store may hold for the ranks it keeps (`keep` copies each)."""
+        """What the controller reads for its metrics: bytes and copies held, the most
+        this store may hold for the ranks it keeps (`keep` copies each), and which
+        steps it holds of each rank (no contents)."""
         ranks = self.ranks()
         return {"bytes": self.bytes_held(), "copies": len(self._copies), "ranks": len(ranks),
-                "bound_bytes": self.keep * self.max_bytes * len(ranks)}
+                "bound_bytes": self.keep * self.max_bytes * len(ranks),
+                "steps": {str(r): sorted(self.steps(r)) for r in sorted(ranks)}}
 
 
 def choose_restore(disk_step: int | None, available: Mapping[int, Iterable[int]],

@@ -164,10 +164,12 @@ def test_a_slowed_link_is_named_by_a_straggler_event_and_by_debug_comm(cluster):
     node = _past_step(stack, running["id"], 20)
     kc_drill(stack, "slow", node, "--gbps", "0.05")
     try:
+        # The slowed node's event (the probe measures twice before it names a node, but a
+        # machine as busy as a full suite can still hold some other write back twice).
         event = wait_for(lambda: next((e for e in stack.client.events(running["id"])["events"]
-                                       if e["type"] == "straggler"), None), 240,
-                         "a straggler event")
-        assert event["node"] == node and event["gbps"] < 0.5 * event["best_gbps"]
+                                       if e["type"] == "straggler" and e["node"] == node), None),
+                         240, f"a straggler event naming {node}")
+        assert event["gbps"] < 0.5 * event["best_gbps"]
         assert f"node {node}" in event["message"]
         out = kc("debug", "comm", running["id"], env=stack.env)
         assert f"slow link: {node}" in out.stdout, out.stdout + out.stderr

@@ -238,3 +238,26 @@ def test_kc_debug_comm_names_the_slow_node_in_text_and_json(monkeypatch):
     out = json.loads(as_json.output)
     assert out["slow_links"][0]["node"] == "node-3"
     assert out["ranks"]["1"]["links"]["rates"]["node-3"] == 0.05
+
+
+def _probe_with_rounds(monkeypatch, *rounds):
+    """`links.probe` on one rank whose rounds of measurement give `rounds`, in order."""
+    given = iter(rounds)
+    monkeypatch.setattr(links, "_round", lambda ctx, leaders, payload: dict(next(given)))
+    ctx = SimpleNamespace(world_size=1, rank=0, node="a", telemetry=None, is_chief=False)
+    return links.probe(ctx)
+
+
+def test_a_node_slow_in_one_round_only_is_measured_again_and_not_named(monkeypatch):
+    result = _probe_with_rounds(monkeypatch, {"a": 2.0, "b": 0.3}, {"a": 1.9, "b": 1.8})
+    assert result["slow"] == [] and result["rates"] == {"a": 2.0, "b": 1.8}
+
+
+def test_a_node_slow_in_both_rounds_is_named(monkeypatch):
+    result = _probe_with_rounds(monkeypatch, {"a": 2.0, "b": 0.3}, {"a": 1.0, "b": 0.05})
+    assert result["slow"] == ["b"] and result["rates"] == {"a": 2.0, "b": 0.3}
+
+
+def test_no_second_round_when_nobody_seems_slow(monkeypatch):
+    result = _probe_with_rounds(monkeypatch, {"a": 2.0, "b": 1.5})  # a second would raise
+    assert result["slow"] == [] and result["best_gbps"] == 2.0

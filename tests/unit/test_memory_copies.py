@@ -126,6 +126,7 @@ def test_what_a_keeper_holds_is_bounded_by_the_spec():
     stats = store.stats()
     assert stats["copies"] == 6 and stats["ranks"] == 3
     assert stats["bytes"] == store.bytes_held() <= stats["bound_bytes"] == 2 * bound * 3
+    assert stats["steps"] == {"0": [28, 29], "1": [28, 29], "2": [28, 29]}  # the two newest
 
 
 def test_drop_frees_one_copy_a_rank_or_everything():

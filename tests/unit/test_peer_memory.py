@@ -171,6 +171,25 @@ def test_a_push_still_running_when_the_next_is_due_is_skipped_and_counted():
     assert keepers.by_node["a"].store.steps(0) == {1}
 
 
+def test_every_rank_skips_a_copy_while_any_rank_still_pushes_so_all_hold_the_same_steps(tmp_path):
+    ctx = context({"interval_steps": 1, "max_mb_per_rank": 8}, plan().to_json(), tmp_path)
+    keepers = LocalKeepers(["a", "b"])
+    ctx.peer_memory = PeerMemory(plan(), 0, 1, ctx.spec.spec_hash(), ctx.spec.checkpoint.in_memory,
+                                 token, ctx.log, keepers=keepers)
+    model, opt = trained()
+    guard = GradNormGuard(10.0, 5)
+    push_to_peers(ctx, 1, model, opt, Position(1, []), guard)
+    assert ctx.peer_memory.wait(10)
+    ctx.others_busy = True  # this rank is free, another is still pushing: nobody pushes
+    push_to_peers(ctx, 2, model, opt, Position(2, []), guard)
+    ctx.others_busy = False
+    push_to_peers(ctx, 3, model, opt, Position(3, []), guard)
+    assert ctx.peer_memory.wait(10)
+    assert keepers.by_node["a"].store.steps(0) == {1, 3}
+    assert ctx.peer_memory.skipped == 1
+    assert "another rank's copy is still being pushed" in ctx.log.text()
+
+
 def test_a_copy_over_the_bound_is_never_sent_and_the_rank_says_so_once():
     keepers = LocalKeepers(["a", "b"])
     pm, log = memory(keepers, section=InMemorySection(interval_steps=1, max_mb_per_rank=1))
@@ -305,8 +324,12 @@ def context(in_memory, keepers, tmp_path):
     spec = validate_spec({"checkpoint": {"path": str(tmp_path),
                                          **({"in_memory": in_memory} if in_memory else {})}})
     ckpt = SimpleNamespace(list=lambda: [], wait=lambda: None, holder=None)
-    return SimpleNamespace(spec=spec, keepers=keepers, peer_memory=None, rank=0, world_size=1,
-                           checkpoint=ckpt, log=Lines(), node="a")
+    # One rank here: whether any rank flags is this rank's own flag (`others_busy` stands in
+    # for another rank whose push is still in flight).
+    ctx = SimpleNamespace(spec=spec, keepers=keepers, peer_memory=None, rank=0, world_size=1,
+                          checkpoint=ckpt, log=Lines(), node="a", others_busy=False)
+    ctx.any_rank = lambda flag, what: flag or ctx.others_busy
+    return ctx
 
 
 @pytest.mark.parametrize("in_memory, keepers", [

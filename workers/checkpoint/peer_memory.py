@@ -9,7 +9,10 @@ local shards, plus the rank state of workers/trainer/resume.py), into buffers re
 from push to push as the disk's async save does. Everything else runs on a background
 thread: `torch.save` into memory, CRC-32, one `ray.put`, and a put to the keeper on
 the rank's own node and on its `replicas` peers (`peers_for`). A push still running
-when the next is due is skipped and counted, so training never waits on a keeper.
+on any rank when the next is due makes every rank skip that one (counted; the
+trainer asks all ranks in one tiny all-reduce), so training never waits on a keeper
+and the keepers always hold the same steps of every rank: a restore needs a step
+that all ranks have, and ranks skipping on their own would leave none in common.
 A copy over `max_mb_per_rank` is never sent: the rank warns once, stops pushing, and
 the job relies on its disk checkpoints.
 
@@ -190,15 +193,25 @@ class PeerMemory:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def ready(self) -> bool:
+        """Whether this rank could push now: no push in flight, and not disabled."""
+        return self.disabled is None and not self.busy()
+
+    def skip(self, step: int) -> None:
+        """Count a due copy not made (this rank's or another's push still in flight)."""
+        if self.disabled is not None:
+            return
+        self.skipped += 1
+        why = (f"step {self._in_flight} is still being pushed" if self.busy()
+               else "another rank's copy is still being pushed")
+        self._say("skipped", f"peer-memory copy of step {step} skipped: {why} (counted; said "
+                             "once)", "INFO")
+
     def push(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              rank_state: dict[str, Any]) -> bool:
         """Copy the state to CPU now and send it in the background; False when skipped."""
-        if self.disabled is not None:
-            return False
-        if self.busy():
-            self.skipped += 1
-            self._say("skipped", f"peer-memory copy of step {step} skipped: step {self._in_flight} "
-                                 "is still being pushed (counted; said once)", "INFO")
+        if not self.ready():
+            self.skip(step)
             return False
         t0 = time.perf_counter()
         model_sd, optim_sd = self._reader(model, optimizer)

@@ -115,8 +115,14 @@ def push_to_peers(ctx: TrainContext, step: int, model: torch.nn.Module,
     if section is None or ctx.keepers is None or step % section.interval_steps:
         return
     peers = peer_memory.of(ctx)
-    if peers is not None:
-        peers.push(step, model, optimizer, rank_state(step, pos.skipped, guard))
+    if peers is None:
+        return
+    # Every rank pushes the same steps or none: a restore takes a step all ranks hold,
+    # and ranks skipping on their own (a push in flight) could leave none in common.
+    if ctx.any_rank(not peers.ready(), "peer-memory copy in flight"):
+        peers.skip(step)
+        return
+    peers.push(step, model, optimizer, rank_state(step, pos.skipped, guard))
 
 
 def skip_event(ctx: TrainContext, step: int, previous: PendingCheckpoint | None) -> None:
