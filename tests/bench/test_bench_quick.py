@@ -41,7 +41,7 @@ def test_every_bench_script_is_covered():
     helpers = {"api_load", "heartbeats_sim", "hf_rt", "hf_tokenize", "overhead_raw",
                "placement_sim", "recovery_common", "recovery_kc", "recovery_ray", "recovery_rt",
                "resize_common", "resize_kc", "resize_rt", "harness", "run_all", "check",
-               "goodput_chaos", "goodput_ray", "goodput_runs",
+               "goodput_chaos", "goodput_ray", "goodput_runs", "goodput_torchft",
                # a pass/fail check of the CUDA and NCCL paths, run on a GPU machine only
                "gpu_check",
                # a simulator with its own unit tests (tests/unit/test_goodput_sim.py)
