@@ -2,7 +2,9 @@
 
 No Ray, no Redis, no stack: one process. The texts are the standard library's
 modules in full (`tests/hf_fixtures.stdlib_texts` with no length cut), repeated
-until they hold `target_mb` MB, one jsonl row `{"text": ...}` each; the tokenizer
+until they hold `target_mb` MB, one jsonl row `{"text": ...}` each (with
+`whole=False`, the quick mode's, only the first modules that reach `target_mb`: a
+smaller target than the 4.7 MB of one copy is not rounded up to it); the tokenizer
 is `tests/hf_fixtures.tiny_tokenizer` (byte-level BPE, 512 tokens, <s> and </s>).
 
 * ours: `load_tokenized(DataSection(path=docs.jsonl, format="jsonl", max_bytes=...),
@@ -42,13 +44,21 @@ from bench.harness import log, median, wait_for_quiet
 BATCH = 1000  # documents per encode_batch call (kuangchao's encode.BATCH_DOCS)
 
 
-def make_texts(target_mb: float) -> list[str]:
+def make_texts(target_mb: float, whole: bool = True) -> list[str]:
+    """Whole copies of the stdlib's modules until `target_mb` MB; with `whole=False`,
+    the first modules that reach it (never fewer than one)."""
     from kuangchao.workers.models.tiny_hf import stdlib_texts
 
     base = stdlib_texts(n=100_000, max_chars=10**9)
     texts: list[str] = []
     while sum(map(len, texts)) < target_mb * 1e6:
         texts.extend(base)
+    if not whole:
+        size = 0
+        for i, t in enumerate(texts):
+            size += len(t)
+            if size >= target_mb * 1e6:
+                return texts[:i + 1]
     return texts
 
 
@@ -101,15 +111,17 @@ def kc_load(jsonl: Path, tokenizer_dir: Path, seq_len: int,
     return int(td.meta["tokens"] + td.meta["eval_tokens"]), dt, cpu, td
 
 
-def measure(work: Path, target_mb: float, repeats: int, seq_len: int = 64) -> dict[str, Any]:
-    """Alternating fresh-cache runs of both; medians. Uses `work` as scratch (removed after)."""
+def measure(work: Path, target_mb: float, repeats: int, seq_len: int = 64,
+            whole: bool = True) -> dict[str, Any]:
+    """Alternating fresh-cache runs of both; medians. Uses `work` as scratch (removed after).
+    `whole`: see `make_texts`."""
     from kuangchao.workers.models.tiny_hf import tiny_tokenizer
 
     old_xdg = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(work / "xdg")  # kuangchao's fallback cache: ours alone
     try:
         tok_dir = tiny_tokenizer(work / "tokenizer")
-        texts = make_texts(target_mb)
+        texts = make_texts(target_mb, whole)
         # Warm-up, untimed: imports (transformers, tokenizers) and the page cache.
         small = write_jsonl(work / "warm", texts[:20])
         kc_load(small, tok_dir, seq_len, fresh=True)

@@ -36,8 +36,9 @@ and max (`spread`), and the runs that failed (`failed_runs`).
   ckpt_save_throughput, async_ckpt_blocked_fraction
                        from bench/ckpt_io.py when it exists.
 
---quick: one run a side, one kill early in a short run, no warm spares, hang
-or ckpt_io (a smoke test of the script and its lines, about a minute).
+--quick: one run a side, one kill early in a short run (step 3 of 6), no warm
+spares, hang or ckpt_io (a smoke test of the script and its lines: a few minutes
+on a busy 2-core machine, nearly all of it process starts).
 
 Layout: this script holds the CLI, the metrics and their output; the
 kuangchao runs are in bench/recovery_kc.py, the Ray Train and plain-actor runs
@@ -245,7 +246,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="a smoke test: 1 run a side, 1 kill, short runs, no warm spares, "
-                             "hang or ckpt_io; about a minute")
+                             "hang or ckpt_io")
     parser.add_argument("--repeats", type=int, default=REPEATS,
                         help="runs of each configuration, alternating which system goes first")
     parser.add_argument("--kills", type=int, default=KILLS, help="kills per MTTR run")
@@ -267,7 +268,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.kills, args.detect_kills, args.detect_samples = 1, 1, 0, 1
-        args.ckpt_every, args.kill_offset = 3, 1
+        # A checkpoint every 2 steps, the kill 1 step after the first: the shortest run
+        # (6 steps) that resumes from an acknowledged checkpoint and redoes a step.
+        args.ckpt_every, args.kill_offset = 2, 1
         args.skip_hang = args.skip_spares = args.skip_ckpt_io = True
     every, offset = args.ckpt_every, args.kill_offset
     if not 0 < offset < every:

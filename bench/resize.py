@@ -39,7 +39,8 @@ monitor 0 s, autoscaling-coordinator tick 0.5 s (bench/resize_rt.py says
 what each does and why that value).
 
 --quick: one run a side, the grow only (2 -> 3 nodes), both on one cluster,
-no restart path: a smoke test of the script and its lines.
+no restart path, one step at the new size before each run ends: a smoke test of
+the script and its lines.
 
 Run: .venv/bin/python bench/resize.py [--repeats N] [--quick]   (JSON lines on stdout)
 """
@@ -77,6 +78,11 @@ from bench.resize_kc import kc_resize, kc_spec  # noqa: E402
 from bench.resize_rt import SETTINGS, TICK_S, fast_coordinator, ray_resize  # noqa: E402
 
 NODES, GPUS, CPUS = 3, 4, 2
+# --quick: both sides train this many steps at the new size before a run ends (the
+# full mode, a checkpoint interval: CKPT_EVERY), and our side reads the job record
+# every QUICK_POLL_S, not every 10 ms (the record's stamps time the resize, not the
+# poll; each read is a request the API serves from Redis).
+QUICK_AFTER_STEPS, QUICK_POLL_S = 1, 0.25
 EVENTS = ("shrink", "grow")  # in this order: the shrink leaves the 2 nodes the grow starts from
 
 
@@ -163,7 +169,8 @@ def run_quick(live: dict[str, Runs], rt: dict[str, Runs], audits: list[dict[str,
         before = {n["NodeID"] for n in leaf_nodes()}
         res: dict[str, Any] = {}
         try:
-            kc_resize(cluster, "live", events=("grow",), out=res)
+            kc_resize(cluster, "live", events=("grow",), out=res, after_steps=QUICK_AFTER_STEPS,
+                      poll_s=QUICK_POLL_S)
             log(f"kuangchao live ({time.monotonic() - t0:.0f}s): {json.dumps(res)}")
             live["grow"].ok.append(res["grow"])
             audits.append(res)
@@ -179,7 +186,7 @@ def run_quick(live: dict[str, Runs], rt: dict[str, Runs], audits: list[dict[str,
                     f"{retire_node(node['NodeID']):.1f}s")
         try:
             fast_coordinator()
-            out = ray_resize(cluster, "grow")
+            out = ray_resize(cluster, "grow", after_steps=QUICK_AFTER_STEPS)
         except Exception as exc:
             rt["grow"].errors.append(_failed("ray-train grow", exc))
             return

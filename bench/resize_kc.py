@@ -71,27 +71,31 @@ def _at(client: Client, job_id: str, replicas: int, step: int) -> dict | None:
 
 
 def _settled(client: Client, jid: str, size: int, t_event: float, what: str,
-             event: str) -> dict[str, Any]:
+             event: str, after_steps: int = CKPT_EVERY, poll_s: float = 0.01) -> dict[str, Any]:
     """The resize entry to `size` replicas after the event at `t_event`, timed; then wait
-    until the job trains on at that size (a checkpoint interval further)."""
+    until the job trains on at that size (`after_steps` further: a checkpoint interval)."""
     entry = wait_until(lambda: _entry_to(client, jid, size, t_event), WAIT_S,
-                       f"a step at {size} replicas")
+                       f"a step at {size} replicas", poll_s=poll_s)
     if entry is None:
         raise TimeoutError(f"no step at {size} replicas within {WAIT_S:.0f}s of {event}")
     times = _times(entry, t_event)
     log(f"{what}: {times}")
     step = client.get(jid)["progress"]["step"]
-    wait_until(lambda: _at(client, jid, size, step + CKPT_EVERY), WAIT_S,
-               f"training at {size} replicas")
+    wait_until(lambda: _at(client, jid, size, step + after_steps), WAIT_S,
+               f"training at {size} replicas", poll_s=poll_s)
     return times
 
 
 def kc_resize(cluster: BenchCluster, mode: str, warmup_steps: int = CKPT_EVERY + 2,
               events: tuple[str, ...] = ("shrink", "grow"),
-              out: dict[str, Any] | None = None) -> dict[str, Any]:
+              out: dict[str, Any] | None = None, after_steps: int = CKPT_EVERY,
+              poll_s: float = 0.01) -> dict[str, Any]:
     """Shrink (kill the node of the highest rank) then grow (a node joins), or only the
     `events` named; what the job's record says. Results go into `out` as they come,
-    so a caller keeps the events measured before a failure."""
+    so a caller keeps the events measured before a failure. After each resize the job
+    trains `after_steps` more at the new size; the job record is read every `poll_s`
+    (its stamps, not the poll, time the resize: a longer period only saves the API's
+    CPU, which the quick mode does)."""
     connect(cluster)
     client = Client(cluster.settings.api_url, cluster.settings.api_key)
     gpus = int(leaf_nodes()[0]["Resources"].get("GPU", 1))
@@ -102,7 +106,7 @@ def kc_resize(cluster: BenchCluster, mode: str, warmup_steps: int = CKPT_EVERY +
     size = len(leaf_nodes())  # one replica per worker node
     try:
         running = wait_until(lambda: _at(client, jid, size, warmup_steps), WAIT_S,
-                             f"{warmup_steps} steps at {size} replicas")
+                             f"{warmup_steps} steps at {size} replicas", poll_s=poll_s)
         if running is None:
             raise TimeoutError(f"the job did not reach {warmup_steps} steps at {size} replicas "
                                f"within {WAIT_S:.0f}s")
@@ -111,13 +115,15 @@ def kc_resize(cluster: BenchCluster, mode: str, warmup_steps: int = CKPT_EVERY +
             t_kill = kill_node(victim["node_id"])
             log(f"kc {mode}: SIGKILL raylet of {victim['node']} at step {running['progress']['step']}")
             size -= 1
-            out["shrink"] = _settled(client, jid, size, t_kill, f"kc {mode} shrink", "the kill")
+            out["shrink"] = _settled(client, jid, size, t_kill, f"kc {mode} shrink", "the kill",
+                                     after_steps, poll_s)
         if "grow" in events:
             name = f"node-{len(leaf_nodes(alive=False))}"
             _, t_join = add_node(cluster, name, cpus=int(leaf_nodes()[0]["Resources"]["CPU"]),
                                  gpus=gpus)
             size += 1
-            out["grow"] = _settled(client, jid, size, t_join, f"kc {mode} grow", "the join")
+            out["grow"] = _settled(client, jid, size, t_join, f"kc {mode} grow", "the join",
+                                   after_steps, poll_s)
         out.update(audit_samples(client, jid))
         final = client.get(jid)
         out["restarts"] = final["restarts"]
@@ -125,7 +131,7 @@ def kc_resize(cluster: BenchCluster, mode: str, warmup_steps: int = CKPT_EVERY +
     finally:
         client.cancel(jid)
         wait_until(lambda: client.get(jid)["state"] in ("CANCELLED", "FAILED", "SUCCEEDED"),
-                   WAIT_S, "the job to stop")
+                   WAIT_S, "the job to stop", poll_s=poll_s)
     return out
 
 

@@ -80,6 +80,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 NODES, GPUS_PER_NODE, CPUS_PER_NODE, LEAVES = 8, 2, 4, 2
 LEAF_GBPS, SPINE_GBPS = 2.0, 0.5
 NODE_NAMES = tuple(f"node-{i}" for i in range(NODES))
+# The quick mode's cluster: 2 leaves of 2 nodes. Each node costs a `ray start`, a
+# raylet, two Ray agents and a netns host (about 4 CPU-s a run here, most of it
+# start-up), and on 4 nodes tp2dp2 still finds two whole nodes in one leaf beside
+# the GPUs its pattern holds (`use_nodes`).
+QUICK_NODES = 4
 
 
 def leaf_of(node: str) -> str:
@@ -109,7 +114,7 @@ SHAPES = {"dp4": {"d": 512, "ffn": 3072, "blocks": 2, "tokens": 64},
 WARMUP, TIMED = 3, 8
 ROUNDS = 3
 QUIET_S = 15  # the longest wait for quiet CPUs before each run
-QUICK_WARMUP, QUICK_TIMED = 1, 3
+QUICK_WARMUP, QUICK_TIMED = 1, 2  # two gaps between step ends: a median of the timed steps
 QUICK_JOBS = "tp2dp2"
 TARGET, TARGET_MAX_PATTERN = 0.7, 1.05
 # GPU types that steer each holder job to its node (any catalogue types will do;
@@ -351,13 +356,13 @@ class Stack:
 
     def wait(self, pred, timeout_s: float, what: str) -> Any:
         """Poll the stack (`pred`) every half second until it says something truthy;
-        raises when `timeout_s` passes (bench.recovery_common.wait_until, imported
-        here: it brings torch, which the holders on the nodes do not need)."""
-        from bench.recovery_common import wait_until
-
-        got = wait_until(pred, timeout_s, what, poll_s=0.5)
-        if not got:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        raises when `timeout_s` passes. (Not bench.recovery_common.wait_until: that
+        module brings torch, which neither this driver nor the holders need.)"""
+        deadline = time.monotonic() + timeout_s
+        while not (got := pred()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+            time.sleep(0.5)
         return got
 
     def connect(self) -> None:
@@ -690,7 +695,8 @@ def summary(p: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
-SETTINGS = (f"Ray 2.60.0 placement groups of {{CPU: 1, GPU: 1}} per rank, strategy PACK and "
+def settings_text() -> str:
+    return (f"Ray 2.60.0 placement groups of {{CPU: 1, GPU: 1}} per rank, strategy PACK and "
             f"strategy SPREAD (ranks ordered as Ray Train v2 orders its workers), the better of "
             f"the two per pattern; kc at its "
             f"defaults (a real submission; its placement replayed in the same harness); "
@@ -698,6 +704,18 @@ SETTINGS = (f"Ray 2.60.0 placement groups of {{CPU: 1, GPU: 1}} per rank, strate
             f"{LEAF_GBPS:g} Gbit/s, spine uplinks {SPINE_GBPS:g} Gbit/s; gloo, fp32 MLPs of 6.3M "
             f"parameters: " + "; ".join(f"{job} {s['blocks']}x({s['d']}->{s['ffn']}->{s['d']}) on "
                                         f"{s['tokens']} tokens/step" for job, s in SHAPES.items()))
+
+
+SETTINGS = settings_text()
+
+
+def use_nodes(count: int) -> None:
+    """Build the cluster of `count` nodes, still in LEAVES leaves, instead of NODES
+    (the quick mode's QUICK_NODES). Only this driver reads these names: the ranks
+    and the holders never do."""
+    global NODES, NODE_NAMES, SETTINGS
+    NODES, NODE_NAMES = count, tuple(f"node-{i}" for i in range(count))
+    SETTINGS = settings_text()
 
 
 def emit_line(metric: str, runs: list[dict[str, Any]],
@@ -737,8 +755,8 @@ METRICS = ("topology_step_time_ratio_dp4", "topology_step_time_ratio_tp2dp2",
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help=f"pattern 0 of tp2dp2 alone (unless --jobs), {QUICK_WARMUP} + "
-                         f"{QUICK_TIMED} steps")
+                    help=f"pattern 0 of tp2dp2 alone (unless --jobs) on {QUICK_NODES} nodes, "
+                         f"{QUICK_WARMUP} + {QUICK_TIMED} steps")
     ap.add_argument("--patterns", type=int, default=PATTERNS, help="patterns per job")
     ap.add_argument("--rounds", type=int, default=None,
                     help=f"runs of each placement per pattern (default {ROUNDS}; quick 1)")
@@ -746,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated: dp4,tp2dp2 (default both; quick tp2dp2)")
     ap.add_argument("--list-patterns", action="store_true", help="print the patterns and exit")
     args = ap.parse_args(argv)
+    if args.quick:
+        use_nodes(QUICK_NODES)
     count = 1 if args.quick else args.patterns
     # The quick mode (make test) runs tp2dp2 alone: it goes through every code path dp4
     # does (its data-parallel all-reduce in a group) and the tensor-parallel ones too.
