@@ -38,6 +38,8 @@ METRICS: dict[str, dict[str, tuple[str, str, str]]] = {
                   "optimality_gap": ("%", "lower", "ours"), "schedule_cycle_ms": ("ms", "lower", "ours")},
     "tokens": {"guarded_step_overhead": ("s", "lower", "ratio"),
                "token_verify_us": ("us", "lower", "ratio")},
+    "memory": {"sp_activation_memory_ratio": ("bytes", "lower", "ratio"),
+               "sp_activation_memory_ratio_tp2": ("bytes", "lower", "ratio")},
     "ckpt_io": {"ckpt_save_throughput": ("B/s", "higher", "ratio"),
                 "async_ckpt_blocked_fraction": ("fraction", "lower", "ratio"),
                 "s3_ckpt_throughput": ("B/s", "higher", "ratio"),

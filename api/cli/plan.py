@@ -9,6 +9,12 @@ Hugging Face folder is planned from that folder.
 mixed (platform/planning/pools.py), every plan with its pools and, for a mix,
 each type's share of the global batch and the balanced and even step times.
 
+A mixture of experts (`type: moe`) is also planned with expert parallelism
+(`ep=` in the text, `expert_parallel_size`, `all_to_all_s` and
+`expert_weights_gb_per_gpu` in the JSON) and, where memory needs it, sequence
+parallelism (`sp`, `sequence_parallel`); `--sequence-parallel` asks for SP on
+every layout with TP, for any model.
+
 Runs locally: no API, no cluster. Exit 0 with plans, 1 when no layout fits,
 2 for bad input (a missing or malformed model file or config.json, an unknown
 GPU or pool, a batch that no data-parallel size divides).
@@ -124,6 +130,10 @@ def plan_command(
         seq_len: Annotated[int | None, typer.Option("--seq-len", min=1,
                                                     help="Override the model's.")] = None,
         top: Annotated[int, typer.Option("--top", min=1, help="Plans to print.")] = 10,
+        sequence_parallel: Annotated[bool | None, typer.Option(
+            "--sequence-parallel/--no-sequence-parallel", help=(
+                "Sequence parallelism on every layout with TP, or on none (default: a "
+                "mixture of experts' layouts where memory needs it)."))] = None,
         as_json: Json = False) -> None:
     """Rank the feasible DP/TP/PP/ZeRO layouts by predicted step time."""
     count, pools = _gpus(gpus, gpu, gpus_per_node)
@@ -140,7 +150,7 @@ def plan_command(
     per_node = gpus_per_node or acc.gpus_per_node
     try:
         cluster = ClusterShape(count, per_node)
-        plans = plan(model, cluster, acc, global_batch, top=top)
+        plans = plan(model, cluster, acc, global_batch, top=top, sequence_parallel=sequence_parallel)
     except ValueError as exc:
         fail(str(exc))
     if as_json:
@@ -159,8 +169,13 @@ def _size(model: ModelShape) -> str:
     n = model.params
     size = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
     kv = f" ({model.kv_heads} key/value)" if model.kv_heads != model.n_heads else ""
+    moe = ""
+    if model.is_moe:
+        active = model.active_params
+        moe = (f", {model.n_experts} experts top-{model.top_k}, "
+               + (f"{active / 1e9:.3g}B" if active >= 1e9 else f"{active / 1e6:.3g}M") + " active")
     return (f"{size} parameters ({model.n_layers} layers, d_model {model.d_model}, "
-            f"{model.n_heads} heads{kv}, seq {model.seq_len})")
+            f"{model.n_heads} heads{kv}, seq {model.seq_len}{moe})")
 
 
 def _gpus(text: str, gpu: str | None, per_node: int | None) -> tuple[int | None, list[Pool]]:

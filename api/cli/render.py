@@ -89,6 +89,8 @@ def print_job(job: dict[str, Any]) -> None:
         ("step", f"{p.get('step', 0)}/{p.get('total_steps') or '?'}"),
         ("loss", f"{_loss(p.get('loss'))} (initial {_loss(p.get('initial_loss'))})"),
     ]
+    if isinstance(p.get("moe"), dict):
+        rows.append(("experts", routing_line(p["moe"])))
     if job.get("max_replicas", 1) > job.get("min_replicas", 1):
         want = job.get("desired_replicas")
         rows.append(("replicas", f"{job.get('replicas')} (elastic {job['min_replicas']}.."
@@ -122,6 +124,15 @@ def print_job(job: dict[str, Any]) -> None:
         say(f"checkpoint   step {last['step']} at {last['path']} ({last['bytes']} bytes)")
 
 
+def routing_line(moe: dict[str, Any]) -> str:
+    """A mixture of experts' last logged step: `imbalance 1.8x, 12 dropped, aux loss 1.03, ...`."""
+    load = moe.get("expert_load") or []
+    imb = moe.get("imbalance")
+    return (f"imbalance {imb:.2f}x" if isinstance(imb, int | float) else "imbalance -") + (
+        f" over {len(load)} experts, {moe.get('dropped_tokens')} of {sum(load):g} assignments "
+        f"dropped, aux loss {_secs(moe.get('aux_loss'))}, z-loss {_secs(moe.get('z_loss'))}")
+
+
 def goodput_line(g: dict[str, Any]) -> str:
     """`ETTR 87.1% of 1.2h: lost recovery 310s, redone 120s, ...`, the largest losses first."""
     ettr, wall = g.get("ettr"), g.get("wall_s")
@@ -147,6 +158,9 @@ def plan_line(plan: dict[str, Any], measured: Any) -> str:
             f"micro_batch={plan.get('micro_batch')} x{plan.get('num_microbatches', 1)} "
             f"zero={plan.get('zero_stage')} "
             + (f"hsdp={plan['shard_group_size']} " if plan.get("shard_group_size") else "")
+            + (f"ep={plan['expert_parallel_size']} " if (plan.get("expert_parallel_size") or 1) > 1
+               else "")
+            + ("sp " if plan.get("sequence_parallel") else "")
             + f"recompute={'on' if plan.get('recompute') else 'off'} "
             f"schedule={sched} on {_plan_pools(plan)}, "
             f"{plan.get('memory_gb_per_gpu')} GB/GPU: predicted {_secs(plan.get('predicted_step_s'))} "

@@ -22,6 +22,7 @@ from prometheus_client.core import (
 )
 
 from kuangchao.api.server.goodput_metrics import goodput_families
+from kuangchao.api.server.moe_metrics import moe_families
 from kuangchao.platform.cluster import quarantine
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
@@ -87,6 +88,7 @@ class ClusterCollector:
         jobs = store.list_active()
         reads = self._read(jobs)
         yield from self._job_gauges(jobs, reads, now)
+        yield from moe_families(jobs, reads["progress"])
         yield from goodput_families(store, jobs, now)
         yield from self._queue_gauges(jobs, QueueTable.from_json(reads["queues"]), now)
         yield from self._node_gauges(jobs, reads["nodes"], now)

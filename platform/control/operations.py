@@ -19,6 +19,7 @@ from kuangchao.platform.errors import InvalidTransition, SpecError
 from kuangchao.platform.jobs import state as lifecycle
 from kuangchao.platform.jobs.state import JobRecord, JobState
 from kuangchao.platform.jobs.store import JobStore
+from kuangchao.platform.observability.routing import routing_view
 from kuangchao.platform.planning import autoplan
 from kuangchao.platform.scheduling.plugins.snapshot import order_key
 from kuangchao.platform.security.admission import check_paths, check_request, limits_from_json
@@ -262,6 +263,7 @@ def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None =
         "mem_bytes": prog.get("mem_bytes"),
         "comm_share": prog.get("comm_share"),
         "eval_loss": prog.get("eval_loss"),
+        "moe": routing_view(job.spec, prog),
     }
     rng = spec.elastic_range
     d["min_replicas"], d["max_replicas"] = rng.min_replicas, rng.max_replicas

@@ -91,6 +91,20 @@ JOB_TOTAL_STEPS = _m("kc_job_total_steps", "gauge", "Optimizer steps an active j
 JOB_LOSS = _m("kc_job_loss", "gauge", "Global mean loss at the last logged step", "job")
 JOB_EVAL_LOSS = _m("kc_job_eval_loss", "gauge", "Mean loss on the held-out split at the job's "
                    "last evaluation (every training.eval_interval steps)", "job")
+# A mixture of experts' routing at its last logged step (platform/observability/routing.py):
+# MoE jobs only; `expert` is bounded by the spec's model.n_experts (at most 1024).
+JOB_EXPERT_LOAD = _m("kc_job_expert_load_tokens", "gauge", "Token-expert assignments a MoE "
+                     "job's router made to each expert at its last logged step, over every rank, "
+                     "before capacity drops any", "job", "expert")
+JOB_EXPERT_IMBALANCE = _m("kc_job_expert_imbalance_ratio", "gauge", "A MoE job's busiest "
+                          "expert load over the mean at its last logged step (1 = even)", "job")
+JOB_MOE_DROPPED = _m("kc_job_moe_dropped_tokens", "gauge", "Token-expert assignments a MoE job "
+                     "dropped over expert capacity at its last logged step", "job")
+JOB_MOE_AUX_LOSS = _m("kc_job_moe_aux_loss", "gauge", "A MoE job's load-balancing loss at its "
+                      "last logged step, before model.aux_loss_coef (1 = even)", "job")
+JOB_MOE_Z_LOSS = _m("kc_job_moe_z_loss", "gauge", "A MoE job's router z-loss at its last "
+                    "logged step, before model.z_loss_coef", "job")
+MOE = (JOB_EXPERT_LOAD, JOB_EXPERT_IMBALANCE, JOB_MOE_DROPPED, JOB_MOE_AUX_LOSS, JOB_MOE_Z_LOSS)
 CHECKPOINT_AGE = _m("kc_job_checkpoint_age_seconds", "gauge", "Seconds since a running job's "
                     "newest committed checkpoint (since it started, before its first)", "job")
 HEARTBEAT_AGE = _m("kc_rank_heartbeat_age_seconds", "gauge", "Seconds since a rank's last "
@@ -194,7 +208,7 @@ WORKER = (WORKER_STEP, WORKER_STEP_SECONDS, WORKER_TOKENS, WORKER_SAMPLES, WORKE
           WORKER_GRAD_NORM, WORKER_LR, WORKER_COMM_SHARE, WORKER_COMM_SECONDS, WORKER_LINK_GBPS,
           WORKER_MEMORY, WORKER_MFU, WORKER_PEAK_FLOPS)
 CONTROL_PLANE = (JOBS, JOB_INFO, JOB_STATE_AGE, JOB_RECOVERING, JOB_WORLD_SIZE, JOB_STEP, JOB_TOTAL_STEPS,
-                 JOB_LOSS, JOB_EVAL_LOSS, CHECKPOINT_AGE, HEARTBEAT_AGE, HEARTBEAT_UP,
+                 JOB_LOSS, JOB_EVAL_LOSS, *MOE, CHECKPOINT_AGE, HEARTBEAT_AGE, HEARTBEAT_UP,
                  JOB_GOODPUT, JOB_ETTR, CLUSTER_GOODPUT, CLUSTER_ETTR, QUEUE_OLDEST_WAIT,
                  QUEUE_GPUS, CLUSTER_GPUS, NODES, *CLUSTER_RECORDED, *JOB_RECORDED,
                  API_REQUEST, API_AUTH_DENIALS, STORE_UP)

@@ -30,15 +30,23 @@ The rules (docs/parallelism.md, "parallel: auto", states the same):
   the spec's rules (`validate_spec` must pass on the result): a custom model
   type keeps to layouts without TP and PP, `elastic.resize: live` to plain
   data parallelism (no TP, PP or ZeRO).
-* Collectives: a pipeline sends and receives; `permission.collectives` equal to
-  the default list gets `send` and `recv` added, a list of the user's own must
-  already allow what the layout runs (other layouts are skipped).
+* Mixture of experts (`model.type: moe`): every expert-parallel size that
+  divides the replicas and `model.n_experts` is tried (a size above 1 that the
+  spec sets is kept), and sequence parallelism where tp > 1 and a layout would
+  not fit without it. `parallel.sequence_parallel: true` asks for it on every
+  layout (any built-in model: one without TP is refused). Dense models get
+  neither unless asked, so their layouts are what they were.
+* Collectives: a pipeline sends and receives, expert parallelism runs
+  `all_to_all`; `permission.collectives` equal to the default list gets them
+  added, a list of the user's own must already allow what the layout runs
+  (other layouts are skipped).
 * Written back: `data_parallel_size`, `tensor_parallel_size`,
   `pipeline_parallel_size`, `micro_batch_size`, `gradient_accumulation_steps`
   (the plan's micro-batches per step), `zero_stage`, `recompute`, `schedule`
   (the planner's "none", for pp = 1, becomes the default "1f1b"),
   `virtual_stages` and `shard_group_size` (HSDP's sharding group, null unless
-  the plan shards within groups); `auto: false`; `gpus`, `gpu` and
+  the plan shards within groups), and `expert_parallel_size` and
+  `sequence_parallel` where the plan uses them or the spec asked; `auto: false`; `gpus`, `gpu` and
   `global_batch` removed.
   Every other field (precision, offload, compression, ...) stays the user's.
 * Elastic jobs (`elastic.min_replicas`/`max_replicas`) are refused: their
@@ -134,17 +142,32 @@ def cluster_for(spec: JobSpec, node: NodeInfo | None, acc: Accelerator) -> Clust
     return ClusterShape(gpus, per_node)
 
 
-def _allowed(spec: JobSpec, pp: int) -> set[str]:
+def _brought(p: Plan) -> set[str]:
+    """Collectives a layout brings to the default list: a pipeline's, expert parallelism's."""
+    return (set(PIPELINE_COLLECTIVES) if p.pp > 1 else set()) | (
+        {"all_to_all"} if p.expert_parallel_size > 1 else set())
+
+
+def _allowed(spec: JobSpec, p: Plan) -> set[str]:
     listed = set(spec.permission.collectives)
-    if pp > 1 and listed == set(DEFAULT_COLLECTIVES):
-        listed |= PIPELINE_COLLECTIVES
+    if listed == set(DEFAULT_COLLECTIVES):
+        listed |= _brought(p)
     return listed
 
 
-def _layout(p: Plan) -> dict[str, Any]:
-    return {**p.to_spec_parallel(), "zero_stage": p.zero_stage, "recompute": p.recompute,
-            "schedule": "1f1b" if p.schedule == "none" else p.schedule,
-            "virtual_stages": p.virtual_stages, "shard_group_size": p.shard_group_size}
+def _layout(p: Plan, spec: JobSpec | None = None) -> dict[str, Any]:
+    """The spec's layout fields for plan `p`; EP and SP only where the plan uses them or
+    `spec` asked for them (a dense model's document stays as it was)."""
+    out = {**p.to_spec_parallel(), "zero_stage": p.zero_stage, "recompute": p.recompute,
+           "schedule": "1f1b" if p.schedule == "none" else p.schedule,
+           "virtual_stages": p.virtual_stages, "shard_group_size": p.shard_group_size}
+    asked = spec.parallel if spec is not None else None
+    if p.expert_parallel_size > 1 or (asked and asked.expert_parallel_size > 1):
+        out["expert_parallel_size"] = p.expert_parallel_size
+    if p.sequence_parallel or (asked and asked.sequence_parallel):
+        # A spec's `true` stays: a layout without TP is then refused, not run without it.
+        out["sequence_parallel"] = True
+    return out
 
 
 def hf_shapes(spec: JobSpec) -> tuple[ModelShape, HFShape]:
@@ -168,7 +191,7 @@ def layout_errors(spec: JobSpec, p: Plan, hf: HFShape | None = None) -> list[tup
 
     `hf`: a Hugging Face model's shape (`hf_shapes`), whose layers and heads the
     layout must split; a spec naming a folder is read here when it is not given."""
-    par = spec.parallel.model_copy(update={**_layout(p), "auto": False, "gpus": None,
+    par = spec.parallel.model_copy(update={**_layout(p, spec), "auto": False, "gpus": None,
                                            "gpu": None, "global_batch": None})
     builtin = spec.entrypoint is None
     if spec.model.is_hf and hf is None:
@@ -180,12 +203,13 @@ def layout_errors(spec: JobSpec, p: Plan, hf: HFShape | None = None) -> list[tup
                  if e[0].startswith("parallel.")]
     else:
         errs = parallel_errors(par, spec.model.n_layers, spec.model.n_heads,
-                               builtin_trainer=builtin)
+                               builtin_trainer=builtin, seq_len=spec.model.seq_len,
+                               builtin_model=spec.model.is_builtin)
     if p.pp > 1 and p.num_microbatches < p.pp:
         errs.append(("parallel.gradient_accumulation_steps",
                      f"{p.num_microbatches} micro-batches per step cannot fill {p.pp} stages"))
     if builtin:
-        if missing := sorted(trainer_collectives(par) - _allowed(spec, p.pp)):
+        if missing := sorted(trainer_collectives(par) - _allowed(spec, p)):
             errs.append(("permission.collectives", f"the layout needs {', '.join(missing)}"))
         if not spec.model.is_builtin and not spec.model.is_hf and (p.tp > 1 or p.pp > 1):
             errs.append(("model.type", "a custom model runs without tensor or pipeline parallelism"))
@@ -198,11 +222,11 @@ def concrete_doc(doc: dict[str, Any], spec: JobSpec, p: Plan) -> dict[str, Any]:
     """`doc` with plan `p`'s layout written into `parallel` (see the module docstring)."""
     out = copy.deepcopy(doc)
     par = {k: v for k, v in (out.get("parallel") or {}).items() if k not in PLANNER_ONLY}
-    par.update(_layout(p), auto=False)
+    par.update(_layout(p, spec), auto=False)
     out["parallel"] = par
-    if p.pp > 1 and set(spec.permission.collectives) == set(DEFAULT_COLLECTIVES):
+    if _brought(p) and set(spec.permission.collectives) == set(DEFAULT_COLLECTIVES):
         perm = dict(out.get("permission") or {})
-        perm["collectives"] = sorted(set(DEFAULT_COLLECTIVES) | PIPELINE_COLLECTIVES)
+        perm["collectives"] = sorted(set(DEFAULT_COLLECTIVES) | _brought(p))
         out["permission"] = perm
     return out
 
@@ -237,7 +261,10 @@ def resolve(doc: dict[str, Any], cluster: ClusterTopology | None) -> tuple[dict[
     shape = cluster_for(spec, node, acc)
     global_batch = default_global_batch(spec, shape.gpus)
     model, hf = _model_of(spec)
-    ranked = plan(model, shape, acc, global_batch)
+    # `true` and an EP size above 1 are requests; the defaults leave the choice to the planner.
+    par = spec.parallel
+    ranked = plan(model, shape, acc, global_batch, sequence_parallel=par.sequence_parallel or None,
+                  expert_parallel=par.expert_parallel_size if par.expert_parallel_size > 1 else None)
     taken, first_errs = _first_runnable(doc, spec, ranked, hf)
     if taken is not None:
         out, i = taken

@@ -35,6 +35,12 @@ visits a node's members one after another), takes
   For all-reduce NCCL may take its tree instead, 2((per_node - 1) in-node hops
   + log2(nodes) network hops); the cheaper of the two is used, as NCCL's tuner
   does. Broadcast (ZeroRedundancyOptimizer's parameter sync) is a ring of n steps.
+* all-to-all (expert parallelism's dispatch and combine): every rank sends
+  each other rank its own 1/n of the buffer, volume (n-1)/n, as NCCL's grouped
+  send/recv pairs, all issued at once: one step of latency (a network hop when
+  the group spans nodes). Its bytes are distinct per destination, so no NIC
+  aggregation: across nodes each rank moves them at its own share of the
+  node's network, the slowest link the group crosses.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from kuangchao.platform.cluster.hardware import Accelerator
 # torch DDP's default `bucket_cap_mb` (25 MiB): gradients travel in buckets of this
 # size, each its own all-reduce (torch/nn/parallel/distributed.py).
 DDP_BUCKET_BYTES = 25 * 2**20
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
 
 def nodes_of(ranks: int, per_node: int) -> int:
@@ -67,6 +73,8 @@ def latency(kind: str, ranks: int, per_node: int, acc: Accelerator) -> float:
     if ranks <= 1:
         return 0.0
     nodes = nodes_of(ranks, per_node)
+    if kind == "all_to_all":
+        return acc.base_latency_s + (acc.net_hop_latency_s if nodes > 1 else acc.hop_latency_s)
     steps = {"all_gather": ranks - 1, "reduce_scatter": ranks - 1, "all_reduce": 2 * (ranks - 1),
              "broadcast": ranks}[kind]
     cross = (nodes - 1) * (2 if kind == "all_reduce" else 1)
@@ -84,8 +92,14 @@ def collective(kind: str, nbytes: float, ranks: int, per_node: int, acc: Acceler
     if ranks <= 1 or nbytes <= 0:
         return 0.0
     volume = {"all_gather": (ranks - 1) / ranks, "reduce_scatter": (ranks - 1) / ranks,
-              "all_reduce": 2 * (ranks - 1) / ranks, "broadcast": 1.0}[kind]
-    return latency(kind, ranks, per_node, acc) + volume * nbytes / bus_bandwidth(ranks, per_node, acc)
+              "all_reduce": 2 * (ranks - 1) / ranks, "broadcast": 1.0,
+              "all_to_all": (ranks - 1) / ranks}[kind]
+    if kind == "all_to_all":  # per destination: no ring to share a node's NICs
+        bw = acc.nvlink_bytes_per_s if nodes_of(ranks, per_node) <= 1 else \
+            min(acc.nvlink_bytes_per_s, acc.internode_bytes_per_s)
+    else:
+        bw = bus_bandwidth(ranks, per_node, acc)
+    return latency(kind, ranks, per_node, acc) + volume * nbytes / bw
 
 
 def p2p(nbytes: float, crosses: bool, senders_per_node: int, acc: Accelerator,

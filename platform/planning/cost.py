@@ -56,6 +56,16 @@ Step time = compute + TP all-reduces + bubble + stage sends + exposed DP traffic
       step (torch.distributed.pipelining's REDUCE_GRAD): exposed.
   Hidden traffic still costs CONTENTION of its own time (NCCL's kernels take SMs
   and memory bandwidth from the compute they run beside).
+
+Mixture of experts (`experts.py` says how): the experts' parameters split over
+the EP group, each block's MLP activations become its top_k experts', the expert
+FLOPs wait for the busiest rank (`imbalance`) and each block adds its exposed
+all_to_alls and routing-count all-gather (`moe_comm`). The data-parallel traffic
+is costed on the rank's own parameters over all dp ranks, although the experts'
+sync over dp / ep of them: a ring's (n-1)/n barely tells the two apart. Sequence parallelism (`sp`) divides
+the TP-replicated activations (and a recomputed layer's stored input) by tp,
+Korthikanti's s*b*h*34/t; its all-gathers and reduce-scatters move what TP's
+all-reduces did, so TP's time stays as it is.
 """
 
 from __future__ import annotations
@@ -63,6 +73,8 @@ from __future__ import annotations
 from typing import Any
 
 from kuangchao.platform.cluster.hardware import Accelerator
+from kuangchao.platform.planning import experts
+from kuangchao.platform.planning.activations import REPLICATED_UNDER_TP
 from kuangchao.platform.planning.comm import (
     DDP_BUCKET_BYTES,
     allreduce_costs,
@@ -97,26 +109,48 @@ def _gemm(x: float) -> float:
 
 
 class CostModel:
-    """Per-search constants, so the inner loop does arithmetic only."""
+    """Per-search constants, so the inner loop does arithmetic only; one per expert-parallel
+    size `ep` and sequence-parallel choice `sp` (a dense model: ep 1)."""
 
-    def __init__(self, model: ModelShape, cluster: ClusterShape, acc: Accelerator, global_batch: int):
+    def __init__(self, model: ModelShape, cluster: ClusterShape, acc: Accelerator, global_batch: int,
+                 ep: int = 1, sp: bool = False):
         self.m, self.c, self.acc, self.gb = model, cluster, acc, global_batch
+        self.ep, self.sp = ep, sp
         s, h = model.seq_len, model.d_model
         self.params = model.params
         self.layer_params = model.layer_params
         self.other_params = model.params - model.n_layers * model.layer_params  # embeddings, head, norm
-        llama = model.arch == "llama"
+        self.expert_params = 0.0  # within `params`: the experts this rank's EP slot holds
+        swiglu = model.swiglu
         # Parameter tensors (one ZeRO-1 broadcast each): per block, and outside the blocks.
-        self.layer_tensors, self.other_tensors = (9, 3) if llama else (16, 4)
-        mlp_coef = 6 if llama else 4
-        # Korthikanti Eq. 2 for b = 1, split into TP-replicated and TP-sharded parts.
-        self.act_rep = s * 10 * h
+        self.layer_tensors, self.other_tensors = (9, 3) if swiglu else (16, 4)
+        mlp_coef = 6 if swiglu else 4
+        # Korthikanti Eq. 2 for b = 1, split into TP-replicated and TP-sharded parts
+        # (activations.py's terms, with d_ff and SwiGLU in the sharded part).
+        self.act_rep = s * REPLICATED_UNDER_TP * h
         self.act_shard = s * (8 * h + mlp_coef * model.ffn)
         self.logits = 4 * s * model.vocab_size
         self.tokens = global_batch * s
         self.token_flops = {rec: model.flops_per_token(rec) for rec in (False, True)}
+        if model.is_moe:
+            self._experts()
         self.step_flops = {rec: self.token_flops[rec] * self.tokens for rec in (False, True)}
         self._memo: dict[tuple, Any] = {}
+
+    def _experts(self) -> None:
+        """A MoE model's sizes on one rank of an EP group of `ep` (experts.py)."""
+        m, ep, s = self.m, self.ep, self.m.seq_len
+        held = m.layer_expert_params / ep  # one block's experts on this rank (before tp)
+        self.expert_params = m.n_layers * held
+        self.layer_params = m.layer_params - m.layer_expert_params + held
+        self.params = self.other_params + m.n_layers * self.layer_params
+        # The router, and gate, up and down per expert held, in place of one MLP's three.
+        self.layer_tensors += 1 + 3 * (m.n_experts or 1) // ep - 3
+        imb = experts.imbalance(m.capacity_factor, ep)
+        rep, shard = experts.activation_terms(m, imb)
+        self.act_rep, self.act_shard = s * rep, s * shard
+        self.token_flops = {rec: m.flops_per_token(rec) + (imb - 1) * m.expert_flops_per_token(rec)
+                            for rec in (False, True)}
 
     def _coll(self, kind: str, nbytes: float, ranks: int, per_node: int) -> float:
         """`comm.collective`, memoised: the search asks the same ones many times."""
@@ -137,8 +171,12 @@ class CostModel:
                      shard: int | None = None) -> dict[str, float]:
         """Bytes that do not depend on the micro-batch (see `accumulation` for the rest)."""
         p = self.params / (tp * pp)
+        pe = self.expert_params / (tp * pp)  # the experts' share of p
         fsdp = zero >= 2 and dp > 1
         g = (shard or dp) if fsdp else 1
+        # The experts' optimizer states shard over the dp / ep replicas that hold them.
+        opt = g if fsdp else dp if zero == 1 else 1
+        ge, opt_e = max(1, g // self.ep), max(1, opt // self.ep)
         working = 0.0  # FSDP2's bf16 copies gathered for compute
         if fsdp:
             layer = BF16 * self.layer_params / tp
@@ -146,20 +184,27 @@ class CostModel:
             # ZeRO-3 holds the block in use and the prefetched one; ZeRO-2, and ZeRO-3 under a
             # pipeline (no resharding after backward until the last micro-batch), the stage.
             working = root + (2 * layer if zero >= 3 and pp == 1 else BF16 * p)
-        return {"weights": FP32 * p / g, "grads": FP32 * p / g,
-                "optimizer": 2 * FP32 * p / (g if fsdp else dp if zero == 1 else 1),
+        return {"weights": FP32 * (p - pe) / g + FP32 * pe / ge,
+                "grads": FP32 * (p - pe) / g + FP32 * pe / ge,
+                "optimizer": 2 * FP32 * (p - pe) / opt + 2 * FP32 * pe / opt_e,
                 "fsdp_gathered": working, "reserved": float(self.acc.reserved_bytes)}
+
+    def expert_weight_bytes(self, dp: int, tp: int, pp: int, zero: int, shard: int | None = None) -> float:
+        """The experts' fp32 weights a rank holds (part of `static_parts`' weights)."""
+        g = (shard or dp) if zero >= 2 and dp > 1 else 1
+        return FP32 * self.expert_params / (tp * pp) / max(1, g // self.ep)
 
     def accumulation(self, dp: int, tp: int, pp: int, zero: int, m: int, shard: int | None = None) -> float:
         """FSDP2's unsharded fp32 gradients kept between micro-batches (m > 1), beyond the shard."""
         if zero < 2 or dp == 1 or m == 1:
             return 0.0
-        p = self.params / (tp * pp)
-        return FP32 * p * (1 - 1 / (shard or dp))
+        p, pe, g = self.params / (tp * pp), self.expert_params / (tp * pp), shard or dp
+        return FP32 * (p - pe) * (1 - 1 / g) + FP32 * pe * (1 - 1 / max(1, g // self.ep))
 
     def act_bytes(self, tp: int, pp: int, b: int, m: int, rec: bool, sched: str, v: int) -> float:
-        full = b * (self.act_rep + self.act_shard / tp)  # one layer, one micro-batch
-        stored = 2 * b * self.m.seq_len * self.m.d_model if rec else full
+        rep_tp = tp if self.sp else 1  # sequence parallelism shards the replicated part too
+        full = b * (self.act_rep / rep_tp + self.act_shard / tp)  # one layer, one micro-batch
+        stored = 2 * b * self.m.seq_len * self.m.d_model / rep_tp if rec else full
         in_flight = float(m if sched == "gpipe" else min(pp, m))
         if sched == "interleaved_1f1b":
             in_flight *= 1 + (pp - 1) / (v * pp)
@@ -186,13 +231,34 @@ class CostModel:
         return flops / (tp * pp * self.acc.peak_flops * self.efficiency(tp, b))
 
     def times(self, dp: int, tp: int, pp: int, b: int, m: int, zero: int, rec: bool, sched: str,
-              v: int, shard: int | None = None) -> tuple[float, float, float, float, float, float, bool]:
-        """(compute, tp_comm, bubble, pp_p2p, dp_comm, dp_exposed, hierarchical) in seconds."""
+              v: int, shard: int | None = None
+              ) -> tuple[float, float, float, float, float, float, bool, float]:
+        """(compute, tp_comm, bubble, pp_p2p, dp_comm, dp_exposed, hierarchical, moe_comm) in seconds."""
         gpus = dp * tp * pp
         compute = self.step_flops[rec] / (gpus * self.acc.peak_flops * self.efficiency(tp, b))
         tp_comm, bubble, pp_p2p = self.stage_times(compute, dp, tp, pp, b, m, zero, rec, sched, v)
         dp_comm, exposed, hier = self.dp_sync(dp, tp, pp, m, zero, rec, compute + tp_comm, shard)
-        return compute, tp_comm, bubble, pp_p2p, dp_comm, exposed, hier
+        moe = sum(self.moe_comm(dp, tp, pp, b, m, rec))
+        return compute, tp_comm, bubble, pp_p2p, dp_comm, exposed, hier, moe
+
+    def moe_comm(self, dp: int, tp: int, pp: int, b: int, m: int, rec: bool) -> tuple[float, float]:
+        """Seconds a MoE model's blocks spend in one step on (the EP group's dispatch and
+        combine all_to_alls, the routing counts' all-gather over dp), all exposed; (0, 0) dense."""
+        if not self.m.is_moe or dp <= 1:
+            return 0.0, 0.0
+        layers, forwards = self.m.n_layers // pp, 2 if rec else 1
+        # Capacity is global: every block gathers each rank's per-expert counts each forward.
+        counts = self._coll("all_gather", dp * experts.routing_summary_bytes(self.m), dp,
+                            self.per_node(tp * pp, dp))
+        routing = forwards * counts * layers * m
+        if self.ep <= 1:
+            return 0.0, routing
+        tokens = b * self.m.seq_len / (tp if self.sp else 1)
+        k = self.per_node(tp * pp, self.ep)  # EP groups: ep consecutive replicas
+        one = self._memoised(("a2a", tokens, k), experts.all_to_all_seconds, tokens, self.m, self.ep, k,
+                             self.acc)
+        count = experts.A2A_PER_LAYER_RECOMPUTE if rec else experts.A2A_PER_LAYER
+        return count * one * layers * m, routing
 
     def stage_times(self, compute: float, dp: int, tp: int, pp: int, b: int, m: int, zero: int,
                     rec: bool, sched: str, v: int) -> tuple[float, float, float]:
@@ -203,7 +269,9 @@ class CostModel:
         if tp > 1:
             per = self._coll("all_reduce", BF16 * s * b * h, tp, tp)
             tp_comm = (6 if rec else 4) * per * layers * m
-        bubble = (compute + tp_comm) * bubble_fraction(sched, pp, m, v)
+        busy = compute + tp_comm + sum(self.moe_comm(dp, tp, pp, b, m, rec)) if self.m.is_moe \
+            else compute + tp_comm
+        bubble = busy * bubble_fraction(sched, pp, m, v)
         pp_p2p = 0.0
         if pp > 1:
             crosses = tp * pp > c.node_size or c.node_size % (tp * pp) != 0

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kuangchao.platform.spec.moe import MOE_FIELDS
+
 if TYPE_CHECKING:
     from kuangchao.platform.cluster.topology import ClusterTopology
 
@@ -37,6 +39,12 @@ class ModelShape:
     head_dim: int | None = None
     # Whether the LM head shares the embedding; None: the arch's own (gpt tied, llama not).
     tied_head: bool | None = None
+    # Mixture of experts (arch "moe", or a Hugging Face MoE config): every block's MLP is
+    # `n_experts` SwiGLU experts of width d_ff behind a router, `top_k` of them per token;
+    # the busiest expert takes at most `capacity_factor` x the mean (None: no cap).
+    n_experts: int | None = None
+    top_k: int = MOE_FIELDS["top_k"]
+    capacity_factor: float | None = MOE_FIELDS["capacity_factor"]
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size"):
@@ -51,6 +59,12 @@ class ModelShape:
         if self.n_heads % self.kv_heads:
             raise ValueError(f"model n_heads {self.n_heads} is not a multiple of the "
                              f"{self.kv_heads} key/value heads")
+        if self.n_experts is not None:
+            if not self.n_experts >= 1 or not 1 <= self.top_k <= self.n_experts:
+                raise ValueError(f"model.top_k must be in [1, n_experts], got top_k {self.top_k} "
+                                 f"with n_experts {self.n_experts}")
+            if self.capacity_factor is not None and not self.capacity_factor > 0:
+                raise ValueError(f"model.capacity_factor must be positive, got {self.capacity_factor!r}")
 
     @property
     def kv_heads(self) -> int:
@@ -68,7 +82,26 @@ class ModelShape:
 
     @property
     def tied(self) -> bool:
-        return self.arch != "llama" if self.tied_head is None else self.tied_head
+        return not self.swiglu if self.tied_head is None else self.tied_head
+
+    @property
+    def swiglu(self) -> bool:
+        """Llama-style blocks: SwiGLU MLP (or experts), RMSNorm, no biases, untied head."""
+        return self.arch in ("llama", "moe")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts is not None
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's parameters: a SwiGLU MLP (gate, up, down)."""
+        return 3 * self.d_model * self.ffn if self.is_moe else 0
+
+    @property
+    def layer_expert_params(self) -> int:
+        """All experts of one block; 0 for a dense model."""
+        return (self.n_experts or 0) * self.expert_params
 
     def tp_divides(self, t: int) -> bool:
         """Whether `t` tensor-parallel ranks split the heads (query and key/value) and widths."""
@@ -80,19 +113,28 @@ class ModelShape:
         """MLP width: `d_ff`, else the architecture's default (as workers/models/config.py)."""
         if self.d_ff is not None:
             return self.d_ff
-        return -(-(8 * self.d_model // 3) // 16) * 16 if self.arch == "llama" else 4 * self.d_model
+        return -(-(8 * self.d_model // 3) // 16) * 16 if self.swiglu else 4 * self.d_model
 
     @property
     def layer_matmul_params(self) -> int:
-        """q and o (h x q_dim each), k and v (h x kv_dim each), and the MLP's 3 (SwiGLU) or 2."""
+        """q and o (h x q_dim each), k and v (h x kv_dim each), and the MLP's 3 (SwiGLU) or 2;
+        for MoE every expert and the router (h x n_experts)."""
         h, f = self.d_model, self.ffn
         attention = 2 * h * self.q_dim + 2 * h * self.kv_dim  # 4h^2 without GQA or head_dim
-        return attention + (3 if self.arch == "llama" else 2) * h * f
+        if self.is_moe:
+            return attention + self.layer_expert_params + h * (self.n_experts or 0)
+        return attention + (3 if self.swiglu else 2) * h * f
+
+    @property
+    def layer_active_matmul_params(self) -> int:
+        """The matmul parameters one token passes through: top_k experts, not all of them."""
+        idle = (self.n_experts - self.top_k) if self.n_experts is not None else 0
+        return self.layer_matmul_params - idle * self.expert_params
 
     @property
     def layer_params(self) -> int:
         h = self.d_model
-        if self.arch == "llama":  # no biases, two RMSNorm scales
+        if self.swiglu:  # no biases, two RMSNorm scales
             return self.layer_matmul_params + 2 * h
         # q, k, v, o and MLP biases; 2 LayerNorms (weight and bias each)
         return self.layer_matmul_params + self.q_dim + 2 * self.kv_dim + h + self.ffn + h + 4 * h
@@ -102,16 +144,25 @@ class ModelShape:
         """Distinct parameters; for GPT 12Lh^2 + 13Lh + (V + s)h + 2h at d_ff = 4h."""
         h, v = self.d_model, self.vocab_size
         head = 0 if self.tied else v * h
-        if self.arch == "llama":  # embeddings, final RMSNorm, rotary positions (no parameters)
+        if self.swiglu:  # embeddings, final RMSNorm, rotary positions (no parameters)
             return self.n_layers * self.layer_params + v * h + h + head
         # learned positions, final LayerNorm
         return self.n_layers * self.layer_params + (v + self.seq_len) * h + 2 * h + head
 
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses (MoE: top_k experts per block); `params` when dense."""
+        return self.params - self.n_layers * (self.layer_matmul_params - self.layer_active_matmul_params)
+
     def flops_per_token(self, recompute: bool) -> float:
         """Training FLOPs per token; with full recompute the layers run forward twice."""
         passes = 4 if recompute else 3
-        layer = 2 * self.layer_matmul_params + 4 * self.seq_len * self.q_dim
+        layer = 2 * self.layer_active_matmul_params + 4 * self.seq_len * self.q_dim
         return passes * self.n_layers * layer + 6 * self.d_model * self.vocab_size
+
+    def expert_flops_per_token(self, recompute: bool) -> float:
+        """The part of `flops_per_token` spent in experts (top_k SwiGLU MLPs per block)."""
+        return (4 if recompute else 3) * self.n_layers * 2 * self.top_k * self.expert_params
 
     @classmethod
     def from_param_count(cls, n: float, seq_len: int, vocab_size: int) -> ModelShape:
@@ -142,9 +193,16 @@ class ModelShape:
         missing = [k for k in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size") if k not in d]
         if missing:
             raise ValueError(f"model section lacks {', '.join(missing)}")
+        arch = str(d.get("type") or "gpt")
+        moe: dict[str, Any] = {}
+        if arch == "moe":  # absent fields: the spec's defaults, as the dataclass's
+            moe = {"n_experts": int(d.get("n_experts") or MOE_FIELDS["n_experts"])}
+            if d.get("top_k") is not None:
+                moe["top_k"] = int(d["top_k"])
+            if "capacity_factor" in d:
+                moe["capacity_factor"] = None if d["capacity_factor"] is None else float(d["capacity_factor"])
         return cls(int(d["n_layers"]), int(d["d_model"]), int(d["n_heads"]), int(d["seq_len"]),
-                   int(d["vocab_size"]), None if d.get("d_ff") is None else int(d["d_ff"]),
-                   str(d.get("type") or "gpt"))
+                   int(d["vocab_size"]), None if d.get("d_ff") is None else int(d["d_ff"]), arch, **moe)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], seq_len: int | None = None) -> ModelShape:
@@ -185,8 +243,13 @@ class ModelShape:
             limit = hf.max_positions if isinstance(hf.max_positions, int) and hf.max_positions > 0 \
                 else None
             seq_len = min(2048, limit or 2048)
+        # Mixtral's experts (`num_local_experts` of `intermediate_size`, `num_experts_per_tok`
+        # a token); Hugging Face routers drop no token, so no capacity.
+        experts, per_token = positive("num_local_experts"), positive("num_experts_per_tok")
+        moe: dict[str, Any] = {} if experts is None else {
+            "n_experts": experts, "top_k": min(experts, per_token or 2), "capacity_factor": None}
         return cls(hf.n_layers, hf.d_model, hf.n_heads, int(seq_len), hf.vocab_size, ffn, arch,
-                   n_kv_heads=hf.n_kv_heads, head_dim=head_dim, tied_head=tied)
+                   n_kv_heads=hf.n_kv_heads, head_dim=head_dim, tied_head=tied, **moe)
 
 
 @dataclass(frozen=True)
@@ -245,6 +308,11 @@ class Plan:
     time: dict[str, float] = field(default_factory=dict, compare=False)  # seconds by kind
     # HSDP (zero 2/3): shard within groups of this many data-parallel ranks; None: all of dp.
     shard_group_size: int | None = None
+    # MoE: each block's experts split over groups of this many of the dp replicas (1: none).
+    expert_parallel_size: int = 1
+    # Megatron's sequence parallelism in the TP group (activations sharded along the sequence).
+    sequence_parallel: bool = False
+    expert_weights_gb: float = 0.0  # the experts' fp32 weights this rank holds (within `memory`)
 
     def to_json(self) -> dict[str, Any]:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "micro_batch": self.micro_batch,
@@ -257,7 +325,11 @@ class Plan:
                 "memory_bytes": self.memory_bytes, "mfu": round(self.mfu, 4),
                 "memory": {k: round(v, 3) for k, v in self.memory.items()},
                 "time": {k: round(v, 6) for k, v in self.time.items()},
-                "shard_group_size": self.shard_group_size}
+                "shard_group_size": self.shard_group_size,
+                "expert_parallel_size": self.expert_parallel_size,
+                "sequence_parallel": self.sequence_parallel,
+                "all_to_all_s": round(self.time.get("ep_comm", 0.0), 6),
+                "expert_weights_gb_per_gpu": round(self.expert_weights_gb, 3)}
 
     def to_spec_parallel(self) -> dict[str, int]:
         """The spec's `parallel` fields for this plan."""

@@ -7,5 +7,5 @@ the guarded collectives in the ranks; so it sits below all of them.
 """
 
 COLLECTIVES = frozenset({"broadcast", "all_reduce", "all_gather", "reduce_scatter", "send", "recv",
-                         "barrier"})
+                         "barrier", "all_to_all"})
 INTERFACES = COLLECTIVES | {"checkpoint_read", "checkpoint_write", "heartbeat", "metrics_read"}

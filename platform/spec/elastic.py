@@ -19,6 +19,7 @@ ask this module.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +37,9 @@ class ElasticRange:
     global_batch: int
     ranks_per_replica: int = 1
     gpus_per_rank: int = 1
-    # HSDP's sharding group (`parallel.shard_group_size`): the replica count stays a
-    # multiple of it, so the data-parallel ranks split into whole groups at every size.
+    # HSDP's sharding group (`parallel.shard_group_size`), or the expert-parallel size:
+    # the replica count stays a multiple of it, so the data-parallel ranks split into
+    # whole groups at every size.
     replica_multiple: int = 1
 
     @property
@@ -92,11 +94,12 @@ def range_from(par: Callable[[str], Any], el: Callable[[str], Any]) -> ElasticRa
     lo = int(lo) if lo is not None else (dp if hi is None else 1)
     hi = int(hi) if hi is not None else max(dp, lo)
     group = par("shard_group_size")
+    group = int(group) if group and int(par("zero_stage")) >= 2 else 1
     return ElasticRange(
         min_replicas=lo, max_replicas=hi, micro_batch_size=micro, global_batch=micro * accum * dp,
         ranks_per_replica=int(par("tensor_parallel_size")) * int(par("pipeline_parallel_size")),
         gpus_per_rank=int(par("gpus_per_rank")),
-        replica_multiple=int(group) if group and int(par("zero_stage")) >= 2 else 1)
+        replica_multiple=math.lcm(group, int(par("expert_parallel_size"))))
 
 
 def range_errors(spec_doc: dict[str, Any]) -> list[tuple[str, str]]:
@@ -109,11 +112,14 @@ def range_errors(spec_doc: dict[str, Any]) -> list[tuple[str, str]]:
         return [("elastic.min_replicas",
                  f"{r.min_replicas} exceeds elastic.max_replicas ({r.max_replicas})")]
     errs = []
+    ep = int(value(spec_doc, "parallel", "expert_parallel_size"))
     for field, n in (("min_replicas", r.min_replicas), ("max_replicas", r.max_replicas)):
         if n % r.replica_multiple:
+            groups = ("HSDP sharding groups of parallel.shard_group_size" if ep == 1 else
+                      "groups of expert-parallel ranks (and HSDP sharding groups)")
             errs.append((f"elastic.{field}", (
-                f"{n} replicas do not split into whole HSDP sharding groups of "
-                f"parallel.shard_group_size ({r.replica_multiple}); use a multiple of it")))
+                f"{n} replicas do not split into whole {groups} ({r.replica_multiple}); use "
+                "a multiple of it")))
         elif not r.admissible(n):
             errs.append((f"elastic.{field}", (
                 f"the global batch of {r.global_batch} samples (micro_batch_size x "

@@ -23,6 +23,7 @@ from kuangchao.platform.spec.checkpoint import CheckpointSection
 from kuangchao.platform.spec.data import DataSection, data_errors
 from kuangchao.platform.spec.elastic import ElasticRange, range_errors, range_from
 from kuangchao.platform.spec.model import BUILTIN_MODELS, IMPORT_REF, ModelSection, model_errors
+from kuangchao.platform.spec.moe import moe_errors
 from kuangchao.platform.spec.parallel import (
     DEFAULT_COLLECTIVES,
     ParallelSection,
@@ -201,10 +202,12 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
     errs.extend(model_errors(m))
     # A Hugging Face model's layers and heads are in its folder: checked at submission.
     shape = (None, None) if m.is_hf else (m.n_layers, m.n_heads)
-    errs.extend(parallel_errors(p, *shape, builtin_trainer=spec.entrypoint is None))
+    errs.extend(parallel_errors(p, *shape, builtin_trainer=spec.entrypoint is None,
+                                seq_len=m.seq_len, builtin_model=m.is_builtin))
     if spec.entrypoint is not None and not IMPORT_REF.match(spec.entrypoint):
         errs.append(("entrypoint", f"{spec.entrypoint!r} is not of the form 'package.module:function'"))
     errs.extend(range_errors(spec.model_dump(mode="json")))
+    errs.extend(moe_errors(spec))
     errs.extend(data_errors(spec))
     if ".." in Path(spec.checkpoint.path).parts:
         errs.append(("checkpoint.path", f"{spec.checkpoint.path!r} contains '..'; give a path "

@@ -18,7 +18,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-BUILTIN_MODELS = ("gpt", "llama")
+from kuangchao.platform.spec.moe import moe_field_errors
+
+BUILTIN_MODELS = ("gpt", "llama", "moe")
 HF_TYPE = "hf"
 IMPORT_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 # Fields whose value a Hugging Face model takes from its config.json.
@@ -59,6 +61,14 @@ class ModelSection(BaseModel):
     pretrained: bool = True
     # The parameter count the user expects (8e9); checked against the folder at start.
     params: float | None = Field(None, gt=0, le=1e14)
+    # type moe, a Mixtral-like mixture of experts (platform/spec/moe.py): experts per
+    # layer, experts each token goes to, the slots each expert has per forward as a
+    # multiple of an even share, and the weights of the load-balancing and router z-losses.
+    n_experts: int = Field(8, ge=1, le=1024)
+    top_k: int = Field(2, ge=1, le=1024)
+    capacity_factor: float = Field(1.25, gt=0, le=1024)
+    aux_loss_coef: float = Field(0.01, ge=0, le=100)
+    z_loss_coef: float = Field(0.001, ge=0, le=100)
 
     @property
     def hf_folder(self) -> str | None:
@@ -87,6 +97,7 @@ def model_errors(m: ModelSection) -> list[tuple[str, str]]:
                  "as 'package.module:function'")]
     # Values, not `model_fields_set`: a dumped spec carries every default, and it
     # must validate again as it is.
+    errs.extend(moe_field_errors(m))
     if m.is_hf:
         if m.type == HF_TYPE and m.path and m.checkpoint and m.path != m.checkpoint:
             errs.append(("model.checkpoint", "names another folder than model.path; give one"))
@@ -109,8 +120,8 @@ def model_errors(m: ModelSection) -> list[tuple[str, str]]:
                                          "remove it, or change model.type"))
     if m.d_model % m.n_heads:
         errs.append(("model.d_model", f"{m.d_model} is not divisible by model.n_heads ({m.n_heads})"))
-    elif m.type == "llama" and (m.d_model // m.n_heads) % 2:
-        errs.append(("model.d_model", f"llama needs an even head size for rotary embeddings; "
+    elif m.type in ("llama", "moe") and (m.d_model // m.n_heads) % 2:
+        errs.append(("model.d_model", f"{m.type} needs an even head size for rotary embeddings; "
                      f"{m.d_model} / model.n_heads ({m.n_heads}) is odd"))
     return errs
 

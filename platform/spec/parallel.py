@@ -4,8 +4,10 @@ A layout is `data_parallel_size x pipeline_parallel_size x tensor_parallel_size`
 ranks (rank = (dp_index * pp + stage) * tp + tp_index, as placement lays
 them out), plus how each dimension is carried out: the ZeRO stage, the
 pipeline schedule, precision, gradient compression. The worker wires it from
-these fields (workers/parallel/layout.py). `parallel: auto` asks the planner
-(platform/planning/planner.py) for the layout at submission instead.
+these fields (workers/parallel/layout.py). `expert_parallel_size` splits a mixture
+of experts' experts over data-parallel ranks; its rules are platform/spec/moe.py's.
+`parallel: auto` asks the planner (platform/planning/planner.py) for the layout at
+submission instead.
 
 Every combination the worker cannot run is refused here, at validation time,
 with the field to change: a job must never fail on its layout mid-run.
@@ -17,6 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kuangchao.platform.spec.moe import expert_layout_errors
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PRECISIONS = ("fp32", "bf16", "fp16")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
@@ -27,7 +31,13 @@ class ParallelSection(BaseModel):
 
     data_parallel_size: int = Field(1, ge=1, le=65536)
     tensor_parallel_size: int = Field(1, ge=1, le=64)
+    # Megatron's sequence parallelism inside the tensor-parallel group: norms and dropout
+    # run on sequence shards; reduce-scatter and all-gather replace each all-reduce.
+    sequence_parallel: bool = False
     pipeline_parallel_size: int = Field(1, ge=1, le=1024)
+    # Experts of a mixture of experts split over this many of the data-parallel ranks
+    # (it divides data_parallel_size; platform/spec/moe.py).
+    expert_parallel_size: int = Field(1, ge=1, le=1024)
     micro_batch_size: int = Field(8, ge=1)
     # With a pipeline, each accumulation step is one pipeline micro-batch.
     gradient_accumulation_steps: int = Field(1, ge=1)
@@ -71,7 +81,7 @@ class ParallelSection(BaseModel):
     def hybrid(self) -> bool:
         """Whether anything beyond plain DDP replicas is wired (live resizes need plain DDP)."""
         return (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
-                or self.zero_stage > 0)
+                or self.zero_stage > 0 or self.expert_parallel_size > 1)
 
 
 DEFAULT_COLLECTIVES = ("all_gather", "all_reduce", "barrier", "broadcast", "reduce_scatter")
@@ -79,41 +89,50 @@ DEFAULT_COLLECTIVES = ("all_gather", "all_reduce", "barrier", "broadcast", "redu
 
 def expand_auto(data: Any) -> Any:
     """`parallel: auto` is shorthand for `parallel: {auto: true}`; a pipeline's
-    point-to-point sends join the default collectives when none are listed."""
+    point-to-point sends, and expert parallelism's all_to_all, join the default
+    collectives when none are listed."""
     if not isinstance(data, dict):
         return data
     if data.get("parallel") == "auto":
         data = {**data, "parallel": {"auto": True}}
     par, perm = data.get("parallel"), data.get("permission")
     pp = par.get("pipeline_parallel_size", 1) if isinstance(par, dict) else 1
-    if not (isinstance(pp, int) and pp > 1):
+    ep = par.get("expert_parallel_size", 1) if isinstance(par, dict) else 1
+    brought = ({"recv", "send"} if isinstance(pp, int) and pp > 1 else set()) \
+        | ({"all_to_all"} if isinstance(ep, int) and ep > 1 else set())
+    if not brought:
         return data
     if perm is None or (isinstance(perm, dict) and "collectives" not in perm
                         and "allowed_interfaces" not in perm):
         perm = dict(perm or {})
-        perm["collectives"] = [*DEFAULT_COLLECTIVES, "recv", "send"]
+        perm["collectives"] = [*DEFAULT_COLLECTIVES, *sorted(brought)]
         return {**data, "permission": perm}
-    # The built-in trainer's pipeline passes activations between its own stages: a
-    # pipelined layout brings its send and recv with it, whatever else the list allows
-    # (the design documents' job lists only all_reduce, all_gather and broadcast).
+    # The built-in trainer's pipeline passes activations between its own stages, and its
+    # expert parallelism tokens between its own ranks: such a layout brings its send and
+    # recv, or its all_to_all, with it, whatever else the list allows (the design
+    # documents' job lists only all_reduce, all_gather and broadcast).
     if isinstance(perm, dict) and data.get("entrypoint") is None:
         key = "allowed_interfaces" if "allowed_interfaces" in perm else "collectives"
         listed = perm.get(key)
         if isinstance(listed, list) and "collectives" in perm and "allowed_interfaces" in perm:
             return data  # both given: validation says so
-        if isinstance(listed, list) and not {"send", "recv"} <= set(listed):
-            perm = {**perm, key: [*listed, *sorted({"recv", "send"} - set(listed))]}
+        if isinstance(listed, list) and not brought <= set(listed):
+            perm = {**perm, key: [*listed, *sorted(brought - set(listed))]}
             return {**data, "permission": perm}
     return data
 
 
 def parallel_errors(p: ParallelSection, n_layers: int | None, n_heads: int | None,
-                    builtin_trainer: bool) -> list[tuple[str, str]]:
+                    builtin_trainer: bool, *, seq_len: int | None = None,
+                    builtin_model: bool = True) -> list[tuple[str, str]]:
     """Layouts the worker cannot run, each with the field to change.
 
     `n_layers` and `n_heads` are None for a model whose shape is in its folder
-    (a Hugging Face model), whose checks run where the folder is read."""
-    errs: list[tuple[str, str]] = []
+    (a Hugging Face model), whose checks run where the folder is read.
+    `seq_len` (None: not checked) and `builtin_model` (gpt, llama, moe: not a
+    Hugging Face folder or a custom factory) are read by sequence parallelism."""
+    errs: list[tuple[str, str]] = sequence_parallel_errors(p, seq_len, builtin_model,
+                                                           builtin_trainer)
     tp, pp = p.tensor_parallel_size, p.pipeline_parallel_size
     if n_heads is not None and n_heads % tp:
         errs.append(("parallel.tensor_parallel_size",
@@ -141,6 +160,7 @@ def parallel_errors(p: ParallelSection, n_layers: int | None, n_heads: int | Non
                              "pipeline_parallel_size"))
     # `ctx.prepare_model` wires sharding groups as the built-in trainer does: both kinds of job.
     errs.extend(shard_group_errors(p))
+    errs.extend(expert_layout_errors(p, builtin_trainer))
     if not builtin_trainer:
         return errs  # a custom entrypoint wires its own layout from the fields
     if p.schedule == "interleaved_1f1b" and pp > 1:
@@ -191,6 +211,39 @@ def parallel_errors(p: ParallelSection, n_layers: int | None, n_heads: int | Non
     return errs
 
 
+def sequence_parallel_errors(p: ParallelSection, seq_len: int | None, builtin_model: bool,
+                             builtin_trainer: bool) -> list[tuple[str, str]]:
+    """What sequence parallelism cannot run with; empty without it.
+
+    It is wired by the built-in trainer for the built-in models, whose blocks it
+    knows (workers/parallel/sequence_parallel.py); each sequence splits into
+    tensor_parallel_size equal shards. With `parallel.auto` the planner picks the
+    tensor-parallel size, and its layouts are checked again (`layout_errors`)."""
+    if not p.sequence_parallel:
+        return []
+    field = "parallel.sequence_parallel"
+    tp = p.tensor_parallel_size
+    if not builtin_trainer:
+        return [(field, "is wired by the built-in trainer only (ctx.prepare_model applies "
+                        "tensor parallelism without it); remove the entrypoint, or set "
+                        "sequence_parallel: false")]
+    if not builtin_model:
+        return [(field, "shards the built-in models' blocks (gpt, llama, moe); a Hugging Face "
+                        "or custom model runs tensor parallelism without it: set "
+                        "sequence_parallel: false")]
+    if p.auto:
+        return []
+    if tp == 1:
+        return [(field, "shards activations over the tensor-parallel group, and "
+                        "tensor_parallel_size is 1; set tensor_parallel_size to 2 or more, "
+                        "or sequence_parallel: false")]
+    if seq_len is not None and seq_len % tp:
+        return [(field, f"splits each sequence into tensor_parallel_size ({tp}) equal shards, "
+                        f"and {tp} does not divide model.seq_len ({seq_len}); change "
+                        "tensor_parallel_size or model.seq_len, or set sequence_parallel: false")]
+    return []
+
+
 def shard_group_errors(p: ParallelSection) -> list[tuple[str, str]]:
     """What HSDP (`shard_group_size`) cannot run with; empty without it.
 
@@ -230,4 +283,8 @@ def trainer_collectives(p: ParallelSection) -> set[str]:
         out.add("reduce_scatter")
     if p.pipeline_parallel_size > 1:
         out |= {"send", "recv"}
+    if p.expert_parallel_size > 1:  # tokens to their experts' ranks and back
+        out.add("all_to_all")
+    if p.sequence_parallel:  # the row-parallel outputs are reduce-scattered to sequence shards
+        out |= {"all_gather", "reduce_scatter"}
     return out

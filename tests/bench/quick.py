@@ -29,7 +29,7 @@ from bench import run_all
 ROOT = Path(__file__).resolve().parents[2]
 # Roughly longest first (quick-mode wall time on 2 cores), so the slow ones overlap the rest.
 ORDER = ["hf", "topology_live", "goodput", "recovery", "resize", "overhead", "heartbeats", "planner",
-         "metrics", "tokens", "api", "ckpt_io", "placement"]
+         "metrics", "tokens", "api", "memory", "ckpt_io", "placement"]
 # Scripts that build a netns cluster (root, iproute2): elsewhere they print their lines
 # with an error saying why, and their test is skipped.
 NEEDS_NETNS = {"topology_live"}

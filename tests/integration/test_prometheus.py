@@ -2,8 +2,9 @@
 
 A real Prometheus (Debian's package; `make test` installs it) scrapes the
 session's live stack with deploy/prometheus/prometheus.yml, adapted only in
-where things are (ports, files) and how often it scrapes. A job trains,
-checkpoints, loses a rank to SIGKILL and recovers. Then every PromQL
+where things are (ports, files) and how often it scrapes. A job (a mixture of
+experts, so that the routing panels have series too) trains, checkpoints, loses
+a rank to SIGKILL and recovers. Then every PromQL
 expression of every dashboard panel and every alert rule must return a
 non-empty, finite result over the series Prometheus scraped; alert rules are
 evaluated with their comparison in its `bool` form, so that an inactive
@@ -189,6 +190,8 @@ def test_dashboards_and_alerts_evaluate_over_live_series(stack, prom):
     doc["data"] = {"path": str(data / "docs.jsonl"), "format": "jsonl",
                    "tokenizer": str(data / "tokenizer"), "eval_fraction": 0.2}
     doc["model"]["vocab_size"] = 512
+    # A mixture of experts: every series a dense model has, and the routing gauges too.
+    doc["model"].update(type="moe", n_experts=4, top_k=2)
     doc["task"]["name"] = "prom-e2e"
     doc["checkpoint"]["interval_steps"] = 10
     doc["fault_tolerance"] = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5}

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from kuangchao.platform.spec.jobspec import validate_spec
 from kuangchao.workers.checkpoint.manager import CheckpointManager
+from kuangchao.workers.models.moe import moe_stats
 from kuangchao.workers.parallel.engine import Engine
 from kuangchao.workers.trainer.job_model import build_job_model, dims
 
@@ -58,8 +59,23 @@ def _logits_error(spec, engine: Engine, vocab: int) -> dict | None:
     return {"max_abs": float((got - want).abs().max()), "scale": float(want.abs().max())}
 
 
+def micro_steps(spec, batch: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of each forward a single process runs on the global batch: all of them at
+    once, or, for a mixture of experts, whose expert capacity is counted over the global
+    micro-batch, the i-th micro-batch of every data-parallel rank together, as the ranks
+    run them (accumulated: the mean of the micro-batches' losses, as the ranks' is)."""
+    p = spec.parallel
+    n, mb = p.gradient_accumulation_steps, p.micro_batch_size
+    if spec.model.type != "moe" or n == 1:
+        return [batch]
+    per = mb * n
+    return [torch.cat([batch[d * per + i * mb:d * per + (i + 1) * mb]
+                       for d in range(p.data_parallel_size)]) for i in range(n)]
+
+
 def reference(doc: dict, steps: int = STEPS) -> dict:
-    """Single-process training on the whole global batch: the losses every layout must match."""
+    """Single-process training on the whole global batch: the losses every layout must match
+    (and, for a mixture of experts, its last step's routing statistics)."""
     spec = validate_spec(doc)
     torch.manual_seed(spec.training.seed)
     model = build_job_model(spec)
@@ -70,20 +86,30 @@ def reference(doc: dict, steps: int = STEPS) -> dict:
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if spec.parallel.precision == "bf16" \
         else torch.autocast("cpu", enabled=False)
     for batch in global_batches(spec, steps, dims(spec, model)[2]):
-        with ctx:
-            if getattr(model, "opaque", False):  # a whole HF model: logits only
-                from kuangchao.workers.parallel.pipeline import lm_loss
+        parts = micro_steps(spec, batch)
+        if hasattr(model, "moe_state"):  # the auxiliary losses' gradients scale as the loss's
+            model.reset_moe_stats()
+            model.moe_state.grad_scale = 1.0 / len(parts)
+        total = 0.0
+        for rows in parts:
+            with ctx:
+                if getattr(model, "opaque", False):  # a whole HF model: logits only
+                    from kuangchao.workers.parallel.pipeline import lm_loss
 
-                loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
-            else:
-                _, loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
+                    loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
+                else:
+                    _, loss = model(rows[:, :-1], rows[:, 1:])
+            (loss / len(parts) if len(parts) > 1 else loss).backward()
+            total += float(loss.detach())
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                           spec.optimizer.grad_clip)))
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "norms": norms}
+        losses.append(total / len(parts))
+    out = {"losses": losses, "norms": norms}
+    if hasattr(model, "moe_stats"):
+        out["moe"] = model.moe_stats()
+    return out
 
 
 def _train_case(rank: int, world: int, case: dict) -> None:
@@ -127,12 +153,24 @@ def _train_case(rank: int, world: int, case: dict) -> None:
             manager.save(step + 1, engine.holder, engine.optimizer, rank_state={})
     if rank == 0:
         with open(case["out"], "w") as fh:
-            json.dump({"losses": losses, "norms": norms,
+            json.dump({"losses": losses, "norms": norms, "moe": moe_stats(engine.holder),
                        "hierarchy": engine.hierarchy is not None, "describe": engine.describe(),
                        "placements": str(getattr(next(engine.holder.parameters()), "placements", "")),
                        "wrapped": [type(w).__name__ for w in engine.wrapped],
                        "optimizer": type(engine.optimizer).__name__}, fh)
     dist.barrier()
+
+
+def _forget_meshes() -> None:
+    """Drop DTensor's sharding caches between cases. A case's device mesh can equal an
+    earlier case's (mesh equality ignores process groups), and the caches would hand it
+    specs holding the earlier mesh, whose groups are gone, or named alike only when the
+    cases happened to create their groups in the same order."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _gen_transform_infos.cache_clear()
 
 
 def _rank(rank: int, world: int, cases: list[dict], rendezvous: str) -> None:
@@ -147,15 +185,19 @@ def _rank(rank: int, world: int, cases: list[dict], rendezvous: str) -> None:
     """
     torch.set_num_threads(1)
     for i, case in enumerate(cases):
+        size = case.get("world") or world  # a case may run on the first ranks only
+        if rank >= size:
+            continue
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}/case-{i}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+                                world_size=size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
         try:
-            _train_case(rank, world, case)
+            _train_case(rank, size, case)
         except Exception:
             with open(f"{case['out']}.rank{rank}.error", "w") as fh:
                 fh.write(traceback.format_exc())
         finally:
             dist.destroy_process_group()
+            _forget_meshes()
             gc.collect()
     # Gloo and DDP objects torn down at interpreter exit can wait on peers that are gone.
     os._exit(0)
@@ -164,7 +206,8 @@ def _rank(rank: int, world: int, cases: list[dict], rendezvous: str) -> None:
 def run(cases: list[dict], world: int, rendezvous: str) -> None:
     """Train STEPS steps of each case on `world` ranks.
 
-    A case is {"doc", "out", "nodes"?, "ckpt"?}; `ckpt` = {"dir", "at"} saves after
+    A case is {"doc", "out", "nodes"?, "ckpt"?, "world"?}; "world" runs it on the first
+    that many ranks (the others go on to the next case); `ckpt` = {"dir", "at"} saves after
     step `at`, and with "resume": true restores that checkpoint and trains the steps
     after it (so the saving case must come earlier in `cases`).
     """

@@ -21,6 +21,8 @@ PURE = [
     "platform/spec/stored.py", "platform/scheduling/scheduler.py",
     "platform/spec/queues.py",
     "platform/planning/planner.py", "platform/planning/autoplan.py",
+    "platform/planning/experts.py", "platform/observability/routing.py",
+    "platform/planning/activations.py",
     "platform/jobs/state.py", "platform/jobs/debugreq.py",
     "platform/jobs/memory.py", "platform/jobs/memory_more.py", "platform/jobs/encoding.py",
     "platform/jobs/record_edits.py", "platform/jobs/memory_security.py",

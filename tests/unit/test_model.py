@@ -16,7 +16,7 @@ from torch import nn
 from kuangchao.workers.errors import ModelConfigError, ModelInputError
 from kuangchao.workers.models import config as model_config
 from kuangchao.workers.models import factory as model
-from kuangchao.workers.models import gpt, llama
+from kuangchao.workers.models import gpt, llama, moe
 from kuangchao.workers.models.factory import GPT, Llama, ModelConfig, build_model
 
 VOCAB = 64
@@ -315,7 +315,7 @@ def test_config_replace_revalidates_when_fields_change() -> None:
 def test_model_reexports_names_of_the_modules_that_define_them_when_imported() -> None:
     for name in model.__all__:
         value = getattr(model, name)
-        homes = [m for m in (model_config, gpt, llama) if getattr(m, name, None) is value]
+        homes = [m for m in (model_config, gpt, llama, moe) if getattr(m, name, None) is value]
         assert homes or name == "build_model", name
     assert model.ModelConfig is model_config.ModelConfig
     assert model.GPT is gpt.GPT and model.Llama is llama.Llama

@@ -42,3 +42,11 @@ def test_plain_fsdp_slices_are_not_compared_and_ddp_replicas_are(monkeypatch):
     run(monkeypatch, Layout(dp=4), True, ["a", "b", "c", "d"])
     with pytest.raises(TrainingError, match="diverged"):
         run(monkeypatch, Layout(dp=2), False, ["a", "b"])
+
+
+def test_expert_parallel_ranks_holding_the_same_experts_must_agree(monkeypatch):
+    ep = Layout(dp=4, ep=2)  # experts split over (0,1) and (2,3): rank 0's also on rank 2
+    digest = run(monkeypatch, ep, False, ["a", "b", "a", "b"])
+    assert digest == run(monkeypatch, Layout(dp=2, ep=2), False, ["a", "b"])  # one copy of each
+    with pytest.raises(TrainingError, match=r"ranks \[1, 3\]"):
+        run(monkeypatch, ep, False, ["a", "b", "a", "c"])

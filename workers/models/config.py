@@ -18,7 +18,7 @@ from torch import nn
 
 from kuangchao.workers.errors import ModelConfigError, ModelInputError
 
-BUILTIN_MODELS = ("gpt", "llama")
+BUILTIN_MODELS = ("gpt", "llama", "moe")
 INIT_STD = 0.02
 
 
@@ -35,7 +35,10 @@ class ModelConfig:
         vocab_size: Number of token ids.
         dropout: Dropout probability in [0, 1).
         d_ff: MLP hidden width; ``None`` picks the architecture default
-            (see ``ffn_dim``).
+            (see ``ffn_dim``). For ``moe``, each expert's.
+        n_experts, top_k, capacity_factor, aux_loss_coef, z_loss_coef: The
+            mixture of experts' (``type: moe``, workers/models/moe.py); the other
+            architectures ignore them.
 
     Raises:
         ModelConfigError: When a field is out of range; the message names the
@@ -50,6 +53,11 @@ class ModelConfig:
     vocab_size: int
     dropout: float = 0.0
     d_ff: int | None = None
+    n_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
         check_type_name(self.type)
@@ -69,9 +77,11 @@ class ModelConfig:
                 f"model.n_heads: d_model={self.d_model} is not divisible by "
                 f"n_heads={self.n_heads}; change model.n_heads or model.d_model"
             )
-        if self.type == "llama" and self.head_dim % 2 != 0:
+        if self.type == "moe":
+            _check_experts(self)
+        if self.type in ("llama", "moe") and self.head_dim % 2 != 0:
             raise ModelConfigError(
-                f"model.n_heads: llama needs an even head size for rotary embeddings, but "
+                f"model.n_heads: {self.type} needs an even head size for rotary embeddings, but "
                 f"d_model/n_heads = {self.d_model}/{self.n_heads} = {self.head_dim}; "
                 f"change model.n_heads or model.d_model"
             )
@@ -108,6 +118,15 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _check_experts(cfg: ModelConfig) -> None:
+    for name in ("n_experts", "top_k"):
+        _check_positive_int(name, getattr(cfg, name))
+    if cfg.top_k > cfg.n_experts:
+        raise ModelConfigError(f"model.top_k: {cfg.top_k} exceeds model.n_experts ({cfg.n_experts})")
+    if not cfg.capacity_factor > 0:
+        raise ModelConfigError(f"model.capacity_factor: {cfg.capacity_factor} is not positive")
+
+
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ModelConfigError(f"model.{name}: expected a positive integer, got {value!r}")
@@ -123,7 +142,7 @@ def check_type_name(type_name: object) -> None:
     if sep and module and attr:
         return
     raise ModelConfigError(
-        f"model.type: {type_name!r} is not a built-in model; use 'gpt' or 'llama', "
+        f"model.type: {type_name!r} is not a built-in model; use 'gpt', 'llama' or 'moe', "
         f"or 'package.module:factory'"
     )
 

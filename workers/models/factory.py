@@ -1,14 +1,16 @@
 """Decoder-only language models trained by kuangchao workers.
 
-Two built-in architectures are provided, GPT (GPT-2 style) and Llama (RMSNorm,
-rotary embeddings, SwiGLU). Both expose the same layout, which later work relies
-on to cut a model into pipeline stages and tensor-parallel shards:
+Three built-in architectures are provided, GPT (GPT-2 style), Llama (RMSNorm,
+rotary embeddings, SwiGLU) and MoE (Llama's blocks with routed SwiGLU experts).
+All expose the same layout, which later work relies on to cut a model into
+pipeline stages and tensor-parallel shards:
 
     tok_emb -> blocks[i] -> norm -> lm_head
 
 with every block holding separate ``attn.{q,k,v,o}_proj`` and ``mlp.*_proj``
-Linear layers. A model can also come from a user factory named as
-``"package.module:factory"`` in ``model.type``.
+Linear layers (MoE: ``moe.router`` and ``moe.experts.{i}.*_proj``). A model can
+also come from a user factory named as ``"package.module:factory"`` in
+``model.type``.
 
 This module is the entry point: it holds ``build_model`` and the import of
 custom factories, and re-exports the public names of the modules the code lives
@@ -17,7 +19,9 @@ in, so ``from kuangchao.workers.models.factory import ...`` keeps working:
 * ``config.py``: ``ModelConfig``, the errors and the helpers both
   architectures share;
 * ``gpt.py``: ``GPT`` and its layers;
-* ``llama.py``: ``Llama``, its layers, ``RMSNorm`` and the rotary embedding.
+* ``llama.py``: ``Llama``, its layers, ``RMSNorm`` and the rotary embedding;
+* ``moe.py``: ``MoE``, a Mixtral-like mixture of experts on Llama's blocks
+  (its router maths in ``router.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from kuangchao.workers.models.llama import (
     RotaryEmbedding,
     apply_rotary,
 )
+from kuangchao.workers.models.moe import MoE
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -50,6 +55,7 @@ __all__ = [
     "GPTMLP",
     "INIT_STD",
     "Llama",
+    "MoE",
     "LlamaAttention",
     "LlamaBlock",
     "LlamaMLP",
@@ -69,9 +75,9 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     """Build the model named by ``cfg.type``.
 
     Args:
-        cfg: Model configuration. ``cfg.type`` is ``"gpt"``, ``"llama"`` or
-            ``"package.module:factory"``, where ``factory(cfg)`` returns an
-            ``nn.Module``.
+        cfg: Model configuration. ``cfg.type`` is ``"gpt"``, ``"llama"``,
+            ``"moe"`` or ``"package.module:factory"``, where ``factory(cfg)``
+            returns an ``nn.Module``.
 
     Returns:
         A freshly initialised model; parameters depend only on the torch seed.
@@ -85,6 +91,8 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         return GPT(cfg)
     if cfg.type == "llama":
         return Llama(cfg)
+    if cfg.type == "moe":
+        return MoE(cfg)
     factory = _import_factory(cfg.type)
     model = factory(cfg)
     if not isinstance(model, nn.Module):

@@ -21,6 +21,7 @@ from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.platform.spec.parallel import ParallelSection
 from kuangchao.workers.parallel.comm_clock import CommClock
 from kuangchao.workers.parallel.comm_hooks import Hierarchy, compress_hook, powersgd, timed_allreduce_hook
+from kuangchao.workers.parallel.expert_wiring import shard_experts
 from kuangchao.workers.parallel.layout import Layout
 
 # HSDP's two halves of the data-parallel dimension (replicate across groups, shard within).
@@ -29,10 +30,16 @@ HSDP_DIMS = ("dp_replicate", "dp_shard")
 
 def device_mesh(device_type: str, layout: Layout) -> Any:
     """The `DeviceMesh` over every rank: ("dp", "pp", "tp"), or with HSDP
-    ("dp_replicate", "dp_shard", "pp", "tp") with the first two also flattened into
-    "dp" (the whole data-parallel group, as without HSDP)."""
+    ("dp_replicate", "dp_shard", "pp", "tp"), or with expert parallelism ("edp", "ep",
+    "pp", "tp"), with the first two also flattened into "dp" (the whole data-parallel
+    group, as without them)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if layout.ep > 1:  # ("edp", "ep") flattened into "dp" (workers/parallel/expert_parallel.py)
+        mesh = init_device_mesh(device_type, (layout.dp // layout.ep, layout.ep, layout.pp,
+                                              layout.tp), mesh_dim_names=("edp", "ep", "pp", "tp"))
+        mesh[("edp", "ep")]._flatten("dp")
+        return mesh
     if layout.shard_group is None:
         return init_device_mesh(device_type, (layout.dp, layout.pp, layout.tp),
                                 mesh_dim_names=("dp", "pp", "tp"))
@@ -134,6 +141,7 @@ def fully_shard_blocks(root: nn.Module, blocks: list[nn.Module], p: ParallelSect
         # Page-locking host memory needs an accelerator; on a CPU the state is already there.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for block in blocks:
+        shard_experts(block, mesh, kwargs)  # a mixture of experts' under EP, over their own ranks
         fully_shard(block, **kwargs)
     return fully_shard(root, **kwargs)
 

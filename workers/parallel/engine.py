@@ -55,6 +55,7 @@ from kuangchao.workers.parallel.data_parallel import (
     hierarchy_wins,
     make_optimizer,
 )
+from kuangchao.workers.parallel.expert_wiring import wire_experts
 from kuangchao.workers.parallel.layout import Coords, Layout, node_groups
 from kuangchao.workers.parallel.microbatch import ComputeClock, accumulate, evaluate, run_pipeline
 from kuangchao.workers.parallel.pipeline import (
@@ -66,6 +67,7 @@ from kuangchao.workers.parallel.pipeline import (
 )
 from kuangchao.workers.parallel.precision import Precision
 from kuangchao.workers.parallel.prepare import recompute_blocks
+from kuangchao.workers.parallel.sequence_parallel import reduce_partial_grads, wire_sequence_parallel
 from kuangchao.workers.parallel.summary import describe
 from kuangchao.workers.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -133,9 +135,10 @@ class Engine:
             for chunk in self.chunks:
                 chunk.emulation = emulation
         self.mesh = None
-        if self.distributed and (pp > 1 or tp > 1 or self.fsdp):
+        if self.distributed and (pp > 1 or tp > 1 or self.fsdp or self.layout.ep > 1):
             self.mesh = device_mesh(device.type, self.layout)
         self.dp_group = self._group("dp")
+        self.moe = wire_experts(self)  # None for a dense model; keeps this rank's experts
         self.pp_group = self._group("pp")
         self.tied = None
         if pp > 1 and self.distributed:
@@ -146,13 +149,16 @@ class Engine:
                 self.holder.checkpoint_aliases = {"lm_head.weight": "tok_emb.weight"}
         if tp > 1 and self.mesh is not None:
             apply_tensor_parallel([b for c in self.chunks for b in c.blocks.values()], self.mesh["tp"],
-                                  getattr(model, "tp_plan", None))
+                                  getattr(model, "tp_plan", None), p.sequence_parallel)
+            if p.sequence_parallel:
+                wire_sequence_parallel(self.chunks, self.mesh["tp"])
         if spec.training.compile:
             self._compile()
         # DDP takes neither DTensor (tensor-parallel) parameters nor a pipeline schedule's
         # several backward passes per step: there, with ZeRO 0 or 1, gradients are
         # all-reduced over the data-parallel group after backward, in one flat buffer.
-        self.manual_dp = (tp > 1 or pp > 1) and not self.fsdp and dp > 1 and self.distributed
+        self.manual_dp = (tp > 1 or pp > 1 or self.layout.ep > 1) and not self.fsdp and dp > 1 \
+            and self.distributed
         self.hierarchy: Hierarchy | None = None
         if not wrap and (self.mesh is not None or self.manual_dp):
             raise ValueError("only plain data parallelism may be wrapped later")
@@ -173,7 +179,9 @@ class Engine:
         """Compile each block in place (names unchanged); eager where it fails."""
         block = next(iter(self.chunks[0].blocks.values()))
         probe = torch.zeros(1, 2, self.d_model, device=self.device)
-        extra = self.chunks[0].rope(2) if getattr(self.chunks[0], "rotary", False) else ()
+        # Under sequence parallelism the probe is one shard of a 2 x tp sequence.
+        shards = getattr(self.chunks[0], "seq_shards", 1)
+        extra = self.chunks[0].rope(2 * shards) if getattr(self.chunks[0], "rotary", False) else ()
         try:
             block.compile()
             with torch.no_grad():
@@ -292,6 +300,10 @@ class Engine:
             out.add("broadcast")
         if self.layout.pp > 1:
             out |= {"send", "recv"}
+        if self.p.sequence_parallel and self.layout.tp > 1:
+            out |= {"reduce_scatter", "all_gather"}
+        if self.moe is not None:
+            out |= self.moe.collectives()
         return sorted(out)
 
     def describe(self) -> str:
@@ -317,12 +329,17 @@ class Engine:
         `poison` (a fault drill) makes the loss NaN.
         """
         self.compute = ComputeClock(self.device, self.emulation)
+        if self.moe is not None:
+            self.moe.begin_step(self, len(batches))
         if self.schedule is not None:
             loss = run_pipeline(self, batches, poison, self.compute)
         else:
             loss = accumulate(self, batches, poison, self.compute)
-        if self.manual_dp:
-            allreduce_grads(self.holder, self.dp_group, self.layout.dp)
+        if self.p.sequence_parallel:  # the norms' gradients, partial over the sequence shards
+            reduce_partial_grads(self.holder)
+        if self.manual_dp:  # experts' gradients meet in their own groups
+            reduce = allreduce_grads if self.moe is None else self.moe.allreduce_grads
+            reduce(self.holder, self.dp_group, self.layout.dp)
         if self.tied is not None:
             self.tied.sync(self.holder)
         return loss
@@ -353,6 +370,8 @@ class Engine:
             if hasattr(norm, "full_tensor"):  # partial over the shards, replicated across HSDP
                 norm = norm.full_tensor()     # groups: each shard counted once, no replica twice
             sq += norm.double() ** 2
+        if self.moe is not None:  # experts held by this rank's expert-parallel peers
+            sq += self.moe.other_experts_sq(self.holder, self.device)
         if self.pp_group is not None and self.layout.pp > 1:
             dist.all_reduce(sq, group=self.pp_group)
         return float(sq.sqrt())

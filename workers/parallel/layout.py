@@ -10,6 +10,11 @@ With HSDP (`shard_group_size` s under ZeRO 2 or 3) the data-parallel dimension
 splits in two, row-major: `dp_index = group * s + member`, so a sharding group is
 s consecutive data-parallel indices (one node, or one island, when placement
 keeps them together) and the mesh is ("dp_replicate", "dp_shard", "pp", "tp").
+
+With expert parallelism (`expert_parallel_size` ep) it splits the same way:
+`dp_index = edp * ep + e`, an expert-parallel group being ep consecutive
+data-parallel indices, and the mesh is ("edp", "ep", "pp", "tp")
+(workers/parallel/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -38,8 +43,13 @@ class Layout:
     # HSDP: data-parallel ranks per sharding group, below dp; None: one group (plain
     # FSDP, or no sharding at all).
     shard_group: int | None = None
+    # Expert parallelism: data-parallel ranks the experts are split over.
+    ep: int = 1
 
     def __post_init__(self) -> None:
+        if self.dp % self.ep:
+            raise ValueError(f"{self.ep} expert-parallel ranks do not divide {self.dp} "
+                             "data-parallel ranks")
         s = self.shard_group
         if s is not None and not (1 <= s < self.dp and self.dp % s == 0):
             raise ValueError(f"sharding groups of {s} do not split {self.dp} data-parallel ranks "
@@ -57,7 +67,7 @@ class Layout:
         dp = world_size // per_replica
         s = parallel.shard_group_size if parallel.zero_stage >= 2 else None
         return cls(dp, parallel.pipeline_parallel_size, parallel.tensor_parallel_size,
-                   s if s != dp else None)
+                   s if s != dp else None, parallel.expert_parallel_size)
 
     @property
     def world_size(self) -> int:
@@ -97,6 +107,16 @@ class Layout:
             return [rank]
         peers = self.dp_group(rank)
         return peers[self.coords(rank).dp % self.shard_group::self.shard_group]
+
+    def ep_group(self, rank: int) -> list[int]:
+        """The ranks `rank` splits its experts with: ep consecutive data-parallel peers."""
+        peers = self.dp_group(rank)
+        first = self.coords(rank).dp // self.ep * self.ep
+        return peers[first:first + self.ep]
+
+    def expert_dp_group(self, rank: int) -> list[int]:
+        """The ranks holding the same experts as `rank`, one per expert-parallel group."""
+        return self.dp_group(rank)[self.coords(rank).dp % self.ep::self.ep]
 
     def pp_group(self, rank: int) -> list[int]:
         c = self.coords(rank)

@@ -61,6 +61,8 @@ class ModelChunk(nn.Module):
 
     # A slower GPU emulated on CPU (workers/parallel/emulation.py); set on pipeline stages.
     emulation: Any = None
+    # With sequence parallelism, a later stage's input is one of this many sequence shards.
+    seq_shards = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] (first chunk) or hidden states [B, T, D] in; hidden
@@ -74,7 +76,7 @@ class ModelChunk(nn.Module):
         return emu.close(out, clock)  # the backward's clock starts where its gradient arrives
 
     def _run(self, x: torch.Tensor, clock: Any) -> torch.Tensor:
-        seq_len = x.size(1)
+        seq_len = x.size(1) if self.first else x.size(1) * self.seq_shards
         if self.first:
             h = self.tok_emb(x)
             if not self.rotary:

@@ -29,6 +29,7 @@ from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.platform.spec.model import FAMILY_TP_PLANS
 from kuangchao.workers.errors import TrainingError
 from kuangchao.workers.parallel.data_parallel import device_mesh, fully_shard_blocks
+from kuangchao.workers.parallel.expert_wiring import count_globally
 from kuangchao.workers.parallel.layout import Layout
 from kuangchao.workers.parallel.precision import Precision
 from kuangchao.workers.parallel.tensor_parallel import STYLES
@@ -107,6 +108,7 @@ def prepare_model(spec: JobSpec, model: nn.Module, *, world_size: int, device: t
     mesh = None
     if layout.tp > 1 or p.zero_stage >= 2:
         mesh = device_mesh(device.type, layout)  # pp is 1 here; HSDP groups when asked
+    count_globally(model, mesh, layout.coords(dist.get_rank()).dp)  # a mixture of experts'
     if layout.tp > 1:
         plan = tp_plan or hf_plan(model)
         if not plan:

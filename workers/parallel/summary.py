@@ -9,6 +9,13 @@ def describe(engine: Any) -> str:
     """An engine's layout in one line, for the job log."""
     p, lay = engine.p, engine.layout
     parts = [f"dp={lay.dp} tp={lay.tp} pp={lay.pp}"]
+    moe = getattr(engine, "moe", None)
+    if moe is not None and lay.ep > 1:
+        held = sorted(int(name) for name in moe.layers[0].experts)
+        parts.append(f"ep={lay.ep}: experts {held[0]}-{held[-1]} of {moe.layers[0].n_experts} "
+                     "here, tokens by all_to_all")
+    if p.sequence_parallel and lay.tp > 1:
+        parts.append("sequence parallel (norms and dropout on sequence shards)")
     if lay.pp > 1:
         parts.append(f"schedule {p.schedule}" + (f" x{p.virtual_stages}" if p.virtual_stages > 1 else ""))
         split = getattr(engine, "layer_split", None)

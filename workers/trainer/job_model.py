@@ -18,7 +18,9 @@ from kuangchao.workers.models.factory import ModelConfig, build_model
 def model_config(spec: JobSpec) -> ModelConfig:
     m = spec.model
     return ModelConfig(type=m.type, n_layers=m.n_layers, n_heads=m.n_heads, d_model=m.d_model,
-                       seq_len=m.seq_len, vocab_size=m.vocab_size, dropout=m.dropout, d_ff=m.d_ff)
+                       seq_len=m.seq_len, vocab_size=m.vocab_size, dropout=m.dropout, d_ff=m.d_ff,
+                       n_experts=m.n_experts, top_k=m.top_k, capacity_factor=m.capacity_factor,
+                       aux_loss_coef=m.aux_loss_coef, z_loss_coef=m.z_loss_coef)
 
 
 def build_job_model(spec: JobSpec) -> nn.Module:

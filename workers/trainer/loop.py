@@ -234,7 +234,7 @@ def _train_from(ctx: TrainContext, pos: Position, engine: Engine, source: BatchS
                 global_loss = global_mean(loss_value, ctx)
                 rate = meter.rate()
                 ctx.report(done, loss=global_loss, tokens_per_s=rate, **evaluated,
-                           **_progress_extras(ctx, optimizer))
+                           **_progress_extras(ctx, optimizer, model))
                 if ctx.is_chief:
                     ctx.log(f"step {done}/{t.steps} loss {global_loss:.4f} tokens/s {rate:.0f}",
                             step=done, loss=global_loss)
@@ -260,14 +260,21 @@ def _train_from(ctx: TrainContext, pos: Position, engine: Engine, source: BatchS
             "params_sha256": digest, "skipped_batches": pos.skipped}
 
 
-def _progress_extras(ctx: TrainContext, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+def _progress_extras(ctx: TrainContext, optimizer: torch.optim.Optimizer,
+                     model: torch.nn.Module) -> dict[str, Any]:
     """What `kc train` and `kc submit --wait` show beside the loss: the learning rate,
-    this rank's memory and the communication share of its last step."""
+    this rank's memory and the communication share of its last step; for a mixture of
+    experts, its routing (`moe`: the metrics' per-expert load, dropped tokens, losses)."""
     from kuangchao.workers.runtime.telemetry import memory
 
     mem = memory()
-    out = {"lr": float(optimizer.param_groups[0]["lr"]),
-           "mem_bytes": mem.get("cuda_allocated", mem["rss"])}
+    out: dict[str, Any] = {"lr": float(optimizer.param_groups[0]["lr"]),
+                           "mem_bytes": mem.get("cuda_allocated", mem["rss"])}
+    if ctx.spec.model.type == "moe":
+        from kuangchao.platform.observability.routing import progress_fields
+        from kuangchao.workers.models.moe import moe_stats
+
+        out.update(progress_fields(moe_stats(model)))
     if ctx.telemetry is not None:
         from kuangchao.platform.observability import metrics as m
 
@@ -293,7 +300,8 @@ def check_replicas_in_sync(engine: Engine, ctx: TrainContext) -> str:
     Replicas that drift apart (a non-deterministic kernel, a skipped
     all-reduce) would otherwise go unnoticed until the checkpoint, which
     keeps only one copy. Ranks holding the same shard of the model (same
-    pipeline stage and tensor-parallel index) must agree; under ZeRO 2 and 3
+    pipeline stage and tensor-parallel index, and with expert parallelism the
+    same experts) must agree; under ZeRO 2 and 3
     each holds a different slice, so there is nothing to compare, except under
     HSDP, where each slice is held once in every sharding group.
 
@@ -312,18 +320,20 @@ def check_replicas_in_sync(engine: Engine, ctx: TrainContext) -> str:
     permit("all_gather")
     dist.all_gather_object(digests, digest)
     layout = engine.layout
-    # The ranks that must hold equal parameters: a whole dp group without FSDP; under
-    # HSDP the ranks holding the same shard, one in each sharding group.
-    same = layout.replica_group_of if engine.fsdp else layout.dp_group
+    # The ranks that must hold equal parameters: a whole dp group without FSDP (with expert
+    # parallelism, the ranks holding the same experts); under HSDP the ranks holding the
+    # same shard, one in each sharding group.
+    same = layout.replica_group_of if engine.fsdp else layout.expert_dp_group
     if not engine.fsdp or layout.shard_group:
         for r in range(layout.world_size):
             peers = {digests[q] for q in same(r)}
             if len(peers) != 1:
                 raise TrainingError(f"data-parallel replicas diverged: ranks {same(r)} "
                                     f"hold parameter digests {[digests[q] for q in same(r)]}")
-    if layout.world_size // layout.dp > 1 or engine.fsdp:
-        # One copy of every shard: the first replica's ranks, or the first sharding group's.
-        first = layout.shard_group or layout.dp if engine.fsdp else 1
+    if layout.world_size // layout.dp > 1 or engine.fsdp or layout.ep > 1:
+        # One copy of every shard: the first replica's ranks (the first expert-parallel
+        # group's), or the first sharding group's.
+        first = layout.shard_group or layout.dp if engine.fsdp else layout.ep
         shards = [digests[r] for r in range(layout.world_size) if layout.coords(r).dp < first]
         digest = hashlib.sha256("".join(shards).encode()).hexdigest()
     ctx.log(f"final parameter sha256 {digest}", params_sha256=digest)

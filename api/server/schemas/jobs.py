@@ -25,6 +25,17 @@ class PlacementPublic(Public):
     gpus: list[int]
 
 
+class RoutingPublic(Public):
+    """A mixture of experts' routing at the last logged step (platform/observability/routing.py)."""
+
+    expert_load: list[Number] = Field(description="token-expert assignments per expert, over every "
+                                                   "rank, before capacity")
+    dropped_tokens: Number = Field(description="assignments over expert capacity, dropped")
+    aux_loss: Number = Field(description="the load-balancing loss, before model.aux_loss_coef (1: even)")
+    z_loss: Number = Field(description="the router z-loss, before model.z_loss_coef")
+    imbalance: Number | None = Field(description="the busiest expert's load over the mean (1: even)")
+
+
 class ProgressPublic(Public):
     """Rank 0's last report; zeros and nulls for a job that never started."""
 
@@ -38,6 +49,8 @@ class ProgressPublic(Public):
     comm_share: Number | None = Field(None, description="share of rank 0's last step spent communicating")
     eval_loss: Number | None = Field(None, description="the loss on the held-out split "
                                                       "(data.eval_fraction), at the last evaluation")
+    moe: RoutingPublic | None = Field(None, description="a mixture of experts' routing at the last "
+                                                        "logged step; null for a dense model")
 
 
 class CheckpointPublic(Passthrough):

@@ -115,6 +115,9 @@ export function mount(main, ctx, {id}) {
       dl([
         ["Loss", `${fmtNum(p.loss, 5)} (initial ${fmtNum(p.initial_loss, 5)})`],
         ["Eval loss", typeof p.eval_loss === "number" ? `${fmtNum(p.eval_loss, 5)} (held-out split)` : null],
+        // A mixture of experts' routing at the last logged step (progress.moe; null when dense).
+        ["Experts", p.moe ? `imbalance ${fmtNum(p.moe.imbalance)}x over ${p.moe.expert_load.length} `
+          + `experts, ${fmtNum(p.moe.dropped_tokens)} dropped, aux loss ${fmtNum(p.moe.aux_loss, 4)}` : null],
         ["Throughput", typeof p.tokens_per_s === "number" ? `${fmtNum(p.tokens_per_s)} tokens/s` : "-"],
         ["Measured step time", typeof job.measured_step_s === "number"
           ? `${fmtNum(job.measured_step_s)} s/step` : "-"],
