@@ -133,8 +133,11 @@ def test_the_probe_gathers_one_rate_per_node_and_names_only_a_slow_one(tmp_path)
     assert still["result"]["slow"] == ["node-b"] and stragglers(still) == stragglers(slow)
     log = ranks[0][-1]["log"]
     assert sum("node node-b's link measured" in message for _, message in log) >= 2
-    # Every turn is a collective the ranks' clocks saw: the node exchange, one per node.
-    assert all(ranks[r][-1]["collectives"] == 3 * len(CASES) for r in range(world))
+    # Every turn is a collective the ranks' clocks saw: the node exchange, then one per node
+    # and round (a node that seems slow has every node measured a second time).
+    assert [c["result"]["rounds"] for c in (equal, slow, still)] == [1, 2, 2]
+    turns = sum(1 + 2 * c["result"]["rounds"] for c in (measured, equal, slow, still))
+    assert all(ranks[r][-1]["collectives"] == turns for r in range(world))
 
 
 def test_a_timed_write_deletes_its_key_and_one_past_its_timeout_is_given_up():

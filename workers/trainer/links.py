@@ -156,7 +156,8 @@ class LinkWatch:
 def probe(ctx: TrainContext, trigger: CommTrigger | None = None) -> dict[str, Any]:
     """Measure each node's link to the control plane, one node at a time; every rank
     calls it at the same point and gets the same result:
-    `{"at", "rates": {node: Gbit/s or None}, "best_gbps", "slow": [node]}`."""
+    `{"at", "rates": {node: Gbit/s or None}, "rounds" (1, or 2 when a node seemed slow),
+    "best_gbps", "slow": [node]}`."""
     nodes: list[str] = [""] * ctx.world_size
     own = ctx.node or socket.gethostname()
     if ctx.world_size > 1:
@@ -169,15 +170,16 @@ def probe(ctx: TrainContext, trigger: CommTrigger | None = None) -> dict[str, An
     for rank, node in enumerate(nodes):
         leaders.setdefault(node, rank)
     payload = os.urandom(PROBE_BYTES) if ctx.rank in leaders.values() else b""
-    rates = _round(ctx, leaders, payload)
+    rates, rounds = _round(ctx, leaders, payload), 1
     if slow_nodes(rates):  # every rank sees the same rates, so all take the second round
+        rounds = 2
         # A real slow link is slow every time; a write that met a busy CPU or Redis once
         # is not: each node keeps the better of two rounds before anyone is named.
         again = _round(ctx, leaders, payload)
         rates = {n: max((r for r in (rates[n], again.get(n)) if r is not None), default=None)
                  for n in rates}
     measured = [r for r in rates.values() if r is not None]
-    result = {"at": time.time(), "rates": rates,
+    result = {"at": time.time(), "rates": rates, "rounds": rounds,
               "best_gbps": max(measured) if measured else None, "slow": slow_nodes(rates)}
     tel = ctx.telemetry
     before = set((tel.links or {}).get("slow") or []) if tel is not None else set()
