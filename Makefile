@@ -9,7 +9,7 @@ JOB ?= examples/tiny-gpt.yaml
 
 LOCK := constraints.txt
 
-.PHONY: install tools run test bench unit process layouts deploy integration security fuzz lint lock up down clean
+.PHONY: install tools run test bench bench-quick unit process layouts deploy integration security fuzz lint lock up down clean
 
 install: $(VENV)/.installed
 
@@ -63,6 +63,12 @@ test: install tools
 # which runs each one's --quick mode): bench/results/latest.jsonl and latest.md.
 bench: install tools
 	$(PY) bench/run_all.py
+
+# Every benchmark's quick mode, checked line by line (tests/bench): `make test` runs those
+# of the scripts that start no Ray cluster of their own; this runs all of them (about
+# 15 min on 2 cores).
+bench-quick: install tools
+	KC_BENCH_QUICK=all $(PY) -m pytest -q tests/bench
 
 # The tiers, each on its own; `make test` runs them all and is CI's gate.
 unit: install

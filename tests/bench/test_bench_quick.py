@@ -11,7 +11,9 @@ speed goals live in bench/.
 
 The scripts run in the background while the tests that need no Ray stack run
 (tests/bench/quick.py says how and why); this module comes last among those and
-collects what they printed.
+collects what they printed. `make test` leaves out the scripts that start a Ray
+cluster of their own (`quick.CLUSTER_SCRIPTS`, for the suite's time budget);
+`make bench-quick` (KC_BENCH_QUICK=all) runs every one.
 """
 
 from __future__ import annotations
@@ -49,7 +51,11 @@ def test_every_bench_script_is_covered():
     assert runnable - helpers == set(METRICS), "a bench script without a quick-mode test"
 
 
-@pytest.mark.parametrize("script", sorted(METRICS))
+def test_cluster_scripts_are_bench_scripts():
+    assert quick.CLUSTER_SCRIPTS <= set(METRICS), "a name in CLUSTER_SCRIPTS that is no bench script"
+
+
+@pytest.mark.parametrize("script", quick.scripts())
 def test_quick_mode_prints_well_formed_lines_with_both_sides(script, quick_runs, record_property):
     if script in NEEDS_NETNS and (why := netns.unavailable()):
         pytest.skip(f"bench/{script}.py needs a netns cluster: {why}")

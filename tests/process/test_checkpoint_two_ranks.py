@@ -65,3 +65,65 @@ def test_two_ranks_save_async_while_training_collectives_run(tmp_path):
 
 
 # -- save_async's state reading: get_state_dict with its setup kept ------------
+
+
+# -- a peer lost after the group formed: the next save fails, it does not hang ----------
+
+def _lost_peer_worker(rank: int, port: int, root: str, out: str) -> None:
+    """Two ranks form a group (with a 5-minute timeout, as a rejoin's) and ready the
+    checkpoint group at its top; rank 1 then dies, and rank 0 saves."""
+    import json
+    import os
+    import time
+    from datetime import timedelta
+
+    from kuangchao.workers.errors import CheckpointError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=300))
+    torch.set_num_threads(1)
+    model = build_model(ModelConfig(type="gpt", n_layers=1, n_heads=2, d_model=16, seq_len=8,
+                                    vocab_size=32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = CheckpointManager(root, "job-lost", rank, 2, "h")
+    mgr.prepare_group()
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)  # lost, as a SIGKILLed rank is, before the first save
+    time.sleep(0.5)  # its sockets are closed by now; nothing below waits for it
+    t0 = time.monotonic()
+    try:
+        mgr.save_async(1, model, opt, rank_state={}).result(timeout=120)
+        outcome = "committed"
+    except CheckpointError as exc:
+        outcome = f"failed: {exc}"
+    with open(out, "w") as fh:
+        json.dump({"outcome": outcome, "seconds": time.monotonic() - t0}, fh)
+    os._exit(0)  # gloo's teardown with a dead peer can hang
+
+
+@pytest.mark.timeout(240)
+def test_a_save_after_a_peer_died_fails_at_once_instead_of_waiting_for_it(tmp_path):
+    """The checkpoint group is made at the top of the generation (`prepare_group`): the
+    first save after a rank was lost runs collectives, which the lost peer breaks, and
+    no rendezvous in the key-value store, which would wait for it until the timeout (a
+    survivor stuck there never reaches the controller's next generation)."""
+    import json
+
+    ctx = mp.get_context("spawn")
+    out = tmp_path / "rank0.json"
+    port = free_port()
+    procs = [ctx.Process(target=_lost_peer_worker, args=(r, port, str(tmp_path / "ckpt"), str(out)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(150)
+    alive = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not alive, "rank 0 still waits in its first save after its peer died"
+    got = json.loads(out.read_text())
+    assert got["outcome"].startswith("failed: "), got
+    assert got["seconds"] < 60, got

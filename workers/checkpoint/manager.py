@@ -315,8 +315,16 @@ class CheckpointManager:
         self.rank, self.world_size = rank, world_size
         self._group, self._group_ready = None, False
 
+    def prepare_group(self) -> None:
+        """Make the checkpoint group now, at the top of a generation, before the rank
+        reports ready. At the first save, `new_group`'s rendezvous (a wait in the key-value
+        store, which a lost peer does not break as it breaks a collective) could wait on
+        a rank that died since, and the survivors would hang until the group's timeout."""
+        self._checkpoint_group()
+
     def _checkpoint_group(self) -> dist.ProcessGroup | None:
-        """The gloo group checkpoint collectives use; made once, at the first save.
+        """The gloo group checkpoint collectives use; made once per group, by
+        `prepare_group` or else at the first save.
 
         `new_group` is itself a collective on the default group, so it runs in
         the caller's thread, where every rank reaches it at the same point.

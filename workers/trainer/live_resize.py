@@ -88,6 +88,7 @@ def finish_rejoin(ctx: TrainContext, model: torch.nn.Module, optimizer: torch.op
     with ctx.phase("rejoin"):
         pos = sync_state(ctx, model, optimizer, guard, pos, old_layout=old, scheduler=scheduler)
         ctx.generation_start = pos.step
+        ctx.checkpoint.prepare_group()  # while every rank is here (manager.prepare_group)
         mark_ready(ctx.group_store, ctx.rank)
     ctx.log(f"continuing at step {pos.step} in generation {ctx.generation}")
     ctx.expect_first_step("resize")

@@ -101,12 +101,15 @@ def train(ctx: TrainContext) -> dict[str, Any]:
     if ctx.joining:  # a rank added to a running job: its peers hand it the state
         pos = resize.sync_state(ctx, model, optimizer, guard, None)
         ctx.generation_start = pos.step
+        ctx.checkpoint.prepare_group()  # as the survivors do in finish_rejoin
         mark_ready(ctx.group_store, ctx.rank)
         ctx.expect_first_step("resize")
     else:
         pos = restore_latest(ctx, model, optimizer, guard) or Position()
         resize.forget_samples_from(ctx, pos.step)
         ctx.generation_start = pos.step
+        # Now, not at the first save, where a rank lost meanwhile would hang the others.
+        ctx.checkpoint.prepare_group()
     with ctx.phase("data"):
         source, ctx.eval_source = job_sources(spec, whole)
     if ctx.telemetry is not None:

@@ -131,6 +131,7 @@ class OwnKit:
         if self.carried is not None or ctx.joining:
             return self._take_live_state(module, opt, sched)
         ctx.checkpoint.wait()
+        ctx.checkpoint.prepare_group()  # now, while every rank is here (manager.prepare_group)
         with ctx.phase("restore"):
             for path in reversed(ctx.checkpoint.list()):
                 try:
