@@ -140,16 +140,22 @@ def test_stopped_worker_is_detected_as_hung_and_replaced(stack):
 
 
 def test_killed_controller_is_restarted_and_recovers_its_job(stack):
-    job = stack.client.submit(spec(stack, "ft-controller"))
-    wait_for(lambda: stack.client.get(job["id"])["progress"]["step"] >= 60, 400,
-             "the job to pass its first checkpoint")
+    # Long enough that the kill lands mid-run: this model trains 300 steps in about a
+    # second on a quiet machine, and a job that finished first has nothing to recover.
+    doc = spec(stack, "ft-controller")
+    doc["training"]["steps"] = 3000
+    doc["checkpoint"]["interval_steps"] = 500
+    job = stack.client.submit(doc)
+    running = wait_for(lambda: (j := stack.client.get(job["id"]))["progress"]["step"] >= 520 and j,
+                       400, "the job to pass its first checkpoint")
     store = JobStore.from_url(stack.env["KC_REDIS_URL"], stack.env["KC_REDIS_PREFIX"])
     pid = int(store.controller(job["id"]).rsplit("/", 1)[1])
     os.kill(pid, signal.SIGKILL)
+    assert running["state"] == "RUNNING" and running["progress"]["step"] < 2000, running["progress"]
     done = stack.wait_state(job["id"], DONE, timeout=600)
     assert done["state"] == "SUCCEEDED", done["message"]
     assert done["restarts"] == 1 and done["restart_log"][0]["kind"] == "controller"
-    assert done["progress"]["step"] == 300
+    assert done["progress"]["step"] == 3000
 
 
 def test_killed_scheduler_comes_back_and_keeps_scheduling(stack, ray_driver):

@@ -30,7 +30,6 @@ pytestmark = pytest.mark.integration
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED"}
 STEPS, INTERVAL = 200, 40
-ELASTIC_STEPS = 400  # long enough at one replica for the second resize to land
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +101,9 @@ def test_a_sigkilled_rank_resumes_fine_tuning_at_the_exact_sample(stack, files):
 
 def test_your_own_train_function_resizes_live_without_losing_a_sample(stack, files):
     client = stack.client
-    job = client.submit(own(stack, "own-elastic", files, ELASTIC_STEPS, min_replicas=1,
+    # Open-ended, and cancelled once back at 2 replicas: a job of a few hundred steps can
+    # finish at one replica while the new rank is still starting (importing transformers).
+    job = client.submit(own(stack, "own-elastic", files, 100_000, min_replicas=1,
                             max_replicas=2, resize="live"))
 
     def at(replicas: int, after: int):
@@ -114,9 +115,13 @@ def test_your_own_train_function_resizes_live_without_losing_a_sample(stack, fil
     client.scale(job["id"], 1)
     shrunk = wait_for(lambda: at(1, first["progress"]["step"]), 600, "the job at 1 replica")
     client.scale(job["id"], 2)
-    wait_for(lambda: at(2, shrunk["progress"]["step"]), 600, "the job back at 2 replicas")
-    done = finished(stack, job["id"])
+    grown = wait_for(lambda: at(2, shrunk["progress"]["step"]), 600, "the job back at 2 replicas")
+    client.cancel(job["id"])
+    done = stack.wait_state(job["id"], DONE, timeout=300)
+    assert done["state"] == "CANCELLED", done["message"]
     assert [(e["from"], e["to"]) for e in done["resize_log"]] == [(2, 1), (1, 2)]
     # Declared @supports("live_resize"): the survivors kept their processes and state.
     assert {e["path"] for e in done["resize_log"]} == {"live"} and done["restarts"] == 0
-    assert check_sample_record(stack, job["id"], ELASTIC_STEPS, 4) == {1, 2}
+    # Every step up to one trained at 2 replicas again: once, at one size, on its block.
+    assert check_sample_record(stack, job["id"], grown["progress"]["step"], 4,
+                               complete=False) == {1, 2}
