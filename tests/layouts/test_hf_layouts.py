@@ -17,14 +17,12 @@ tests/layouts/layout_run.py). Each case checks
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.hf_fixtures import tiny_gpt2, tiny_llama
 from tests.layouts.layout_run import reference
-from tests.layouts.test_layouts import FP32, WORLD, _close, _reference_doc, record, run_layouts
+from tests.layouts.test_layouts import FP32, WORLD, _close, _reference_doc, record
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -48,26 +46,24 @@ def _doc(folder: Path, parallel: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf-models")
-    return {"untied": tiny_llama(root / "llama"), "tied": tiny_llama(root / "llama-tied", tie=True),
-            "gpt2": tiny_gpt2(root / "gpt2")}
+def folders(hf_folders) -> dict[str, Path]:
+    return hf_folders
 
 
 def _folder(name: str, folders: dict[str, Path]) -> Path:
     return folders["tied" if "tied" in name else "gpt2" if "gpt2" in name else "untied"]
 
 
+def layout_cases(work: Path, request: pytest.FixtureRequest) -> dict[str, dict]:
+    """This module's cases, for the session's one batch (tests/layouts/conftest.py)."""
+    folders = request.getfixturevalue("hf_folders")
+    return {name: {"doc": _doc(_folder(name, folders), par), "logits": True}
+            for name, par in CASES.items()}
+
+
 @pytest.fixture(scope="module")
-def results(folders, tmp_path_factory) -> dict[str, dict]:
-    work = tmp_path_factory.mktemp("hf-layouts")
-    cases = {name: {"doc": _doc(_folder(name, folders), par), "logits": True}
-             for name, par in CASES.items()}
-    out = run_layouts(cases, work)
-    for name in CASES:
-        out[name]["logits"] = [json.loads(p.read_text())
-                               for p in sorted(work.glob(f"{name}.json.logits*"))]
-    return out
+def results(layout_results) -> dict[str, dict]:
+    return layout_results[__name__]
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -13,9 +13,10 @@ Tolerances, relative to the single-process loss:
 * PowerSGD (rank 1, exact for its first 2 steps): 1e-2; it is a lossy low-rank
   approximation by design, with error feedback.
 
-All cases run on one set of 4 rank processes, one after another, each on a
-process group of its own: starting the ranks (importing torch) is most of a
-case's cost here.
+All cases, with those of the other layout modules, run on one set of 4 rank
+processes, one after another, each on a process group of its own: starting the
+ranks (importing torch and transformers) is most of a case's cost here
+(tests/layouts/conftest.py).
 
 Checkpoints are layout-independent: one written under a layout resumes under
 another with the same losses as the uninterrupted run.
@@ -68,6 +69,9 @@ def run_layouts(cases: dict[str, dict], workdir: Path) -> dict[str, dict]:
             results[name] = {"error": "\n".join(e.read_text() for e in errors)}
         elif out.exists():
             results[name] = json.loads(out.read_text())
+            if case.get("logits"):  # each rank's step-0 logits error, where it held logits
+                results[name]["logits"] = [json.loads(p.read_text())
+                                           for p in sorted(workdir.glob(f"{name}.json.logits*"))]
         else:
             results[name] = {"error": f"no record (exit {proc.returncode}): {proc.stderr[-4000:]}"}
     return results
@@ -166,14 +170,12 @@ PORTABLE = {
 RESUME_AT = 3
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, dict]:
-    """Every case of this module, run once on one set of ranks.
+def layout_cases(work: Path, request: pytest.FixtureRequest) -> dict[str, dict]:
+    """Every case of this module, for the session's one batch (tests/layouts/conftest.py).
 
     The checkpoint cases go last: each whole run saves at RESUME_AT, and its
     resumed run under the other layout comes after it.
     """
-    work = tmp_path_factory.mktemp("layouts")
     cases = {name: {"doc": _doc(parallel, model), "nodes": nodes}
              for name, (parallel, model, nodes, _, _) in CASES.items()}
     for name, (first, second) in PORTABLE.items():
@@ -181,7 +183,12 @@ def results(tmp_path_factory) -> dict[str, dict]:
         cases[f"{name}--whole"] = {"doc": _doc(first), "ckpt": ckpt}
         cases[f"{name}--resumed"] = {"doc": _doc(second), "ckpt": {**ckpt, "resume": True}}
     assert {_world(c["doc"]["parallel"]) for c in cases.values()} == {WORLD}
-    return run_layouts(cases, work)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def results(layout_results) -> dict[str, dict]:
+    return layout_results[__name__]
 
 
 @pytest.mark.parametrize("name", list(CASES))

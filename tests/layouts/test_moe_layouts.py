@@ -17,10 +17,12 @@ under plain data parallelism) with the uninterrupted run's losses.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.layouts.layout_run import STEPS, reference
-from tests.layouts.test_layouts import FP32, RESUME_AT, _close, _doc, _reference_doc, record, run_layouts
+from tests.layouts.test_layouts import FP32, RESUME_AT, _close, _doc, _reference_doc, record
 
 MOE = {"type": "moe", "n_layers": 2, "n_heads": 4, "d_model": 32, "seq_len": 16, "vocab_size": 64,
        "n_experts": 4, "top_k": 2, "capacity_factor": 1.0}
@@ -59,9 +61,8 @@ PORTABLE = {
 }
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, dict]:
-    work = tmp_path_factory.mktemp("moe-layouts")
+def layout_cases(work: Path, request: pytest.FixtureRequest) -> dict[str, dict]:
+    """This module's cases, for the session's one batch (tests/layouts/conftest.py)."""
     cases = {name: {"doc": _doc(parallel, model), "world": ranks}
              for name, (parallel, model, ranks, _) in CASES.items()}
     for name, ((first, n1), (second, n2)) in PORTABLE.items():
@@ -69,7 +70,12 @@ def results(tmp_path_factory) -> dict[str, dict]:
         cases[f"{name}--whole"] = {"doc": _doc(first, MOE), "world": n1, "ckpt": ckpt}
         cases[f"{name}--resumed"] = {"doc": _doc(second, MOE), "world": n2,
                                      "ckpt": {**ckpt, "resume": True}}
-    return run_layouts(cases, work)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def results(layout_results) -> dict[str, dict]:
+    return layout_results[__name__]
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -20,6 +20,8 @@ plain DDP.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.layouts.layout_run import STEPS, reference
@@ -33,7 +35,6 @@ from tests.layouts.test_layouts import (
     _reference_doc,
     _world,
     record,
-    run_layouts,
 )
 from tests.layouts.test_moe_layouts import MOE
 
@@ -63,16 +64,20 @@ PORTABLE = {  # whole run under the first layout, resumed at RESUME_AT under the
 }
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, dict]:
-    work = tmp_path_factory.mktemp("sp-layouts")
+def layout_cases(work: Path, request: pytest.FixtureRequest) -> dict[str, dict]:
+    """This module's cases, for the session's one batch (tests/layouts/conftest.py)."""
     cases = {name: {"doc": _doc(parallel, model)} for name, (parallel, model) in CASES.items()}
     for name, (first, second) in PORTABLE.items():
         ckpt = {"dir": str(work / f"ckpt-{name}"), "at": RESUME_AT}
         cases[f"{name}--whole"] = {"doc": _doc(first), "ckpt": ckpt}
         cases[f"{name}--resumed"] = {"doc": _doc(second), "ckpt": {**ckpt, "resume": True}}
     assert {_world(c["doc"]["parallel"]) for c in cases.values()} == {WORLD}
-    return run_layouts(cases, work)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def results(layout_results) -> dict[str, dict]:
+    return layout_results[__name__]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -107,6 +112,7 @@ def _dropout_rank(rank: int, rendezvous: str, out: str) -> None:
     """One training forward and backward of a tp2 GPT with dropout under sequence
     parallelism; each rank writes its first residual dropout's mask and its RNG state."""
     import json
+    import os
     from datetime import timedelta
 
     import torch
@@ -132,8 +138,13 @@ def _dropout_rank(rank: int, rendezvous: str, out: str) -> None:
         lm_loss(engine.wrapped[0](x[:, :-1]), x[:, 1:]).backward()
         with open(f"{out}.{rank}", "w") as fh:
             json.dump({"mask": masks[0], "rng": torch.get_rng_state().tolist()}, fh)
-    finally:
+        dist.barrier()  # both have written before either goes
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Not destroy_process_group: gloo torn down while the peer is already gone can abort
+    # the process (SIGABRT), as layout_run.py's ranks avoid too.
+    os._exit(0)
 
 
 def test_dropout_on_the_shards_draws_each_ranks_own_mask(tmp_path):
