@@ -41,6 +41,9 @@ NEEDS_NETNS = {"topology_live"}
 # tests/integration, the HF path in tests/layouts and tests/integration/test_own_model.py.
 CLUSTER_SCRIPTS = {"overhead", "recovery", "resize", "hf", "goodput", "topology_live"}
 ALL_ENV = "KC_BENCH_QUICK"
+AT_ONCE = 3
+NICE = 5  # below the tests beside them, not so low that a busy tier starves them
+TIMEOUT_S = 1200
 
 
 def scripts() -> list[str]:
@@ -50,9 +53,7 @@ def scripts() -> list[str]:
     if os.environ.get(ALL_ENV, "").strip().lower() == "all":
         return every
     return [s for s in every if s not in CLUSTER_SCRIPTS]
-AT_ONCE = 3
-NICE = 5  # below the tests beside them, not so low that a busy tier starves them
-TIMEOUT_S = 1200
+
 
 _pool: ThreadPoolExecutor | None = None
 _runs: dict[str, Future] = {}
