@@ -14,6 +14,13 @@ admission policy.
   optimality_gap                mean excess cross-leaf traffic over an exhaustive search's optimum
                                 on 30 small random instances, % of the job's inter-group traffic
   schedule_cycle_ms             one policy.decide() over 1,000 queued jobs on the 50%-busy cluster
+  solve_ms_p50_16k              median time of place() for one job of all 16,384 GPUs (dp=512, tp=8,
+                                pp=4) on 2,048 idle nodes x 8 GPUs (NVSwitch), 64 leaves, 8 spines;
+                                a 4,096-GPU job on that cluster 50% busy rides on the line, and so
+                                does tp_groups_split over both (must be 0)
+  schedule_cycle_ms_10k         one policy.decide() over 10,000 queued jobs on that cluster, on a
+                                snapshot the scheduler's SnapshotKeeper keeps (its refresh and
+                                full-rebuild times ride on the line)
 
 Run: .venv/bin/python bench/placement.py [--quick]   (one JSON object per line on stdout)
 """
@@ -42,6 +49,7 @@ from kuangchao.platform.placement.solver import (
 )
 from kuangchao.platform.scheduling import policies
 from kuangchao.platform.scheduling.policies import Snapshot, make_policy
+from kuangchao.platform.scheduling.snapshot_keeper import SnapshotKeeper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
 
@@ -79,12 +87,23 @@ class Scale:
     instances: int  # small instances for optimality_gap
     cycles: int  # timed scheduling cycles per policy
     queued: int  # queued jobs in a scheduling cycle
+    # The large cluster of the *_16k / *_10k lines: always 64 leaves.
+    large_nodes: int
+    large_job: JobShape
+    large_repeats: int  # timed place() calls there (PACK's simulation takes ~2 s each)
+    large_queued: int
+    large_cycles: int
 
 
 FULL = Scale(nodes=512, job=BIG_JOB, job4=BIG_JOB_4GPU_ISLANDS, repeats=21, tie_orders=11,
-             instances=30, cycles=5, queued=1000)
+             instances=30, cycles=5, queued=1000, large_nodes=2048,
+             large_job=JobShape(dp=128, tp=8, pp=4), large_repeats=7, large_queued=10_000,
+             large_cycles=5)
 QUICK = Scale(nodes=64, job=JobShape(dp=4, tp=8, pp=4), job4=JobShape(dp=8, tp=4, pp=4), repeats=3,
-              tie_orders=3, instances=6, cycles=2, queued=100)
+              tie_orders=3, instances=6, cycles=2, queued=100, large_nodes=256,
+              large_job=JobShape(dp=16, tp=8, pp=4), large_repeats=3, large_queued=1000,
+              large_cycles=2)
+LARGE_LEAVES = 64
 
 
 def installed_ray() -> str:
@@ -538,10 +557,105 @@ def schedule_cycle(scale: Scale) -> None:
            spread={"ours": ours_ms, "baseline": fifo_ms})
 
 
+# -- 6-7: 16,384 GPUs and 10,000 queued jobs ------------------------------------------------
+
+def large_cluster(scale: Scale) -> tuple[tuple[NodeInfo, ...], list[list[tuple[str, int]]]]:
+    """The large NVSwitch cluster, 50% busy under the same occupancy model."""
+    nodes = make_cluster(NVSWITCH, nodes=scale.large_nodes, per_leaf=scale.large_nodes // LARGE_LEAVES)
+    jobs = occupy(nodes, 0.5, random.Random(SEED))
+    log(f"large cluster ({scale.large_nodes} nodes, {LARGE_LEAVES} leaves): "
+        f"{describe(nodes, used_of(jobs), jobs)}")
+    return nodes, jobs
+
+
+def solve_large(scale: Scale, nodes: tuple[NodeInfo, ...], jobs: list) -> bool:
+    """solve_ms_p50_16k: the whole idle cluster's GPUs placed for one job (16,384 in the
+    full run, Llama 3's size), with the busy cluster's 4,096-GPU job on the line too;
+    False when ours split a TP group in either (the run then fails)."""
+    whole = JobShape(dp=scale.large_nodes * 8 // (8 * 4), tp=8, pp=4)
+    idle: dict[str, set[int]] = {}
+    full, full_pack = timed_place(scale, nodes, idle, whole)
+    busy, busy_pack = timed_place(scale, nodes, used_of(jobs), scale.large_job)
+    extra: dict[str, object] = {}
+    split = full[1].tp_groups_split + busy[1].tp_groups_split
+    if split:
+        extra["error"] = f"place() split {split} TP group(s) across NVLink islands"
+        log(f"FAILURE: {extra['error']}")
+    report("solve_ms_p50_16k", "ms", median(full[0]), median(full_pack[0]), 100,
+           spread={"ours": full[0], "baseline": full_pack[0]}, tp_groups_split=split,
+           cross_leaf_ring_edges={"ours": full[1].cross_leaf_ring_edges,
+                                  "baseline": full_pack[1].cross_leaf_ring_edges},
+           busy_cluster={"job": f"dp={scale.large_job.dp} tp=8 pp=4",
+                         "ours_ms": round(median(busy[0]), 3),
+                         "baseline_ms": round(median(busy_pack[0]), 3),
+                         "tp_groups_split": busy[1].tp_groups_split},
+           scale=f"{scale.large_nodes} nodes x 8 GPUs, {LARGE_LEAVES} leaves, idle, one job of "
+                 f"dp={whole.dp} tp={whole.tp} pp={whole.pp} ({whole.world_size} GPUs)",
+           settings=SETTINGS.replace(", ties: median over orders", ", node-id tie order"),
+           notes="baseline: this bench's Python re-implementation of Ray's PACK, not Ray's own time",
+           **extra)
+    return split == 0
+
+
+def timed_place(scale: Scale, nodes: tuple[NodeInfo, ...], used: dict[str, set[int]],
+                shape: JobShape) -> tuple[tuple[list[float], PlacementScore],
+                                         tuple[list[float], PlacementScore]]:
+    """Timed place() and PACK simulation calls, interleaved so drift hits both alike;
+    each side's times and the score of its plan."""
+    ours = must_plan(place(nodes, used, shape, BIG_TRAFFIC), f"the {shape.world_size}-GPU job")
+    pack = must_plan(ray_pack(nodes, used, shape), "PACK")
+    ours_ms, pack_ms = [], []
+    for _ in range(scale.large_repeats):
+        ours_ms.append(timed_ms(lambda: place(nodes, used, shape, BIG_TRAFFIC)))
+        pack_ms.append(timed_ms(lambda: ray_pack(nodes, used, shape)))
+    so, sp = score(ours, nodes, shape), score(pack, nodes, shape)
+    log(f"{shape.world_size}-GPU job on {scale.large_nodes} nodes ({sum(map(len, used.values()))} GPUs "
+        f"busy): place() {spread_of(ours_ms)} ms, PACK simulation {spread_of(pack_ms)} ms; "
+        f"ours: {fmt(so)}; PACK (node-id ties): {fmt(sp)}")
+    return (ours_ms, so), (pack_ms, sp)
+
+
+def schedule_large(scale: Scale, nodes: tuple[NodeInfo, ...], jobs: list) -> None:
+    """schedule_cycle_ms_10k: decide() over the keeper's snapshot, as the scheduler runs it."""
+    name = next(p for p in PREFERRED_POLICIES if p in policies.POLICIES)
+    # Version 1, as a store hands them out: the keeper carries a job over by (id, version).
+    records = tuple(replace(r, version=1) for r in (
+        *queued_records(scale.large_queued, random.Random(SEED + 2)),
+        *active_records(nodes, jobs, random.Random(SEED + 3))))
+    keeper = SnapshotKeeper(rebuild_every=10**9)  # the timed refreshes stay incremental
+    rebuild_ms = [timed_ms(lambda: keeper.rebuild_snapshot(nodes, records))]
+    ours_policy, fifo = make_policy(name), make_policy("fifo")
+    ours_ms, fifo_ms, refresh_ms = [], [], []
+    decided: dict[str, list] = {}
+    snap: dict[str, Snapshot] = {}
+
+    def cycle(who: str, policy: policies.AdmissionPolicy) -> None:
+        decided[who] = policy.decide(snap["now"])
+
+    for _ in range(scale.large_cycles):  # interleaved; each cycle on a freshly refreshed snapshot
+        refresh_ms.append(timed_ms(lambda: snap.__setitem__("now", keeper.refresh(nodes, records))))
+        ours_ms.append(timed_ms(lambda: cycle("ours", ours_policy)))
+        snap["now"] = keeper.refresh(nodes, records)
+        fifo_ms.append(timed_ms(lambda: cycle("fifo", fifo)))
+        rebuild_ms.append(timed_ms(lambda: keeper.rebuild_snapshot(nodes, records)))
+    for who, ds in decided.items():
+        admitted = [d for d in ds if isinstance(d, policies.Admit)]
+        log(f"{who} at {scale.large_queued} queued: {len(ds)} decisions, {len(admitted)} admitted, "
+            f"{sum(len(s.gpus) for d in admitted for s in d.plan.slots)} GPUs")
+    log(f"cycle over {scale.large_queued} queued jobs on {scale.large_nodes} nodes: ours "
+        f"{spread_of(ours_ms)} ms, fifo {spread_of(fifo_ms)} ms; snapshot: kept (incremental) refresh "
+        f"{spread_of(refresh_ms)} ms, full rebuild {spread_of(rebuild_ms)} ms")
+    report("schedule_cycle_ms_10k", "ms", median(ours_ms), median(fifo_ms), 1000,
+           spread={"ours": ours_ms, "baseline": fifo_ms},
+           snapshot_ms={"incremental": round(median(refresh_ms), 3), "rebuild": round(median(rebuild_ms), 3)},
+           scale=f"{scale.large_queued} queued, {len(jobs)} active, {scale.large_nodes} nodes")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help="seconds: 64 nodes, a 128-GPU job, 3 repeats, 6 instances, 2 cycles of 100 jobs")
+                    help="seconds: 64 nodes, a 128-GPU job, 3 repeats, 6 instances, 2 cycles of 100 jobs; "
+                         "the large lines on 256 nodes (a 512-GPU job, 1,000 queued jobs)")
     ap.add_argument("--repeats", type=int, help="timed place() calls (default 21)")
     ap.add_argument("--instances", type=int, help="small instances for optimality_gap (default 30)")
     ap.add_argument("--time-cap", type=float, default=5.0,
@@ -557,7 +671,12 @@ def main() -> None:
     big_job(scale)
     optimality(scale.instances, args.time_cap)
     schedule_cycle(scale)
+    nodes, jobs = large_cluster(scale)
+    whole = solve_large(scale, nodes, jobs)
+    schedule_large(scale, nodes, jobs)
     log(f"done in {time.monotonic() - t0:.0f}s")
+    if not whole:
+        raise SystemExit("FAILURE: place() split a TP group on the 16,384-GPU cluster")
 
 
 if __name__ == "__main__":

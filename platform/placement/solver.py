@@ -33,7 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kuangchao.platform.cluster.topology import NodeInfo
-from kuangchao.platform.placement.pools import Pool, no_pool_reason, pools_of, preference
+from kuangchao.platform.placement.index import FreeIndex, GroupSlot, Scope
+from kuangchao.platform.placement.pools import Pool, no_pool_reason, preference
 from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.platform.spec.stored import spec_of
 
@@ -113,42 +114,6 @@ class Infeasible:
     reason: str
 
 
-@dataclass(frozen=True)
-class _GroupSlot:
-    """Room for one tensor-parallel group: GPU ids inside one island of one node."""
-
-    node: NodeInfo
-    gpus: tuple[int, ...]
-
-
-def _node_group_slots(node: NodeInfo, free: set[int], k: int, tp: int) -> list[_GroupSlot]:
-    # Tightest islands first: a group that exactly fills an island leaves no scrap.
-    islands = sorted(((sorted(g for g in isl if g in free), isl[0]) for isl in node.islands),
-                     key=lambda x: (len(x[0]), x[1]))
-    if tp == 1 and all(len(isl) < k for isl in node.islands):
-        # One rank with more GPUs than an island: it needs one node, not one island.
-        avail = [g for ids, _ in islands for g in ids]
-        return [_GroupSlot(node, tuple(sorted(avail[j * k:(j + 1) * k])))
-                for j in range(len(avail) // k)]
-    out = []
-    for avail, _ in islands:
-        out += [_GroupSlot(node, tuple(avail[j * k:(j + 1) * k])) for j in range(len(avail) // k)]
-    return out
-
-
-def _leaf_slots(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]], free_n: dict[str, int],
-                k: int, tp: int) -> dict[str, list[_GroupSlot]]:
-    by_leaf: dict[str, list[_GroupSlot]] = defaultdict(list)
-    # Best fit across nodes: the node with the fewest free GPUs is filled first.
-    # Nodes with fewer than k free GPUs can hold no group; skip them early,
-    # which keeps a solve on a large, busy cluster cheap.
-    for node in sorted((n for n in nodes if free_n[n.name] >= k),
-                       key=lambda n: (free_n[n.name], n.name)):
-        free = set(range(node.gpus)) - used.get(node.name, set())
-        by_leaf[node.leaf] += _node_group_slots(node, free, k, tp)
-    return by_leaf
-
-
 def _cover(leaves: list[str], cap: dict[str, int], need: int) -> list[str] | None:
     """Fewest leaves whose capacities add up to `need`; the last one best-fit."""
     order = sorted((lf for lf in leaves if cap[lf] > 0), key=lambda lf: (-cap[lf], lf))
@@ -201,17 +166,30 @@ def place(nodes: tuple[NodeInfo, ...], used: dict[str, set[int]], shape: JobShap
     if shape.gpus_per_rank == 0:
         return _place_cpu_only(tuple(n for n in nodes if not shape.gpu_types
                                      or n.gpu_type in shape.gpu_types), shape)
-    pools = pools_of(nodes, shape.gpu_types)
+    return place_on(FreeIndex(nodes, used), shape, traffic, caps)
+
+
+def place_on(index: FreeIndex, shape: JobShape, traffic: Traffic | None = None,
+             caps: Mapping[str, int] | None = None) -> PlacementPlan | Infeasible:
+    """`place` over a kept `FreeIndex`: the same plan, without rescanning every node.
+
+    A scheduling cycle keeps one index over what its decisions have taken and
+    calls this for each job, so a solve costs what changed since the last one
+    plus the job's own size, not the cluster's.
+    """
+    if shape.gpus_per_rank == 0:
+        return place(index.nodes, {}, shape)
+    pools = index.pools(shape.gpu_types)
     if not pools and shape.gpu_types:
-        return Infeasible(no_pool_reason(nodes, shape.gpu_types))
+        return Infeasible(no_pool_reason(index.nodes, shape.gpu_types))
     if shape.heterogeneous or len(pools) <= 1:
-        live = tuple(n for p in pools for n in p.nodes)
-        whole = len(live) == sum(1 for n in nodes if n.alive)
-        return _place_within(live, used, shape, traffic, caps,
+        scope = index.scope(pools)
+        whole = len(scope.nodes) == len(index.live)
+        return _place_within(index, scope, shape, traffic, caps,
                              "the cluster" if whole else _scope(pools))
     reasons = []
     for pool in pools:  # one type for all ranks: the first pool, in preference order, that fits
-        plan = _place_within(pool.nodes, used, shape, traffic, caps, _scope([pool]))
+        plan = _place_within(index, index.scope([pool]), shape, traffic, caps, _scope([pool]))
         if isinstance(plan, PlacementPlan):
             return plan
         reasons.append(plan.reason)
@@ -222,33 +200,30 @@ def _scope(pools: list[Pool]) -> str:
     return f"the {'/'.join(p.name for p in pools)} pool{'s' if len(pools) > 1 else ''}"
 
 
-def _place_within(live: tuple[NodeInfo, ...], used: dict[str, set[int]], shape: JobShape,
-                  traffic: Traffic | None, caps: Mapping[str, int] | None,
-                  scope: str) -> PlacementPlan | Infeasible:
-    """Place on these live nodes (the accepted ones); `scope` names them in reasons."""
-    where = "" if scope == "the cluster" else f" in {scope}"
-    free_n = {n.name: n.gpus - len(used.get(n.name, ())) for n in live}
-    total = sum(n.gpus for n in live)
-    total_free = sum(free_n.values())
+def _place_within(index: FreeIndex, scope: Scope, shape: JobShape, traffic: Traffic | None,
+                  caps: Mapping[str, int] | None, name: str) -> PlacementPlan | Infeasible:
+    """Place on the scope's live nodes (the accepted ones); `name` names them in reasons."""
+    where = "" if name == "the cluster" else f" in {name}"
+    total = scope.gpus
+    total_free = index.free_in(scope)
     need = shape.world_size * shape.gpus_per_rank
     if need > total:
-        return Infeasible(f"needs {need} GPUs, {scope} has {total}")
+        return Infeasible(f"needs {need} GPUs, {name} has {total}")
     if need > total_free:
         return Infeasible(f"needs {need} GPUs, {total_free} of {total}{where} are free")
     k = shape.group_gpus
     if shape.tp > 1:
-        largest = max((len(isl) for n in live for isl in n.islands), default=0)
-        if k > largest:
+        if k > scope.largest_island:
             return Infeasible(f"a tensor-parallel group needs {k} GPUs in one NVLink island; "
-                              f"the largest island{where} has {largest}")
-    elif k > max(n.gpus for n in live):
+                              f"the largest island{where} has {scope.largest_island}")
+    elif k > scope.largest_node:
         return Infeasible(f"a rank needs {k} GPUs on one node; the largest node{where} has "
-                          f"{max(n.gpus for n in live)}")
-    slots = _leaf_slots(live, used, free_n, k, shape.tp)
+                          f"{scope.largest_node}")
+    slots = index.leaf_slots(k, shape.tp, scope)
     trimmed = False
     if caps:
         slots, trimmed = _within_caps(slots, caps, k)
-    if shape.pp > 1 and len({n.gpu_type for n in live}) > 1:
+    if shape.pp > 1 and len(scope.types) > 1:
         slots = {lf: _one_type_pipelines(s, shape) for lf, s in slots.items()}
     groups = shape.dp * shape.pp
     n_slots = sum(len(s) for s in slots.values())
@@ -258,7 +233,7 @@ def _place_within(live: tuple[NodeInfo, ...], used: dict[str, set[int]], shape: 
                               f"quota leaves room for {n_slots}{where}")
         return Infeasible(f"needs {groups} groups of {k} GPUs inside one NVLink island; only "
                           f"{n_slots} are free{where} ({total_free} GPUs free but fragmented)")
-    spine = {n.leaf: n.spine for n in live}
+    spine = scope.spine
     cap = {leaf: len(s) // shape.pp for leaf, s in slots.items()}
     leaves = _choose_leaves(cap, shape.dp, spine)
     whole = _pipelines_within_leaves(slots, sorted(leaves), shape) if leaves is not None else None
@@ -277,11 +252,11 @@ def _place_within(live: tuple[NodeInfo, ...], used: dict[str, set[int]], shape: 
     return PlacementPlan(slots=tuple(_ranks(whole, shape)))
 
 
-def _within_caps(slots: dict[str, list[_GroupSlot]], caps: Mapping[str, int],
-                 k: int) -> tuple[dict[str, list[_GroupSlot]], bool]:
+def _within_caps(slots: dict[str, list[GroupSlot]], caps: Mapping[str, int],
+                 k: int) -> tuple[dict[str, list[GroupSlot]], bool]:
     """Drop the group slots of each capped type beyond its room; and whether any went."""
     left = {t: c // k for t, c in caps.items()}
-    out: dict[str, list[_GroupSlot]] = {}
+    out: dict[str, list[GroupSlot]] = {}
     trimmed = False
     for leaf in sorted(slots):
         keep = []
@@ -297,15 +272,15 @@ def _within_caps(slots: dict[str, list[_GroupSlot]], caps: Mapping[str, int],
     return out, trimmed
 
 
-def _one_type_pipelines(slots: list[_GroupSlot], shape: JobShape) -> list[_GroupSlot]:
+def _one_type_pipelines(slots: list[GroupSlot], shape: JobShape) -> list[GroupSlot]:
     """A leaf's slots reordered so that each run of `pp` (one pipeline) is of one type
     where a type has enough: whole one-type runs first, by the job's preference of
     types, best fit kept within a type; the remainder, mixed, last."""
-    by_type: dict[str | None, list[_GroupSlot]] = defaultdict(list)
+    by_type: dict[str | None, list[GroupSlot]] = defaultdict(list)
     for g in slots:
         by_type[g.node.gpu_type].append(g)
-    runs: list[_GroupSlot] = []
-    rest: list[_GroupSlot] = []
+    runs: list[GroupSlot] = []
+    rest: list[GroupSlot] = []
     for t in sorted(by_type, key=lambda t: preference(shape.gpu_types, t)):
         cut = len(by_type[t]) // shape.pp * shape.pp
         runs += by_type[t][:cut]
@@ -313,7 +288,7 @@ def _one_type_pipelines(slots: list[_GroupSlot], shape: JobShape) -> list[_Group
     return runs + rest
 
 
-def _cross_leaf_bytes(groups: list[_GroupSlot], shape: JobShape, traffic: Traffic) -> float:
+def _cross_leaf_bytes(groups: list[GroupSlot], shape: JobShape, traffic: Traffic) -> float:
     """Bytes per step crossing leaves, for groups in plan order (one per dp x stage)."""
     dp, pp, tp = shape.dp, shape.pp, shape.tp
     leaf = [g.node.leaf for g in groups]
@@ -324,9 +299,9 @@ def _cross_leaf_bytes(groups: list[_GroupSlot], shape: JobShape, traffic: Traffi
     return tp * (ring * ring_bytes + stages * traffic.activation_bytes)
 
 
-def _pipelines_within_leaves(slots: dict[str, list[_GroupSlot]], leaves: list[str],
-                             shape: JobShape) -> list[_GroupSlot]:
-    out: list[_GroupSlot] = []
+def _pipelines_within_leaves(slots: dict[str, list[GroupSlot]], leaves: list[str],
+                             shape: JobShape) -> list[GroupSlot]:
+    out: list[GroupSlot] = []
     remaining = shape.dp
     for leaf in leaves:
         take = min(remaining, len(slots[leaf]) // shape.pp)
@@ -335,7 +310,7 @@ def _pipelines_within_leaves(slots: dict[str, list[_GroupSlot]], leaves: list[st
     return out
 
 
-def _ranks(groups: list[_GroupSlot], shape: JobShape) -> list[RankSlot]:
+def _ranks(groups: list[GroupSlot], shape: JobShape) -> list[RankSlot]:
     out = []
     g = shape.gpus_per_rank
     for gi, slot in enumerate(groups):

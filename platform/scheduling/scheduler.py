@@ -22,6 +22,7 @@ from kuangchao.platform.scheduling.plugins.decisions import Admit, Decision, Pre
 from kuangchao.platform.scheduling.plugins.interface import AdmissionPolicy
 from kuangchao.platform.scheduling.plugins.registry import make_policy
 from kuangchao.platform.scheduling.plugins.snapshot import Snapshot
+from kuangchao.platform.scheduling.snapshot_keeper import SnapshotKeeper
 from kuangchao.platform.spec.queues import QueueTable
 from kuangchao.platform.spec.stored import spec_of
 
@@ -60,6 +61,9 @@ class Scheduler:
                  launch: Callable[[str], None], policy: AdmissionPolicy | None = None) -> None:
         self.store, self.nodes, self.launch, self.policy = store, nodes, launch, policy
         self.metrics = store.recorder()
+        # Kept across cycles: each cycle applies only the jobs that changed since
+        # the last one, with a periodic full rebuild (snapshot_keeper.py).
+        self.keeper = SnapshotKeeper()
 
     def snapshot(self) -> Snapshot:
         jobs = self.store.list_active()
@@ -69,10 +73,7 @@ class Scheduler:
         blocked = quarantine.active(self.store.quarantine(), time.time())
         nodes = tuple(dataclasses.replace(n, alive=False)
                       if n.draining or quarantine.holds(blocked, n) else n for n in self.nodes())
-        return Snapshot(nodes=nodes,
-                        queued=tuple(j for j in jobs if j.state is JobState.QUEUED),
-                        active=tuple(j for j in jobs if j.state.holds_resources),
-                        queues=QueueTable.from_json(self.store.info("queues")))
+        return self.keeper.refresh(nodes, jobs, QueueTable.from_json(self.store.info("queues")))
 
     def step(self) -> list[Decision]:
         """Run one cycle: cancel queued jobs on request, then admit in policy order."""

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from kuangchao.platform.cluster.topology import NodeInfo
-from kuangchao.platform.placement.pools import Ahead, Pool, pools_of, wait_pool
+from kuangchao.platform.placement.pools import Ahead, Pool, wait_pool
 from kuangchao.platform.placement.solver import JobShape, PlacementPlan, place
 from kuangchao.platform.scheduling.plugins.cycle import Cycle
 from kuangchao.platform.scheduling.plugins.decisions import GpuMap, Hold, Step, Wait
@@ -30,7 +30,8 @@ class HeadReservation:
         """How a job that does not fit waits: as the head (holding GPUs) or behind it."""
         caps = cycle.type_caps(job.record.queue)
         pool = self.pool(job, shape, need, cycle, caps)
-        nodes, name, prefix = cycle.snap.nodes, None, ""
+        nodes: tuple[NodeInfo, ...] | None = None  # None: the whole cluster
+        name, prefix = None, ""
         held_back = cycle.free_unreserved >= need  # it would fit, but for what is held
         if pool is not None:
             nodes, name, prefix = pool.nodes, pool.name, f"waiting for pool {pool.name}: "
@@ -51,9 +52,9 @@ class HeadReservation:
         """The pool a one-type job waits for on a cluster of several types; None for a
         mixed job, on a one-type cluster, or when no single pool could ever hold it."""
         snap = cycle.snap
-        if shape.heterogeneous or len({n.gpu_type for n in snap.nodes if n.alive}) < 2:
+        if shape.heterogeneous or len(snap.live_types) < 2:
             return None
-        pools = [p for p in pools_of(snap.nodes, shape.gpu_types)
+        pools = [p for p in snap.pools(shape.gpu_types)
                  if isinstance(place(p.nodes, {}, shape), PlacementPlan)]
         roomy = [p for p in pools if caps is None or caps.get(p.name, need) >= need]
         if not pools:
@@ -71,11 +72,13 @@ class HeadReservation:
         """The free GPUs the blocked head would take now: its largest partial fit (on
         `nodes`, its pool, when given)."""
         lo, hi, best = 1, shape.dp - 1, None
-        blocked = cycle.blocked()
-        nodes = cycle.snap.nodes if nodes is None else nodes
+        blocked = cycle.blocked() if nodes is not None else {}
         while lo <= hi:  # binary search the most replicas that fit
             mid = (lo + hi) // 2
-            plan = place(nodes, blocked, replace(shape, dp=mid), caps=caps)
+            trial = replace(shape, dp=mid)
+            # Cluster-wide, the cycle's index answers without rescanning every node.
+            plan = (cycle.place(trial, caps=caps) if nodes is None
+                    else place(nodes, blocked, trial, caps=caps))
             if isinstance(plan, PlacementPlan):
                 best, lo = plan, mid + 1
             else:

@@ -13,8 +13,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
+from kuangchao.platform.placement.index import FreeIndex
 from kuangchao.platform.placement.pools import capacity_problem
-from kuangchao.platform.placement.solver import Infeasible, JobShape, PlacementPlan, Traffic, place
+from kuangchao.platform.placement.solver import (
+    Infeasible,
+    JobShape,
+    PlacementPlan,
+    Traffic,
+    place_on,
+)
 from kuangchao.platform.scheduling.plugins.decisions import (
     Admit,
     GpuMap,
@@ -55,6 +62,10 @@ class Cycle:
         self.awaiting: dict[str, GpuMap] = {}
         self.awaiting_ids: dict[str, set[str]] = {}
         self.awaiting_shrink: dict[str, bool] = {}
+        # What is blocked (used or held), indexed by leaf: kept in step with `used` and
+        # `reserved` by `_take` and `_hold`, so each placement in this cycle reads
+        # the free group slots without rescanning every node.
+        self.index = FreeIndex(snap.nodes, self.used)
         for a in snap.active:
             # GPUs on their way to a queued job: a preempted job's, or what a shrink frees.
             for_job = a.preempting_for or (a.resize or {}).get("for_job")
@@ -97,10 +108,15 @@ class Cycle:
         failed = self._failed.get(key)
         if failed is not None and shape.dp >= failed[0]:
             return Infeasible(failed[1])
-        plan = place(self.snap.nodes, self.blocked(), shape, traffic, caps)
+        plan = self.place(shape, traffic, caps)
         if isinstance(plan, Infeasible):
             self._failed[key] = (min(shape.dp, failed[0]) if failed else shape.dp, plan.reason)
         return plan
+
+    def place(self, shape: JobShape, traffic: Traffic | None = None,
+              caps: Mapping[str, int] | None = None) -> PlacementPlan | Infeasible:
+        """`place(snap.nodes, blocked(), ...)`, over the cycle's kept index."""
+        return place_on(self.index, shape, traffic, caps)
 
     def apply(self, step: Step) -> None:
         """Record the effect of one decision on what is free."""
@@ -128,6 +144,7 @@ class Cycle:
             self.used.setdefault(node, set()).update(ids)
             self.free -= len(ids)
             self.free_unreserved -= len(ids)
+        self.index.take(gpus)
         queue = job.record.queue
         self.usage[queue] = self.usage.get(queue, 0) + quota_gpus
         add_by_type(self.type_usage.setdefault(queue, {}), gpus, self.snap.node_types)
@@ -144,3 +161,4 @@ class Cycle:
             new = ids - self.reserved.get(node, set()) - self.used.get(node, set())
             self.free -= len(new)
             self.reserved.setdefault(node, set()).update(ids)
+        self.index.take(gpus)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kuangchao.platform.placement.pools import pools_of
 from kuangchao.platform.scheduling.plugins.cycle import Cycle
 from kuangchao.platform.scheduling.plugins.decisions import Wait
 from kuangchao.platform.scheduling.plugins.snapshot import JobView
@@ -67,8 +66,10 @@ class QueueQuota:
         """The sizes some accepted type (a mixed job: all together) has per-type room for."""
         caps = cycle.type_caps(queue.name)
         per = job.rng.gpus_per_replica
-        pools = pools_of(cycle.snap.nodes, job.shape.gpu_types)
-        if not caps or not pools or not per:
+        if not caps or not per:  # before the pools: most queues have no per-type limit
+            return sizes
+        pools = cycle.snap.pools(job.shape.gpu_types)
+        if not pools:
             return sizes
         room = [caps.get(p.gpu_type or "", float("inf")) for p in pools]
         most = sum(room) if job.shape.heterogeneous else max(room)

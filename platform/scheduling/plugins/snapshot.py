@@ -13,6 +13,7 @@ from functools import cached_property
 
 from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.jobs.state import JobRecord
+from kuangchao.platform.placement.pools import Pool, pools_of
 from kuangchao.platform.placement.solver import JobShape, PlacementPlan, Traffic, traffic_of
 from kuangchao.platform.scheduling.plugins.decisions import GpuMap
 from kuangchao.platform.spec.elastic import ElasticRange
@@ -72,16 +73,25 @@ class JobView:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """An immutable view of the cluster for one scheduling cycle."""
+    """An immutable view of the cluster for one scheduling cycle.
+
+    `resolved` and `held` are what a kept snapshot (scheduling/snapshot_keeper.py)
+    carries over from earlier cycles: the views of jobs unchanged since, and the
+    GPUs active jobs hold per node. Left out, both are derived from the records.
+    """
 
     nodes: tuple[NodeInfo, ...]
     queued: tuple[JobRecord, ...]
     active: tuple[JobRecord, ...]
     queues: QueueTable = field(default_factory=QueueTable)
+    resolved: Mapping[str, JobView] | None = field(default=None, compare=False, repr=False)
+    held: Mapping[str, frozenset[int]] | None = field(default=None, compare=False, repr=False)
 
     @cached_property
     def views(self) -> Mapping[str, JobView]:
         """Every job's resolved view, by id."""
+        if self.resolved is not None:
+            return self.resolved
         return {j.id: JobView.of(j) for j in (*self.queued, *self.active)}
 
     def view(self, job: JobRecord) -> JobView:
@@ -89,6 +99,8 @@ class Snapshot:
 
     def used_gpus(self) -> dict[str, set[int]]:
         """The GPUs active jobs hold, per node (a fresh copy each call)."""
+        if self.held is not None:
+            return {node: set(ids) for node, ids in self.held.items()}
         return by_node((p.node, p.gpus) for job in self.active for p in job.placement)
 
     @cached_property
@@ -112,6 +124,23 @@ class Snapshot:
     def node_types(self) -> Mapping[str, str | None]:
         """Each node's GPU type, by name."""
         return {n.name: n.gpu_type for n in self.nodes}
+
+    @cached_property
+    def live_types(self) -> frozenset[str | None]:
+        """The GPU types of the live nodes (asked once per waiting job: computed once)."""
+        return frozenset(n.gpu_type for n in self.nodes if n.alive)
+
+    def pools(self, gpu_types: tuple[str, ...]) -> list[Pool]:
+        """`pools_of(self.nodes, gpu_types)`, computed once per cycle for each type list:
+        thousands of queued jobs ask for the same few, and the nodes do not change."""
+        memo = self._pools_memo
+        if gpu_types not in memo:
+            memo[gpu_types] = pools_of(self.nodes, gpu_types)
+        return memo[gpu_types]
+
+    @cached_property
+    def _pools_memo(self) -> dict[tuple[str, ...], list[Pool]]:
+        return {}
 
     def queue_type_usage(self) -> dict[str, dict[str, int]]:
         """GPUs each queue's active jobs hold, per GPU type (untyped GPUs are not counted)."""
