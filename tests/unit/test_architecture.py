@@ -35,6 +35,7 @@ PURE = [
     "platform/execution/members.py", "platform/cluster/netplan.py", "platform/cluster/leaves.py",
     "platform/cluster/drain.py", "platform/execution/drain_policy.py",
     "platform/protocol/memory_copies.py",
+    "platform/jobs/redis_sizing.py", "platform/runtime/doctor_capacity.py",
 ]
 # Modules that may reach Redis but never Ray: the controller reaches Ray only through its
 # worker group, loaded when none is given. (The scheduler takes its store injected and is pure.)

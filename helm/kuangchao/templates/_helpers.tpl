@@ -339,3 +339,40 @@ starts uses the credentials its job was granted or none.
 - name: AWS_CONFIG_FILE
   value: /dev/null
 {{- end }}
+
+{{/*
+The bundled Redis's limits, sized for the largest cluster the values declare
+(docs/operator-guide.md, "Redis sizing"). The same integer steps as
+platform/jobs/redis_sizing.py `sizing`, whose constants these are
+(tests/deploy/test_helm_chart.py renders several clusters and compares):
+rank slots are each pod's GPUs, or its CPUs on a CPU-only group, times the
+group's pods (maxReplicas with the autoscaler on); 8 connections per slot (a
+rank's 5 and a controller's 3), 6 for the control plane, 42 per API replica;
+twice that plus 64, never below Redis's default of 10000. Memory: 15893216
+bytes per slot (a job's capped logs, events and curve, and a rank's keys),
+8454144 per node (a link probe), 167108864 fixed (the audit stream and
+control keys), 32768 per connection; times 3/2, in whole 256 MB steps, never
+below 2 GB. redis.maxclients / redis.maxmemory, when set, win.
+Output: JSON {slots, nodes, clients, maxclients, nofile, maxmemory} (maxmemory
+as redis.conf writes it).
+*/}}
+{{- define "kuangchao.redisSizing" -}}
+{{- $slots := 0 }}
+{{- $nodes := 0 }}
+{{- range $g := .Values.ray.workerGroups }}
+{{- $pods := ternary (int $g.maxReplicas) (int $g.replicas) $.Values.ray.autoscaling.enabled }}
+{{- $perPod := ternary (int $g.gpus) (int $g.cpu) (gt (int $g.gpus) 0) }}
+{{- $slots = add $slots (mul $pods $perPod) }}
+{{- $nodes = add $nodes $pods }}
+{{- end }}
+{{- $clients := add (mul $slots 8) 6 (mul (int .Values.api.replicas) 42) }}
+{{- $maxclients := max 10000 (add (mul $clients 2) 64) }}
+{{- with .Values.redis.maxclients }}{{ $maxclients = int . }}{{ end }}
+{{- $need := add (mul $slots 15893216) (mul $nodes 8454144) 167108864 (mul $clients 32768) }}
+{{- $step := 268435456 }}
+{{- $steps := div (add (mul $need 3) (sub (mul 2 $step) 1)) (mul 2 $step) }}
+{{- $mb := div (max 2147483648 (mul $steps $step)) 1048576 }}
+{{- $maxmemory := .Values.redis.maxmemory | default (printf "%dmb" $mb) }}
+{{- dict "slots" $slots "nodes" $nodes "clients" $clients "maxclients" $maxclients
+      "nofile" (add $maxclients 128) "maxmemory" $maxmemory | toJson }}
+{{- end }}
