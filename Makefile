@@ -64,9 +64,9 @@ test: install tools
 bench: install tools
 	$(PY) bench/run_all.py
 
-# Every benchmark's quick mode, checked line by line (tests/bench): `make test` runs those
-# of the scripts that start no Ray cluster of their own; this runs all of them (the six
-# that start one take a few minutes each on 2 cores).
+# Every benchmark's quick mode, checked line by line (tests/bench): `make test` runs the light
+# ones (no Ray cluster of their own, little CPU: tests/bench/quick.py); this runs all of them (those
+# that start one take up to a few minutes each on 2 cores).
 bench-quick: install tools
 	KC_BENCH_QUICK=all $(PY) -m pytest -q tests/bench
 

@@ -25,9 +25,15 @@ DEFAULT_DASHBOARD_PORT = 8265
 
 def kc_home() -> Path:
     """Folder for local state (`KC_HOME`, default `~/.kuangchao`)."""
+    return _home(os.environ.get("KC_HOME") or "", os.environ.get("HOME"))
+
+
+@lru_cache(maxsize=16)
+def _home(raw: str, _home_env: str | None) -> Path:
+    # Cached by the variables it depends on (every submit asks, several times).
     # An empty KC_HOME counts as unset: Path("") is the working directory, which
     # differs between the CLI and the ranks.
-    return Path(os.environ.get("KC_HOME") or Path.home() / ".kuangchao").expanduser()
+    return Path(raw or Path.home() / ".kuangchao").expanduser()
 
 
 @lru_cache(maxsize=64)

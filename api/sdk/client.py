@@ -15,6 +15,9 @@ from kuangchao.api.sdk.types import EventPage, Job, LogPage, MetricsPage
 
 __all__ = ["ApiError", "Client", "Job", "load_file"]
 
+# The most jobs the server sends in one page (`GET /v1/jobs?limit=`).
+LIST_PAGE_MAX = 10_000
+
 
 def load_file(path: Path, sets: list[str]) -> dict[str, Any]:
     """A job YAML as the server should get it: `extends:` and `sets` applied, and
@@ -120,8 +123,21 @@ class Client:
 
     def list(self, state: str | None = None, queue: str | None = None,
              limit: int = 200) -> list[Job]:
-        """The jobs your key's tenant may see, oldest first; filtered here by state/queue."""
-        jobs = [Job(j) for j in self._call("GET", "/v1/jobs", params={"limit": limit})["jobs"]]
+        """The newest `limit` jobs your key's tenant may see, oldest first; filtered
+        here by state/queue. Pages are followed by their `next_cursor`."""
+        pages: list[list[dict[str, Any]]] = []
+        cursor, count = None, 0
+        while count < limit:
+            params: dict[str, Any] = {"limit": min(limit - count, LIST_PAGE_MAX)}
+            if cursor:
+                params["cursor"] = cursor
+            doc = self._call("GET", "/v1/jobs", params=params)
+            pages.append(doc["jobs"])
+            count += len(doc["jobs"])
+            cursor = doc.get("next_cursor")
+            if not cursor:
+                break
+        jobs = [Job(j) for page in reversed(pages) for j in page]  # each page back in time
         return [j for j in jobs if (state is None or j.state == state)
                 and (queue is None or j.queue == queue)]
 

@@ -8,7 +8,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from kuangchao.api.server import metrics
+from kuangchao.api.server.dependencies import listing
 from kuangchao.api.server.dependencies.auth import Caller
+from kuangchao.api.server.dependencies.store import forget_active
 from kuangchao.api.server.edge import Edge
 from kuangchao.api.server.routers import (
     admin,
@@ -34,6 +36,9 @@ def create_app() -> FastAPI:
     # with a key, like every route but /healthz and the console's static files (/ui).
     app = FastAPI(title="kuangchao", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    # A new app answers nothing an earlier one cached (tests build many, each on its store).
+    listing.changed()
+    forget_active()
     for router in ROUTERS:
         app.include_router(router)
     # Every request is authenticated and its body bounded before routing

@@ -30,7 +30,7 @@ from prometheus_client import (
 )
 
 from kuangchao.api.server.cluster_metrics import ClusterCollector
-from kuangchao.api.server.dependencies.auth import audit, bearer, caller
+from kuangchao.api.server.dependencies.auth import audit, bearer, principal_of
 from kuangchao.api.server.dependencies.store import get_store
 from kuangchao.api.server.schemas.cluster import ScrapeGroup
 from kuangchao.api.server.schemas.common import errors
@@ -130,7 +130,7 @@ async def _scraper(request: Request) -> JobStore:
     """The store, once the caller proved it may read metrics."""
     store = await get_store()
     if not is_scrape_token(bearer(request.headers.get("authorization"))):
-        principal = await caller(request, store)
+        principal = await principal_of(request, store)
         if not principal.can("metrics.read"):
             audit(store, principal, "metrics.read", request.url.path, "deny",
                   f"role {principal.role} may not read metrics")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import os
 import re
@@ -159,7 +160,19 @@ def dry_run(store: JobStore, spec: JobSpec, role: str | None = None,
 def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
            owner: str | None = None, tenant: str = "default",
            cluster: ClusterTopology | None = None, role: str | None = None) -> JobRecord:
-    """Record a validated job as QUEUED and wake the scheduler.
+    """Record a validated job as QUEUED and wake the scheduler (`prepare`, then
+    `store.create`; its arguments and errors)."""
+    job, _ = prepare(store, spec, driver, owner, tenant, cluster, role)
+    return store.create(job)
+
+
+def prepare(store: JobStore, spec: JobSpec, driver: str = "scheduler",
+            owner: str | None = None, tenant: str = "default",
+            cluster: ClusterTopology | None = None,
+            role: str | None = None) -> tuple[JobRecord, JobSpec]:
+    """The QUEUED record `submit` would store, and the spec it holds (resolved),
+    checked but not stored: the API stores it with its audit record in one
+    round trip.
 
     A `parallel: auto` spec is resolved here, on the nodes in `cluster` (default:
     the registry's view): the record holds the concrete spec and the plan.
@@ -186,7 +199,7 @@ def submit(store: JobStore, spec: JobSpec, driver: str = "scheduler",
         queue=spec.task.queue, priority=spec.task.priority_value, world_size=world,
         gpus=world * spec.parallel.gpus_per_rank, driver=driver, owner=owner,
         tenant=tenant, plan=plan)
-    return store.create(job)
+    return job, spec
 
 
 def cancel(store: JobStore, job_id: str) -> JobRecord:
@@ -243,14 +256,18 @@ def scale(store: JobStore, job_id: str, replicas: int) -> JobRecord:
     return store.get(job_id)
 
 
-def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None = None) -> dict[str, Any]:
-    """The public JSON of a job: the record plus progress and checkpoints."""
+def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | QueueOrder | None = None,
+             spec: JobSpec | None = None) -> dict[str, Any]:
+    """The public JSON of a job: the record plus progress and checkpoints.
+
+    `spec`: the job's typed spec when the caller holds it (a submit), which
+    spares validating the stored document again."""
     d = job.to_json()
     d.pop("version", None)
     # A job that never started has neither progress nor checkpoints to read.
     fresh = job.started_at is None and job.restarts == 0
     prog = {} if fresh else store.progress(job.id)
-    spec = spec_of(job.spec)
+    spec = spec_of(job.spec) if spec is None else spec
     total = spec.training.steps
     d["progress"] = {
         "step": prog.get("step", 0),
@@ -277,12 +294,23 @@ def job_view(store: JobStore, job: JobRecord, all_jobs: list[JobRecord] | None =
     return d
 
 
-def queue_position(store: JobStore, job: JobRecord, jobs: list[JobRecord] | None = None) -> int:
+class QueueOrder:
+    """The queued jobs' places, sorted once: a job's position is then a bisection,
+    not a pass over every active job (the API answers many views from one)."""
+
+    def __init__(self, jobs: list[JobRecord]) -> None:
+        self.keys = sorted(order_key(j) for j in jobs if j.state is JobState.QUEUED)
+
+    def position(self, job: JobRecord) -> int:
+        return bisect.bisect_left(self.keys, order_key(job)) + 1
+
+
+def queue_position(store: JobStore, job: JobRecord,
+                   jobs: list[JobRecord] | QueueOrder | None = None) -> int:
     """1-based place of a queued job in the scheduler's order (priority, then arrival)."""
-    queued = [j for j in (jobs if jobs is not None else store.list_active())
-              if j.state is JobState.QUEUED]
-    ahead = sum(1 for j in queued if order_key(j) < order_key(job))
-    return ahead + 1
+    if not isinstance(jobs, QueueOrder):
+        jobs = QueueOrder(jobs if jobs is not None else store.list_active())
+    return jobs.position(job)
 
 
 def queue_view(store: JobStore) -> dict[str, Any]:

@@ -87,8 +87,11 @@ class MemoryStore(RecordEdits, MemoryExtras, MemorySecurity):
         return True
 
     # -- records ---------------------------------------------------------------
-    def create(self, job: JobRecord, event_message: str = "submitted") -> JobRecord:
+    def create(self, job: JobRecord, event_message: str = "submitted",
+               audit_line: str | None = None) -> JobRecord:
         job = dataclasses.replace(job, version=1)
+        if audit_line is not None:
+            self.append_audit(audit_line)
         with self._lock:
             self._jobs.text.setdefault(job.id, json.dumps(job.to_json()))  # SET NX
             self._jobs.index(job.id, job.created_at)
@@ -111,6 +114,17 @@ class MemoryStore(RecordEdits, MemoryExtras, MemorySecurity):
         with self._lock:  # ZRANGE -(before+limit) -(before+1)
             ids = [i for _, i in self._jobs.order[-(before + limit):len(self._jobs.order) - before]]
         return self._loaded(ids)
+
+    def jobs_before(self, before: tuple[float, str] | None,
+                    count: int) -> list[tuple[float, str, JobRecord | None]]:
+        """As `JobStore.jobs_before`: the index's entries just older than `before`."""
+        with self._lock:
+            end = len(self._jobs.order) if before is None else bisect.bisect_left(
+                self._jobs.order, before)
+            got = self._jobs.order[max(0, end - count):end][::-1]
+            raws = [self._jobs.text.get(i) for _, i in got]
+        return [(s, i, JobRecord.from_json(json.loads(r)) if r else None)
+                for (s, i), r in zip(got, raws, strict=True)]
 
     def list_active(self) -> list[JobRecord]:
         """Every job that has not finished, however old, oldest first."""

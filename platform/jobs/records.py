@@ -16,7 +16,13 @@ import redis
 
 from kuangchao.platform.errors import JobNotFound
 from kuangchao.platform.jobs import keys
-from kuangchao.platform.jobs.encoding import EVENT_CAP, created_event, event_text, is_job_id
+from kuangchao.platform.jobs.encoding import (
+    AUDIT_CAP,
+    EVENT_CAP,
+    created_event,
+    event_text,
+    is_job_id,
+)
 from kuangchao.platform.jobs.record_edits import RecordEdits
 from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.observability import metrics
@@ -50,23 +56,50 @@ return 1
 """
 
 
+# A new job: its record (never over an existing one), its place in the index and
+# the active set, its first event, the scheduler's wake-up and, for the API, the
+# audit record of the submission. One script: one round trip, all or nothing
+# (a MULTI pipeline of the same commands cost the client twice the packing).
+#   KEYS: record, jobs index, active set, events, scheduler wake list[, audit stream]
+#   ARGV: record JSON, created_at, job id, created event[, audit line, audit cap]
+CREATE_SCRIPT = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX')
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+redis.call('SADD', KEYS[3], ARGV[3])
+redis.call('RPUSH', KEYS[4], ARGV[4])
+redis.call('RPUSH', KEYS[5], ARGV[3])
+if #KEYS == 6 then
+  redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[6], '*', 'r', ARGV[5])
+end
+return 1
+"""
+
+
 class Records(RecordEdits):
     """The records part of `JobStore` (it holds the client and the prefix)."""
 
     r: redis.Redis
     p: str
     _commit: Any
+    _create: Any
 
-    def create(self, job: JobRecord, event_message: str = "submitted") -> JobRecord:
+    def create(self, job: JobRecord, event_message: str = "submitted",
+               audit_line: str | None = None) -> JobRecord:
+        """Store a new job, its first event, and wake the scheduler: one transaction.
+
+        `audit_line`: the audit record of the submission (`AuditLog.line`), added
+        to the audit stream in the same transaction, so that a submit costs one
+        round trip and no job exists without its record.
+        """
         job = dataclasses.replace(job, version=1)
-        with self.r.pipeline() as pipe:
-            pipe.set(keys.job(self.p, job.id), json.dumps(job.to_json()), nx=True)
-            pipe.zadd(keys.jobs(self.p), {job.id: job.created_at})
-            pipe.sadd(keys.active(self.p), job.id)
-            pipe.rpush(keys.events(self.p, job.id),
-                       created_event(job.created_at, job.state.value, event_message))
-            pipe.rpush(keys.sched_wake(self.p), job.id)
-            pipe.execute()
+        names = [keys.job(self.p, job.id), keys.jobs(self.p), keys.active(self.p),
+                 keys.events(self.p, job.id), keys.sched_wake(self.p)]
+        args = [json.dumps(job.to_json()), repr(job.created_at), job.id,
+                created_event(job.created_at, job.state.value, event_message)]
+        if audit_line is not None:
+            names.append(keys.audit(self.p))
+            args += [audit_line, str(AUDIT_CAP)]
+        self._create(names, args)
         return job
 
     def get(self, job_id: str) -> JobRecord:
@@ -76,6 +109,28 @@ class Records(RecordEdits):
         if raw is None:
             raise JobNotFound.for_id(job_id)
         return JobRecord.from_json(json.loads(raw))
+
+    def jobs_before(self, before: tuple[float, str] | None,
+                    count: int) -> list[tuple[float, str, JobRecord | None]]:
+        """Up to `count` entries of the `jobs` index just older than `before`, a
+        (created_at, id) position, newest first: (created_at, id, record, None
+        when the record is gone). From the newest with `before` None. Positions
+        are exact, so a walk from page to page sees each job once, however many
+        jobs arrive meanwhile."""
+        hi: float | str = "+inf" if before is None else before[0]
+        got: list[tuple[float, str]] = []
+        offset = 0
+        while len(got) < count:  # ties on created_at: skip the ones at or after `before`
+            batch = self.r.zrevrangebyscore(keys.jobs(self.p), hi, "-inf", start=offset,
+                                            num=count, withscores=True)
+            offset += len(batch)
+            got += [(float(s), i) for i, s in batch if before is None or (float(s), i) < before]
+            if len(batch) < count:
+                break
+        got = got[:count]
+        raws = self.r.mget([keys.job(self.p, i) for _, i in got]) if got else []
+        return [(s, i, JobRecord.from_json(json.loads(raw)) if raw else None)
+                for (s, i), raw in zip(got, raws, strict=True)]
 
     def list(self, limit: int = 1000, before: int = 0) -> list[JobRecord]:
         """The newest `limit` jobs, oldest first; with `before`, the newest `before`

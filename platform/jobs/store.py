@@ -25,7 +25,7 @@ from kuangchao.platform.jobs.fences import Fences
 from kuangchao.platform.jobs.flags import ControlFlags
 from kuangchao.platform.jobs.node_health import NodeHealth
 from kuangchao.platform.jobs.recorded import Recorded
-from kuangchao.platform.jobs.records import COMMIT_SCRIPT, Records
+from kuangchao.platform.jobs.records import COMMIT_SCRIPT, CREATE_SCRIPT, Records
 from kuangchao.platform.jobs.redis_client import connect
 from kuangchao.platform.jobs.streams import Streams
 
@@ -38,6 +38,7 @@ class JobStore(Records, Streams, ControlFlags, NodeHealth, Recorded, Credentials
         self.r = client
         self.p = prefix
         self._commit = client.register_script(COMMIT_SCRIPT)
+        self._create = client.register_script(CREATE_SCRIPT)
 
     def ping(self) -> bool:
         """Whether Redis answers (raises when it does not)."""

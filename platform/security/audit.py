@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Collection
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,7 +42,10 @@ class AuditRecord:
     ts: float = field(default_factory=time.time)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # Field by field: `asdict` walks and copies, and every request that
+        # changes state writes one.
+        return {"principal": self.principal, "action": self.action, "resource": self.resource,
+                "decision": self.decision, "reason": self.reason, "job": self.job, "ts": self.ts}
 
 
 class AuditLog:
@@ -70,15 +73,28 @@ class AuditLog:
         self.job_files = job_files
         self._job_errors: dict[str, str] = {}  # job -> its last warning, said once
 
-    def record(self, rec: AuditRecord) -> None:
-        line = json.dumps(rec.to_json(), sort_keys=True)
+    @staticmethod
+    def line(rec: AuditRecord) -> str:
+        """The record as both sinks hold it: one JSON line, keys sorted."""
+        return json.dumps(rec.to_json(), sort_keys=True)
+
+    def record(self, rec: AuditRecord, streamed: bool = False, line: str | None = None) -> None:
+        """Write `rec` to the file, the stream and the job's own file.
+
+        `streamed`: the caller already added `AuditLog.line(rec)` to the stream in
+        the same Redis transaction as the change it records (a submit: one
+        round trip for both, and no job without its record); the file and the
+        job's copy are written here as for any record. `line`: `AuditLog.line(rec)`,
+        when the caller has it.
+        """
+        line = self.line(rec) if line is None else line
         if self.path is not None:
             try:
                 with self._lock:
                     self._write(line + "\n")
             except OSError as exc:
                 log.error("audit file %s not written: %s; record: %s", self.path, exc, line)
-        if self.store is not None:
+        if self.store is not None and not streamed:
             try:
                 self.store.append_audit(line)
             except Exception as exc:  # Redis away: the file still has it

@@ -143,11 +143,16 @@ class JobAuditFiles:
         except JobNotFound:
             return None  # not stored yet (or never): asked again next time
         path = audit_path_of(getattr(record, "spec", None))
+        self.remember(job_id, path)
+        return path
+
+    def remember(self, job_id: str, path: str | None) -> None:
+        """Note the job's `audit_log` (None: it names none), known to the caller
+        (its submitter holds the spec), so that its first record reads no record."""
         with self._lock:
             self._paths[job_id] = path
             while len(self._paths) > self.cache_jobs:
                 self._paths.popitem(last=False)
-        return path
 
     def append(self, job_id: str, line: str, skip: str | os.PathLike[str] | None = None) -> str | None:
         """Append `line` (a JSON record, newline included) to the job's file, if it names one.

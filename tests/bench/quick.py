@@ -29,7 +29,7 @@ from bench import run_all
 ROOT = Path(__file__).resolve().parents[2]
 # Roughly longest first (quick-mode wall time on 2 cores), so the slow ones overlap the rest.
 ORDER = ["hf", "topology_live", "goodput", "recovery", "resize", "overhead", "heartbeats", "planner",
-         "metrics", "tokens", "api", "memory", "ckpt_io", "placement"]
+         "metrics", "tokens", "api", "ray_limits", "memory", "ckpt_io", "placement"]
 # Scripts that build a netns cluster (root, iproute2): elsewhere they print their lines
 # with an error saying why, and their test is skipped.
 NEEDS_NETNS = {"topology_live"}
@@ -39,7 +39,13 @@ NEEDS_NETNS = {"topology_live"}
 # (KC_BENCH_QUICK=all), which runs every script's quick mode. What they drive is tested on
 # its own in the suite: recovery, resizes, peer memory, drains and netns clusters in
 # tests/integration, the HF path in tests/layouts and tests/integration/test_own_model.py.
-CLUSTER_SCRIPTS = {"overhead", "recovery", "resize", "hf", "goodput", "topology_live"}
+CLUSTER_SCRIPTS = {"overhead", "recovery", "resize", "hf", "goodput", "topology_live", "ray_limits"}
+# Quick runs that start no cluster but still cost 10-30 s of CPU each, or keep servers and
+# writer processes busy for half a minute (CPU seconds measured on 2 cores: hetero 33, metrics
+# 21, tokens 20, ckpt_io 10 with 40 s of an object store, heartbeats 35 s of Redis writers).
+# Beside the no-stack tier they cost the suite about a minute; `make bench-quick` keeps them.
+HEAVY_SCRIPTS = {"hetero", "metrics", "tokens", "ckpt_io", "heartbeats"}
+LEFT_TO_BENCH_QUICK = CLUSTER_SCRIPTS | HEAVY_SCRIPTS
 ALL_ENV = "KC_BENCH_QUICK"
 AT_ONCE = 3
 NICE = 5  # below the tests beside them, not so low that a busy tier starves them
@@ -48,11 +54,11 @@ TIMEOUT_S = 1200
 
 def scripts() -> list[str]:
     """The scripts whose quick modes this test session runs: every one with
-    KC_BENCH_QUICK=all, else all but the cluster-starting ones."""
+    KC_BENCH_QUICK=all, else all but the cluster-starting and heavy ones."""
     every = sorted(run_all.METRICS)
     if os.environ.get(ALL_ENV, "").strip().lower() == "all":
         return every
-    return [s for s in every if s not in CLUSTER_SCRIPTS]
+    return [s for s in every if s not in LEFT_TO_BENCH_QUICK]
 
 
 _pool: ThreadPoolExecutor | None = None

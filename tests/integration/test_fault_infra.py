@@ -76,9 +76,9 @@ def checkpoint_steps(stack: Stack, job_id: str) -> list[int]:
 
 def test_redis_restart_mid_job_is_ridden_out(infra):
     client: Client = infra.client
-    # Long enough to train through the outage and past the heartbeats' return on a
-    # fast machine (some 15 ms a step: 100 steps, 6 s down, a checkpoint, a beat).
-    job = client.submit(job_doc(infra, "infra-redis", steps=2000, interval=100))
+    # Open-ended, so that it trains through the outage on a fast machine or a slow one
+    # (some 15 ms a step); the test stops it once what the outage held has been written.
+    job = client.submit(job_doc(infra, "infra-redis", steps=100_000, interval=100))
     wait_for(lambda: client.get(job["id"])["progress"]["step"] >= 100, 400, "training to start")
     before = checkpoint_steps(infra, job["id"])
     infra.redis.stop()
@@ -92,14 +92,16 @@ def test_redis_restart_mid_job_is_ridden_out(infra):
     # Back, the ranks read that nobody fenced them, and what waited is written.
     wait_for(lambda: checkpoint_steps(infra, job["id"])[-1:] > before[-1:], 300,
              "a checkpoint after the outage")
-    done = infra.wait_state(job["id"], DONE, timeout=600)
-    assert done["state"] == "SUCCEEDED", done["message"]
+    wanted = ("heartbeat to Redis failed", "lease lapsed", "heartbeats resumed")
+    wait_for(lambda: all(any(w in r["message"] for r in client.logs(job["id"])["logs"])
+                         for w in wanted), 120, "the outage's log lines")  # held, shipped after
+    running = client.get(job["id"])
+    assert running["state"] == "RUNNING" and running["restarts"] == 0, running["restart_log"]
+    client.cancel(job["id"])
+    done = infra.wait_state(job["id"], DONE, timeout=120)
+    assert done["state"] == "CANCELLED", done["message"]
     assert done["restarts"] == 0, done["restart_log"]
     assert not [e for e in client.events(job["id"])["events"] if e["type"] == "fenced"]
-    messages = [r["message"] for r in client.logs(job["id"])["logs"]]
-    assert any("heartbeat to Redis failed" in m for m in messages)
-    assert any("lease lapsed" in m for m in messages)  # held meanwhile, shipped after
-    assert any("heartbeats resumed" in m for m in messages)
 
 
 def test_a_node_failing_twice_is_quarantined_and_the_job_moves(infra):

@@ -158,10 +158,10 @@ def test_the_sampler_forgets_old_sources_instead_of_growing():
 
 
 def test_a_listing_filters_by_tenant_before_it_limits(api, monkeypatch):
-    from kuangchao.api.server.routers import jobs as jobs_router
+    from kuangchao.api.server.dependencies import listing
 
     store, client, _ = api
-    monkeypatch.setattr(jobs_router, "LIST_PAGE", 4)
+    monkeypatch.setattr(listing, "LIST_PAGE", 4)
     mine = [client.post("/v1/jobs", json=SPEC).json()["id"] for _ in range(3)]
     other, _ = KeyStore(store).create("bob", "team-b", "submitter")
     for _ in range(10):  # a busy tenant submits after

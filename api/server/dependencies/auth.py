@@ -12,17 +12,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import lru_cache
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, HTTPException, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from kuangchao.api.server.dependencies.store import Store
+from kuangchao.api.server.dependencies.fresh import MISSING, Fresh
+from kuangchao.api.server.dependencies.store import Store, get_store
 from kuangchao.platform.errors import JobNotFound
 from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.jobs.store import JobStore
-from kuangchao.platform.security.apikeys import Principal, authenticate, key_id_of
+from kuangchao.platform.security.apikeys import Principal, StoredKey, authenticate, key_id_of
 from kuangchao.platform.security.audit import AuditLog, AuditRecord, DenialSampler
+from kuangchao.platform.security.job_audit import audit_path_of
 from kuangchao.platform.security.keystore import KeyStore
 from kuangchao.platform.settings import audit_file, audit_roots
 
@@ -40,6 +42,34 @@ async def audit_log(store: Store) -> AuditLog:
 
 def keystore(store: JobStore) -> KeyStore:
     return KeyStore(store)
+
+
+# Key records as read from Redis, by key id, for this long: a request costs no
+# HGET and no parse. The secret's hash, revocation and expiry are still checked
+# against the record on every request (`authenticate`). A key revoked through
+# this process (`DELETE /v1/admin/keys/{id}`) is dropped at once (`forget_key`);
+# one revoked by another process (another API worker, `kc up` rotating the
+# bootstrap key) is refused within KEY_TTL_S. Unknown ids are not remembered: a
+# key made a moment ago works on its first request.
+KEY_TTL_S = 1.0
+_keys = Fresh(KEY_TTL_S)
+
+
+def stored_key(store: JobStore, key_id: str | None) -> StoredKey | None:
+    """The record of `key_id`, read at most KEY_TTL_S ago."""
+    if not key_id:
+        return None
+    got = _keys.get((store.p, key_id))
+    if got is MISSING:
+        got = keystore(store).get(key_id)
+        if got is not None:
+            _keys.put((store.p, key_id), got)
+    return got
+
+
+def forget_key(store: JobStore, key_id: str) -> None:
+    """Drop the remembered record of `key_id` (it was just revoked here)."""
+    _keys.drop((store.p, key_id))
 
 
 # Refusals are sampled per source (see DenialSampler); every allow is written.
@@ -83,23 +113,32 @@ def authenticate_request(store: JobStore, header: str | None, resource: str,
     """
     key = bearer(header)
     try:
-        return authenticate(key, keystore(store).get(key_id_of(key)))
+        return authenticate(key, stored_key(store, key_id_of(key)))
     except PermissionError as exc:
         audit(store, key_id_of(key) or ANONYMOUS, "api.authenticate", resource, "deny", str(exc),
               source=f"client {client}" if client else None)
         raise
 
 
-async def caller(request: Request, store: Store,
+async def caller(request: Request,
                  _: Annotated[HTTPAuthorizationCredentials | None, Security(_SCHEME)] = None,
                  ) -> Principal:
     """The authenticated principal, or 401 (audited) saying what is wrong with the key.
 
     The edge (api/server/edge.py) has authenticated the request already; a
-    route reached without it (an app built without the edge) checks here."""
+    route reached without it (an app built without the edge) checks here. No
+    store dependency: each one FastAPI resolves costs every request some
+    microseconds, and the store is needed only without the edge."""
+    return await principal_of(request)
+
+
+async def principal_of(request: Request, store: JobStore | None = None) -> Principal:
+    """`caller`, for code that calls it directly (with the store it has, if any)."""
     principal = getattr(request.state, "principal", None)
     if principal is not None:
         return principal
+    if store is None:
+        store = await get_store()
     try:
         principal = authenticate_request(store, request.headers.get("authorization"),
                                          f"{request.method} {request.url.path}",
@@ -117,10 +156,11 @@ Caller = Annotated[Principal, Depends(caller)]
 def require(action: str) -> Callable[..., Principal]:
     """A dependency: the caller, if their role may do `action`; else 403 (audited)."""
 
-    async def check(request: Request, store: Store, principal: Caller) -> Principal:
+    async def check(request: Request, principal: Caller) -> Principal:
         if not principal.can(action):
             reason = f"role {principal.role} may not {action}"
-            audit(store, principal, action, f"{request.method} {request.url.path}", "deny", reason)
+            audit(await get_store(), principal, action, f"{request.method} {request.url.path}",
+                  "deny", reason)
             raise HTTPException(status_code=403, detail=(
                 f"{reason}; ask an admin for a key with a role that may "
                 f"(`kc admin key create --role ...`)"))
@@ -150,3 +190,27 @@ def allowed(store: JobStore, principal: Principal, action: str, resource: str,
     """Record an allowed state change."""
     reason = ", ".join(f"{k}={v}" for k, v in extra.items())
     audit(store, principal, action, resource, "allow", reason, job=job)
+
+
+T = TypeVar("T")
+
+
+def allowed_change(store: JobStore, principal: Principal, action: str, resource: str,
+                   change: Callable[[str], T], job: JobRecord, **extra: Any) -> T:
+    """Make an allowed change to a new `job` and record it, in one Redis round trip.
+
+    `change(line)` makes the change and adds `line`, the audit record, to the
+    audit stream in the same transaction (`store.create(job, audit_line=line)`);
+    the audit file and the job's own copy are written after, as for `allowed`.
+    A change that raises leaves no record: nothing was changed.
+    """
+    rec = AuditRecord(principal=f"{principal.name}[{principal.tenant}/{principal.key_id}]",
+                      action=action, resource=resource, decision="allow",
+                      reason=", ".join(f"{k}={v}" for k, v in extra.items()), job=job.id)
+    trail = _trail(store)
+    if trail.job_files is not None:  # the spec is at hand: no read of the record to find it
+        trail.job_files.remember(job.id, audit_path_of(job.spec))
+    line = trail.line(rec)
+    out = change(line)
+    trail.record(rec, streamed=True, line=line)
+    return out

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from kuangchao.api.server.dependencies.auth import allowed, keystore, require
+from kuangchao.api.server.dependencies.auth import allowed, forget_key, keystore, require
 from kuangchao.api.server.dependencies.store import Store
 from kuangchao.api.server.schemas.access import KeyCreated, KeyList, PrincipalPublic
 from kuangchao.api.server.schemas.common import errors
@@ -46,6 +46,7 @@ def list_keys(store: Store, _: Admin, include_revoked: bool = False) -> dict[str
                response_model=PrincipalPublic, responses=errors(404))
 def revoke_key(key_id: str, store: Store, who: Admin) -> dict[str, Any]:
     principal = keystore(store).revoke(key_id)
+    forget_key(store, key_id)  # refused from the next request on, not after the key cache's TTL
     if principal is None:
         raise HTTPException(404, f"no key with id {key_id!r}; `kc admin key list` shows them")
     allowed(store, who, "key.revoke", f"key/{key_id}", name=principal.name)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException
+from fastapi import APIRouter, Depends, HTTPException, Response
 
 from kuangchao.api.server.dependencies.auth import Caller, allowed, require
+from kuangchao.api.server.dependencies.listing import changed, polled, scope_of
 from kuangchao.api.server.dependencies.store import Store, spec_422
 from kuangchao.api.server.schemas.cluster import NodeList, NodeOverridden, NodeReleased, NodeSet
 from kuangchao.api.server.schemas.common import errors
@@ -22,8 +23,10 @@ Manager = Annotated[Principal, Depends(require("node.manage"))]
 
 @router.get("", summary="Nodes, their topology, and free and used GPUs", response_model=NodeList,
             response_model_exclude_unset=True)
-def list_nodes(store: Store, who: Caller) -> dict[str, Any]:
-    return node_view(store, who.sees)
+def list_nodes(store: Store, who: Caller) -> Response:
+    """Polled by every console tab: cached per tenant scope (api/server/dependencies/listing.py)."""
+    return polled(("nodes", scope_of(who)), lambda: NodeList.model_validate(
+        node_view(store, who.sees)).model_dump_json(exclude_unset=True).encode())
 
 
 @router.patch("/{name}", summary="Override a node's GPU type or emulated speed (null clears)",
@@ -44,6 +47,7 @@ def set_node(name: str, body: NodeSet, store: Store, who: Manager) -> dict[str, 
     store.wake_scheduler("nodes")
     allowed(store, who, "node.set", f"node/{name}",
             **{k: "cleared" if v is None else v for k, v in changes.items()})
+    changed()
     return {"node": name, "overrides": overrides}
 
 
@@ -54,4 +58,5 @@ def release_node(name: str, store: Store, who: Manager) -> dict[str, Any]:
         raise HTTPException(404, f"node {name!r} is not quarantined; `kc nodes` shows the "
                                  "quarantined nodes")
     allowed(store, who, "node.release", f"node/{name}")
+    changed()
     return {"node": name, "released": True}

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends
+from fastapi import APIRouter, Body, Depends, Response
 
 from kuangchao.api.server.dependencies.auth import Caller, allowed, require
+from kuangchao.api.server.dependencies.listing import changed, polled
 from kuangchao.api.server.dependencies.store import Store, spec_422
 from kuangchao.api.server.schemas.cluster import QueueList
 from kuangchao.api.server.schemas.common import errors
@@ -20,8 +21,10 @@ router = APIRouter(prefix="/v1/queues", tags=["queues"], responses=errors(401, 5
 
 
 @router.get("", summary="Queues, quotas, and the GPUs each holds", response_model=QueueList)
-def list_queues(store: Store, _: Caller) -> dict[str, Any]:
-    return queue_view(store)
+def list_queues(store: Store, _: Caller) -> Response:
+    """Polled by every console tab; the same for every caller, cached (api/server/dependencies/listing.py)."""
+    return polled(("queues",), lambda: QueueList.model_validate(
+        queue_view(store)).model_dump_json().encode())
 
 
 @router.put("", summary="Replace the queue table (the same document as `kc up --queues`)",
@@ -38,4 +41,5 @@ def put_queues(store: Store, who: Annotated[Principal, Depends(require("queue.ma
     store.set_info("queues", table.to_json())
     store.wake_scheduler("queues")
     allowed(store, who, "queue.manage", "queues", queues=",".join(table.names))
+    changed()
     return queue_view(store)

@@ -162,7 +162,9 @@ class JobPublic(Public):
 
 
 class JobList(Public):
-    jobs: list[JobPublic]
+    jobs: list[JobPublic] = Field(description="the page's jobs, oldest first")
+    next_cursor: str | None = Field(None, description="pass as `cursor` for the jobs just "
+                                    "older than this page; null: there are none")
 
 
 class DryRunPublic(Public):
