@@ -85,13 +85,23 @@ def stop_past_a_checkpoint(stack, job_id: str, pid: int, every: int) -> int:
     no checkpoint is of, so that killing it costs steps the restore undoes; returns it.
 
     Steps take milliseconds here, heartbeats (which carry rank 0's reports) a second:
-    only a stopped job shows the step it is at. Stopped for 2.5 s, well inside the
-    heartbeat timeout, so the kill is still what the controller sees."""
+    only a stopped job shows the step it is at, once rank 0 has beaten twice since the
+    stop (a step it finished just before the stop goes out with the first). Stopped for
+    a few seconds, well inside the heartbeat timeout, so the kill is still what the
+    controller sees; a try whose beats come late (a busy machine) is let go and retried."""
+    store = JobStore.from_url(stack.env["KC_REDIS_URL"], stack.env["KC_REDIS_PREFIX"])
+
+    def seq() -> int:
+        beat = store.beats(job_id, [0])[0]
+        return beat.seq if beat is not None else -1
+
     for _ in range(20):
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(2.5)  # two heartbeats: rank 0's last report reaches the job
+        first, deadline = seq(), time.monotonic() + 6
+        while seq() < first + 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
         step = stack.client.get(job_id)["progress"]["step"]
-        if step % every:
+        if seq() >= first + 2 and step % every:
             return step
         os.kill(pid, signal.SIGCONT)
         time.sleep(0.2)
