@@ -68,6 +68,7 @@ from bench.goodput_runs import (  # noqa: E402
     IN_MEMORY,
     OURS_FT,
     RT_ENV,
+    RT_MAX_RERUNS,
     TORCHFT_PATH_ENV,
     Kuangchao,
     RayTrain,
@@ -105,7 +106,9 @@ def settings_lines(args: argparse.Namespace, in_mem: bool, why_not: str,
             "trainer": "built-in (model factory bench.goodput_ray:gpt)",
             "KC_QUARANTINE_FAILURES": os.environ.get("KC_QUARANTINE_FAILURES")}
     theirs = {"ray": ray.__version__, "mode": "torchft" if torchft else "plain", **RT_ENV,
-              **rt_configs(args.ckpt_every, torchft)}
+              **rt_configs(args.ckpt_every, torchft),
+              "fit_reruns": f"up to {RT_MAX_RERUNS}, same run name (resumes from its newest "
+                            "checkpoint) when fit() raises before the run is told to stop"}
     log(f"kuangchao (docs/fault-tolerance.md's fast-recovery settings): {json.dumps(ours)}")
     if not in_mem:
         log("kuangchao runs without peer-memory copies: " + (

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,9 @@ RT_ENV: dict[str, float] = {
 }
 TORCHFT_TIMEOUT_S = OURS_FT["heartbeat_timeout_s"]  # torchft: collective/commit timeout, lighthouse heartbeat
 TORCHFT_PATH_ENV = "KCBENCH_TORCHFT_PATH"  # a site-packages folder holding torchft (not a dependency)
+# fit() reruns at most (see RayTrain._fit): a run that keeps failing at once is reported,
+# not retried forever.
+RT_MAX_RERUNS = 5
 RT_PREEMPT_EVERY = 5  # steps between the loop's get_preemption_info() calls (a barrier)
 RT_WORKER = {"CPU": 1, "kc_gpu_0": 1}  # one worker per worker node (1 GPU each), none on the head
 WAIT_S = 300.0  # longest wait for any one thing before a run is declared stuck
@@ -254,6 +258,7 @@ class RayTrain(System):
                  torchft: bool = False) -> None:
         super().__init__(cluster, folder, ckpt_every)
         self.torchft = torchft
+        self.reruns: list[str] = []  # why each fit() ended early (see _fit)
 
     def start(self, doc: dict[str, Any], label: str) -> Background:
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -270,24 +275,43 @@ class RayTrain(System):
 
             extra["torch_config"] = ZeroCpuTorchftConfig(lighthouse_kwargs=torchft_lighthouse(),
                                                          backend="gloo")
-        trainer = TorchTrainer(
-            rt_torchft_loop if self.torchft else rt_loop,
-            train_loop_config={"spec": doc, "ckpt_every": self.ckpt_every,
-                               "preempt_every": RT_PREEMPT_EVERY, "stop": str(self.stop_file),
-                               "final": str(self.final_file), "timeout_s": TORCHFT_TIMEOUT_S},
-            **extra,
-            scaling_config=ScalingConfig(num_workers=2, use_gpu=False,
-                                         resources_per_worker=dict(RT_WORKER)),
-            run_config=RunConfig(storage_path=str(self.cluster.tmp / "ray-train"), name=name,
-                                 failure_config=FailureConfig(max_failures=-1,
-                                                              max_preemption_failures=-1),
-                                 checkpoint_config=CheckpointConfig(num_to_keep=2)),
-        )
+
+        def trainer() -> TorchTrainer:
+            return TorchTrainer(
+                rt_torchft_loop if self.torchft else rt_loop,
+                train_loop_config={"spec": doc, "ckpt_every": self.ckpt_every,
+                                   "preempt_every": RT_PREEMPT_EVERY, "stop": str(self.stop_file),
+                                   "final": str(self.final_file), "timeout_s": TORCHFT_TIMEOUT_S},
+                **extra,
+                scaling_config=ScalingConfig(num_workers=2, use_gpu=False,
+                                             resources_per_worker=dict(RT_WORKER)),
+                run_config=RunConfig(storage_path=str(self.cluster.tmp / "ray-train"), name=name,
+                                     failure_config=FailureConfig(max_failures=-1,
+                                                                  max_preemption_failures=-1),
+                                     checkpoint_config=CheckpointConfig(num_to_keep=2)),
+            )
         # fit() hands these to the controller it starts; kept set for the whole run.
         self._env = _env(**{k: str(v) for k, v in RT_ENV.items()})
         self._env.__enter__()
         log(f"ray-train {label}: run {name}")
-        return Background(trainer.fit, f"ray-train-{label}")
+        return Background(lambda: self._fit(trainer, label), f"ray-train-{label}")
+
+    def _fit(self, trainer: Callable[[], Any], label: str) -> Any:
+        """fit(), run again under the same run name when it raises before the run was told
+        to stop: Ray Train then resumes from the run's newest checkpoint, which is its
+        fault-tolerance guide's answer to a failed driver or controller (a raylet kill can
+        end fit() with the controller unreachable, whatever max_failures says). The time
+        between is the baseline's, lost like any other; each rerun is logged and counted."""
+        while True:
+            try:
+                return trainer().fit()
+            except Exception as exc:  # noqa: BLE001 -- any end of fit() but the stop's
+                if self.stop_file.exists() or len(self.reruns) >= RT_MAX_RERUNS:
+                    raise
+                self.reruns.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+                log(f"ray-train {label}: fit() raised {self.reruns[-1]}; rerun "
+                    f"{len(self.reruns)} under the same run name (resumes from its newest "
+                    "checkpoint)")
 
     def stop(self, steps_done: int) -> None:
         tmp = self.stop_file.with_suffix(".tmp")
@@ -302,7 +326,7 @@ class RayTrain(System):
             run.final_loss = None
         log(f"ray-train {run.label}: fit() " + ("returned" if bg.error is None else
                                                  f"raised {type(bg.error).__name__}: {bg.error}")
-            + f"; final loss {run.final_loss}")
+            + f"; final loss {run.final_loss}; reruns of fit(): {len(self.reruns)}")
 
 
 def _first_step(trace: Trace, start: float, bg: Background) -> float:
