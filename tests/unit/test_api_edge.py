@@ -15,10 +15,9 @@ from fastapi.testclient import TestClient
 from kuangchao.api.server import edge
 from kuangchao.api.server.app import create_app
 from kuangchao.api.server.dependencies import auth
-from kuangchao.api.server.dependencies import store as deps
-from kuangchao.platform.jobs.memory import MemoryStore
 from kuangchao.platform.security.audit import DenialSampler
 from kuangchao.platform.security.keystore import KeyStore
+from tests.unit.api_fakes import memory_api
 
 SPEC = {"task": {"name": "edge"}, "model": {"n_layers": 1, "n_heads": 2, "d_model": 32,
                                              "seq_len": 32},
@@ -27,11 +26,8 @@ SPEC = {"task": {"name": "edge"}, "model": {"n_layers": 1, "n_heads": 2, "d_mode
 
 @pytest.fixture
 def api(monkeypatch, tmp_path):
-    store = MemoryStore()
-    monkeypatch.setenv("KC_HOME", str(tmp_path))
-    monkeypatch.setattr(deps, "open_store", lambda: store)
+    store = memory_api(monkeypatch, tmp_path)
     monkeypatch.setattr(auth, "_denials", DenialSampler(burst=5, window_s=3600))
-    auth._trail.cache_clear()
     key, _ = KeyStore(store).create("alice", "team-a", "submitter")
     client = TestClient(create_app())
     client.headers["Authorization"] = f"Bearer {key}"

@@ -16,11 +16,11 @@ from fastapi.testclient import TestClient
 from kuangchao.api.sdk.client import Client
 from kuangchao.api.server.app import create_app
 from kuangchao.api.server.dependencies import auth, listing
-from kuangchao.api.server.dependencies import store as deps
 from kuangchao.api.server.schemas.jobs import JobPublic
 from kuangchao.platform.jobs.memory import MemoryStore
 from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.security.keystore import KeyStore
+from tests.unit.api_fakes import memory_api
 
 SPEC = {"task": {"name": "lst"}, "model": {"n_layers": 1, "n_heads": 2, "d_model": 32,
                                             "seq_len": 32},
@@ -29,10 +29,7 @@ SPEC = {"task": {"name": "lst"}, "model": {"n_layers": 1, "n_heads": 2, "d_model
 
 @pytest.fixture
 def api(monkeypatch, tmp_path):
-    store = MemoryStore()
-    monkeypatch.setenv("KC_HOME", str(tmp_path))
-    monkeypatch.setattr(deps, "open_store", lambda: store)
-    auth._trail.cache_clear()
+    store = memory_api(monkeypatch, tmp_path)
     app = create_app()
 
     def client(tenant: str, role: str = "submitter") -> TestClient:

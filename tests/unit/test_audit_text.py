@@ -105,16 +105,12 @@ SPEC = {"model": {"n_layers": 1, "n_heads": 2, "d_model": 32, "seq_len": 32},
 def api(monkeypatch, tmp_path):
     from kuangchao.api.server.app import create_app
     from kuangchao.api.server.dependencies import auth
-    from kuangchao.api.server.dependencies import store as deps
     from kuangchao.platform.control import operations as jobs
-    from kuangchao.platform.jobs.memory import MemoryStore
     from kuangchao.platform.security.keystore import KeyStore
     from kuangchao.platform.spec.jobspec import validate_spec
+    from tests.unit.api_fakes import memory_api
 
-    store = MemoryStore()
-    monkeypatch.setenv("KC_HOME", str(tmp_path))
-    monkeypatch.setattr(deps, "open_store", lambda: store)
-    auth._trail.cache_clear()
+    store = memory_api(monkeypatch, tmp_path)
 
     def submit(name, tenant):
         return jobs.submit(store, validate_spec({"task": {"name": name}, **SPEC}),

@@ -15,12 +15,12 @@ from pydantic import TypeAdapter
 from kuangchao.api.server.app import create_app
 from kuangchao.api.server.cluster_metrics import ClusterCollector
 from kuangchao.api.server.dependencies import auth
-from kuangchao.api.server.dependencies import store as deps
 from kuangchao.api.server.schemas.jobs import ClusterGoodput, GoodputPublic
 from kuangchao.platform.control.goodput import GoodputCache, cluster_view, job_goodput
 from kuangchao.platform.jobs.memory import MemoryStore
 from kuangchao.platform.jobs.state import JobRecord, JobState, admit, finish, start
 from kuangchao.platform.security.keystore import KeyStore
+from tests.unit.api_fakes import memory_api
 
 
 def running_job(store: MemoryStore, job_id: str, t0: float) -> JobRecord:
@@ -102,10 +102,7 @@ def test_cluster_view_sums_finished_and_active_jobs_apart():
 
 @pytest.fixture
 def api(monkeypatch, tmp_path):
-    store = MemoryStore()
-    monkeypatch.setenv("KC_HOME", str(tmp_path))
-    monkeypatch.setattr(deps, "open_store", lambda: store)
-    auth._trail.cache_clear()
+    store = memory_api(monkeypatch, tmp_path)
     clients = {}
     for tenant in ("a", "b"):
         key, _ = KeyStore(store).create(f"user-{tenant}", tenant, "viewer")

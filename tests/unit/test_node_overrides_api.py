@@ -14,12 +14,12 @@ from kuangchao.api.cli import main, nodes
 from kuangchao.api.sdk.client import Client
 from kuangchao.api.server.app import create_app
 from kuangchao.api.server.dependencies import auth
-from kuangchao.api.server.dependencies import store as deps
 from kuangchao.platform.cluster.overrides import OVERRIDES_INFO
 from kuangchao.platform.cluster.registry import current_nodes
 from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.jobs.memory import MemoryStore
 from kuangchao.platform.security.keystore import KeyStore
+from tests.unit.api_fakes import memory_api
 
 FAKE = NodeInfo(name="node-0", gpus=2, islands=((0, 1),), leaf="leaf-0", gpu_type="a100-80gb")
 REAL = NodeInfo(name="gpu-0", gpus=8, islands=(tuple(range(8)),), leaf="leaf-0",
@@ -32,10 +32,7 @@ RAY = [{"NodeID": "a" * 56, "Alive": True, "Resources": {"CPU": 2, "GPU": 2},
 
 @pytest.fixture
 def api(monkeypatch, tmp_path):
-    store = MemoryStore()
-    monkeypatch.setenv("KC_HOME", str(tmp_path))
-    monkeypatch.setattr(deps, "open_store", lambda: store)
-    auth._trail.cache_clear()
+    store = memory_api(monkeypatch, tmp_path)
     store.set_info("nodes", {"nodes": [FAKE.to_json(), REAL.to_json()], "updated_at": 1.0})
     clients = {}
     for role in ("operator", "submitter"):

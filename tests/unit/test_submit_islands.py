@@ -9,10 +9,10 @@ from fastapi.testclient import TestClient
 
 from kuangchao.api.server.app import create_app
 from kuangchao.api.server.dependencies import auth
-from kuangchao.api.server.dependencies import store as deps
 from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.jobs.memory import MemoryStore
 from kuangchao.platform.security.keystore import KeyStore
+from tests.unit.api_fakes import memory_api
 
 
 def spec(tp: int, types: list[str]) -> dict:
@@ -33,10 +33,7 @@ def publish(store: MemoryStore) -> None:
 
 @pytest.fixture
 def api(monkeypatch, tmp_path):
-    store = MemoryStore()
-    monkeypatch.setenv("KC_HOME", str(tmp_path))
-    monkeypatch.setattr(deps, "open_store", lambda: store)
-    auth._trail.cache_clear()
+    store = memory_api(monkeypatch, tmp_path)
     key, _ = KeyStore(store).create("alice", "team-a", "submitter")
     client = TestClient(create_app())
     client.headers["Authorization"] = f"Bearer {key}"
