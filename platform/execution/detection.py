@@ -90,8 +90,12 @@ class FailureDetector:
         if "stopped" in stacks.get(first.rank, ""):
             message += "; its process is stopped"
         kind, unreachable = first.kind, None
+        agent_node = watch.agent_gone(first.rank) if kind == "expired" else None
         if kind == "expired" and slot and self.group.node_lost(slot.node_id):
             kind, message = "node_lost", message + "; its node is gone"
+        elif agent_node is not None:  # the node's part the controller watches is gone
+            kind, unreachable = "node_lost", "agent"
+            message += f"; the node agent on {agent_node} stopped writing its record"
         elif kind == "expired" and slot and slot.node_id and self.redis:
             # Alive to Ray, silent in Redis: ask the node whether it still reaches us.
             reach = self.group.reach(slot.node_id, self.redis)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kuangchao.platform.errors import KuangchaoError
+from kuangchao.platform.execution.relayed import agents_wanted
 from kuangchao.platform.execution.watch import RankHost, RankWatch
 from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.protocol.generation import Generation
@@ -72,7 +73,13 @@ class Formation:
         self.watch = self.watch_factory(
             self.store, self.job_id, list(range(len(infos))), ft.heartbeat_timeout_s,
             ft.hang_timeout_s, ft.heartbeat_interval_s,
-            hosts={r: RankHost(i["pid"], i["ip"], i["host"]) for r, i in enumerate(infos)})
+            hosts={r: RankHost(i["pid"], i["ip"], i["host"]) for r, i in enumerate(infos)},
+            nodes=self.nodes_of_ranks(len(infos)) if agents_wanted(self.spec) else None)
+
+    def nodes_of_ranks(self, world: int) -> dict[int, str]:
+        """Rank -> the node it was placed on: where its node agent's record is read."""
+        return {p.rank: p.node for p in self.store.get(self.job_id).placement
+                if p.rank < world and p.node}
 
     def stop_watching(self) -> None:
         self.watch = None
@@ -96,3 +103,5 @@ class Formation:
                                                                  "message": message}
 
         self.store.update(self.job_id, update)
+        # Every start, replacement and resize comes here: an agent on each node now used.
+        self.group.ensure_agents(self.store.get(self.job_id).placement)

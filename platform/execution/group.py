@@ -25,6 +25,7 @@ from kuangchao.platform.errors import Cancelled, KuangchaoError, RankFailed, Wor
 from kuangchao.platform.execution.bundles import pinned_nodes, rank_resources, replica_pg
 from kuangchao.platform.execution.grants import Credentials, worker_settings
 from kuangchao.platform.execution.members import GroupSnapshot, Member, Outcome
+from kuangchao.platform.execution.node_agents import NodeAgents, heartbeat_args
 from kuangchao.platform.execution.reachability import NodeReach, alive_nodes, lost_among, node_lost
 from kuangchao.platform.execution.reachability import probe as probe_node
 from kuangchao.platform.execution.recovery import Failure
@@ -76,6 +77,8 @@ class RayWorkerGroup:
         self.pgs: list[Any] = []  # one per data-parallel replica
         self.rpr = 1  # ranks per replica
         self.spares = SparePool(settings)
+        self.agents = NodeAgents(job_id, settings.redis_prefix)
+        self.job_redis_url: str | None = None  # the job's own Redis user, for its agents
         self.kv: Any = None  # the rendezvous store of every generation
         self.fresh_grants: dict[int, dict[str, Any]] = {}
         self.spec: JobSpec | None = None
@@ -108,6 +111,8 @@ class RayWorkerGroup:
                     for r in range(0, len(placement), self.rpr)]
         self._await_pgs(self.pgs, PG_READY_TIMEOUT_S, {p.node_id for p in placement})
         self.fresh_grants = self._grants(list(range(len(placement))))
+        self.job_redis_url = next((g.get("redis_url") for g in self.fresh_grants.values()),
+                                  None) or self.settings.redis_url
         for rank, slot in enumerate(placement):
             self.members[rank].actor = self._spawn(rank, slot.node)
         # The rendezvous store is torch's: load torch while the ranks start, not before.
@@ -135,14 +140,14 @@ class RayWorkerGroup:
         # Granted in one batch at start; one at a time for replacements and new ranks
         # (a rank's earlier token may have been renewed, hence revoked, meanwhile).
         grant = self.fresh_grants.pop(rank, None) or self._grants([rank])[rank]
-        m, ft = self.members[rank], self._spec().fault_tolerance
+        m = self.members[rank]
         custom = {k: v for k, v in m.bundle.items() if k not in ("CPU", "GPU")}
         return ray.remote(RankActor).options(
             num_cpus=m.bundle["CPU"], num_gpus=m.bundle.get("GPU", 0), resources=custom,
             max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pgs[rank // self.rpr], placement_group_bundle_index=rank % self.rpr),
         ).remote(self.job_id, rank, self.world, worker_settings(self.settings, grant), m.planned,
-                 node, (ft.heartbeat_interval_s, ft.heartbeat_timeout_s), grant,
+                 node, heartbeat_args(self._spec()), grant,
                  self.credentials.authority, hardware=self.spares.hardware(node))
 
     def _spec(self) -> JobSpec:
@@ -267,10 +272,9 @@ class RayWorkerGroup:
         """A warm spare on the failed rank's node, made that rank; None when there is none."""
         if slot is None:
             return None
-        ft = self._spec().fault_tolerance
         rank_doc = {"job_id": self.job_id, "rank": rank, "world_size": self.world,
                     "gpu_ids": self.members[rank].info.get("gpu_ids", []), "node": slot.node,
-                    "heartbeat": (ft.heartbeat_interval_s, ft.heartbeat_timeout_s),
+                    "heartbeat": heartbeat_args(self._spec()),
                     "authority": self.credentials.authority, "hardware": self.spares.hardware(slot.node)}
         return self.spares.take(slot.node_id, lambda: self._grants([rank])[rank], rank_doc)
 
@@ -381,7 +385,12 @@ class RayWorkerGroup:
         except ray.exceptions.RayError as exc:
             raise RankFailed(error_message(exc)) from None
 
+    def ensure_agents(self, placement: Sequence[PlacedRank]) -> None:
+        """A node agent on each node of `placement` that has none (node_agents.py)."""
+        self.agents.ensure(placement, self._spec(), self.job_redis_url)
+
     def teardown(self) -> None:
+        self.agents.close()
         for m in self.members:
             kill_actor(m.actor)
         self.members = []

@@ -37,7 +37,8 @@ class Failure:
         gone, process still there), `hung` (no progress), `numeric` (NaN or
         gradient spike), `controller` (the job's controller was restarted).
     unreachable: For a node lost to the network: `network` (cut off from the
-        controller's side) or `redis` (answers Ray, cannot reach Redis).
+        controller's side) or `redis` (answers Ray, cannot reach Redis); `agent`
+        for one whose node agent stopped writing its record (relayed.py).
     detected_after_s: From the last good heartbeat (or last progress, for a
         hang) to the moment the controller marked the rank failed.
     """
@@ -183,7 +184,8 @@ def report_node(store: JobStore, failure: Failure,
         until = now + policy.duration_s
         reason = f"{len(times)} failures within {policy.window_s:.0f}s; last: {failure.message}"
     elif failure.kind == "node_lost":
-        gone = "unreachable" if failure.unreachable else "its raylet is gone"
+        gone = ("its node agent stopped" if failure.unreachable == "agent" else
+                "unreachable" if failure.unreachable else "its raylet is gone")
         until, reason = now + policy.lost_node_s, f"{gone}: {failure.message}"
     else:
         return None

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 import redis
 
 from kuangchao.platform.execution.heartbeat import Classifier, Verdict
+from kuangchao.platform.execution.relayed import RelayView
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.protocol.heartbeat import Beat
+from kuangchao.platform.protocol.node_beat import NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +78,14 @@ class RankWatch:
         ranks: The ranks to watch.
         heartbeat_timeout_s, hang_timeout_s, interval_s: From the job's spec.
         hosts: Per rank, where its process runs (for stack dumps from outside).
+        nodes: Per rank, its node, when the job runs node agents: their records are
+            read then, and the ranks they cover are judged from them (relayed.py).
         clock: Monotonic clock; injectable for tests.
     """
 
     def __init__(self, store: JobStore, job_id: str, ranks: list[int], heartbeat_timeout_s: float,
                  hang_timeout_s: float, interval_s: float,
-                 hosts: dict[int, RankHost] | None = None,
+                 hosts: dict[int, RankHost] | None = None, nodes: dict[int, str] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.job_id, self.ranks = store, job_id, list(ranks)
         self.interval_s = interval_s
@@ -93,12 +97,15 @@ class RankWatch:
         self.classifier.start(clock())
         self.store_down_since: float | None = None
         self._parsed: dict[int, tuple[str, Beat | None]] = {}
+        self.relay = RelayView({r: n for r, n in nodes.items() if r in set(self.ranks)}) \
+            if nodes else None
+        self._parsed_nodes: dict[str, tuple[str, NodeRecord | None]] = {}
 
     def poll(self) -> list[Verdict]:
         """Read every beat once; return the ranks judged failed (none while Redis is away)."""
         now = self.clock()
         try:
-            beats = self.store.beats(self.job_id, self.ranks, cache=self._parsed)
+            beats = self._read()
             self.classifier.fenced = frozenset(self.store.fenced(self.job_id))
             if self.clock() - now > max(1.0, 2 * self.interval_s):
                 # The read waited out an outage (the client retries): beats
@@ -119,6 +126,28 @@ class RankWatch:
                         now - self.store_down_since)
             self.store_down_since = None
         return self.classifier.observe(beats, now)
+
+    def _read(self) -> dict[int, Beat | None]:
+        """One scan: every rank's own key, or with agents their records and the own keys
+        of the ranks no agent covers."""
+        if self.relay is None:
+            return self.store.beats(self.job_id, self.ranks, cache=self._parsed)
+        relay = self.relay
+        uncovered = [r for r in self.ranks if r not in relay.node_of]
+        records, direct = self.store.relayed_beats(
+            self.job_id, relay.nodes, relay.direct_ranks() + uncovered, self._parsed_nodes,
+            self._parsed)
+        gone = set(relay.gone)
+        beats = relay.merge(records, direct)
+        for node in sorted(relay.gone - gone):
+            log.warning("job %s: the node agent on %s stopped writing its record; the ranks "
+                        "it relayed are judged lost with their node unless it comes back",
+                        self.job_id, node)
+        return beats
+
+    def agent_gone(self, rank: int) -> str | None:
+        """The node whose agent stopped, when `rank` was relayed by it (else None)."""
+        return self.relay.agent_gone(rank) if self.relay is not None else None
 
     def last_beat(self, rank: int) -> Beat | None:
         return self.classifier.last_beat(rank)

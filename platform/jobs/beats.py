@@ -1,8 +1,11 @@
-"""The ranks' heartbeats: one key per rank with a TTL (docs/fault-tolerance.md).
+"""The ranks' heartbeats: one key per rank with a TTL (docs/fault-tolerance.md),
+or one key per node where a node agent relays its ranks' beats
+(platform/protocol/node_beat.py).
 
 A rank's heartbeat thread writes its beats on a client of its own, with tight
 timeouts (workers/runtime/heartbeat.py), through `queue_beat` and `drop_beat`;
-the controller reads them through the store."""
+a node agent through `queue_node_record`; the controller reads both through the
+store."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import redis
 
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.protocol.heartbeat import Beat
+from kuangchao.platform.protocol.node_beat import NodeRecord, decode_node_record
 
 
 def queue_beat(pipe: Any, p: str, job_id: str, rank: int, text: str, ttl_s: float) -> None:
@@ -22,6 +26,10 @@ def queue_beat(pipe: Any, p: str, job_id: str, rank: int, text: str, ttl_s: floa
 def drop_beat(client: Any, p: str, job_id: str, rank: int) -> None:
     """Take the rank's beat away at once (a clean exit is not a death)."""
     client.delete(keys.beat(p, job_id, rank))
+
+
+def queue_node_record(pipe: Any, p: str, job_id: str, node: str, text: str, ttl_s: float) -> None:
+    pipe.set(keys.node_beat(p, job_id, node), text, px=int(ttl_s * 1000))
 
 
 def read_beats(client, prefix: str, job_id: str, ranks: Iterable[int], chunk: int = 4096,
@@ -58,6 +66,43 @@ def read_beats(client, prefix: str, job_id: str, ranks: Iterable[int], chunk: in
     return out
 
 
+def read_relayed(client: Any, prefix: str, job_id: str, nodes: list[str], ranks: list[int],
+                 node_cache: dict[str, tuple[str, NodeRecord | None]],
+                 rank_cache: dict[int, tuple[str, Beat | None]], chunk: int = 4096
+                 ) -> tuple[dict[str, NodeRecord | None], dict[int, Beat | None]]:
+    """The agents' records of `nodes` and the own keys of `ranks`, in one pipelined
+    round trip; None where a key expired. A value unchanged since the last scan (the
+    caches, kept by the caller) is not parsed again."""
+    with client.pipeline(transaction=False) as pipe:
+        for i in range(0, len(nodes), chunk):
+            pipe.mget([keys.node_beat(prefix, job_id, n) for n in nodes[i:i + chunk]])
+        for i in range(0, len(ranks), chunk):
+            pipe.mget([keys.beat(prefix, job_id, r) for r in ranks[i:i + chunk]])
+        replies = pipe.execute()
+    values = [v for reply in replies for v in reply]
+    records: dict[str, NodeRecord | None] = {}
+    for node, raw in zip(nodes, values[:len(nodes)], strict=True):
+        hit = node_cache.get(node) if raw is not None else None
+        if raw is None:
+            records[node] = None
+        elif hit is not None and hit[0] == raw:
+            records[node] = hit[1]
+        else:
+            rec = records[node] = decode_node_record(raw)
+            node_cache[node] = (raw, rec)
+    beats: dict[int, Beat | None] = {}
+    for rank, raw in zip(ranks, values[len(nodes):], strict=True):
+        hit = rank_cache.get(rank) if raw is not None else None
+        if raw is None:
+            beats[rank] = None
+        elif hit is not None and hit[0] == raw:
+            beats[rank] = hit[1]
+        else:
+            beat = beats[rank] = Beat.decode(rank, raw)
+            rank_cache[rank] = (raw, beat)
+    return records, beats
+
+
 class Beats:
     """The heartbeats part of `JobStore`."""
 
@@ -75,3 +120,13 @@ class Beats:
               cache: dict[int, tuple[str, Beat | None]] | None = None) -> dict[int, Beat | None]:
         """Each rank's current beat, None where its key expired; `cache` as in `read_beats`."""
         return read_beats(self.r, self.p, job_id, ranks, cache=cache)
+
+    def relayed_beats(self, job_id: str, nodes: list[str], ranks: list[int],
+                      node_cache: dict[str, tuple[str, NodeRecord | None]],
+                      rank_cache: dict[int, tuple[str, Beat | None]]
+                      ) -> tuple[dict[str, NodeRecord | None], dict[int, Beat | None]]:
+        """The node agents' records and the named ranks' own beats (`read_relayed`)."""
+        return read_relayed(self.r, self.p, job_id, nodes, ranks, node_cache, rank_cache)
+
+    def put_node_record(self, job_id: str, node: str, text: str, ttl_s: float) -> None:
+        queue_node_record(self.r, self.p, job_id, node, text, ttl_s)

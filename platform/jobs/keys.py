@@ -36,6 +36,7 @@ PATTERNS = {
     "answer": "job:{id}:answer:{rid}",
     "targets": "job:{id}:targets",
     "beat": "job:{id}:hb:{rank}",
+    "node_beat": "job:{id}:nb:{node}",
     "stack_request": "job:{id}:stackreq:{rank}",
     "stacks": "job:{id}:stacks:{rank}",
     "debug_request": "job:{id}:debug:req",
@@ -102,6 +103,11 @@ def answer(p: str, job_id: str, report_id: str) -> str:
 
 def beat(p: str, job_id: str, rank: int) -> str:
     return f"{p}job:{job_id}:hb:{rank}"
+
+
+def node_beat(p: str, job_id: str, node: str) -> str:
+    """A node agent's record of the job's ranks on its node (protocol/node_beat.py)."""
+    return f"{p}job:{job_id}:nb:{node}"
 
 
 def stack_request(p: str, job_id: str, rank: int) -> str:

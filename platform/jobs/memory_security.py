@@ -15,6 +15,7 @@ from kuangchao.platform.jobs.debugreq import ANSWER_TTL_S, DebugRequest, new_req
 from kuangchao.platform.jobs.encoding import AUDIT_CAP
 from kuangchao.platform.jobs.memory_more import Expiring
 from kuangchao.platform.protocol.heartbeat import Beat
+from kuangchao.platform.protocol.node_beat import NodeRecord, decode_node_record
 
 
 class MemorySecurity:
@@ -167,6 +168,17 @@ class MemorySecurity:
         found = {rank: self._beats.get((job_id, rank)) for rank in ranks}
         return {rank: Beat.decode(rank, raw) if raw is not None else None
                 for rank, raw in found.items()}
+
+    def put_node_record(self, job_id: str, node: str, text: str, ttl_s: float) -> None:
+        self._beats.put((job_id, f"node:{node}"), text, ttl_s)
+
+    def relayed_beats(self, job_id: str, nodes: list[str], ranks: list[int],
+                      node_cache: dict, rank_cache: dict
+                      ) -> tuple[dict[str, NodeRecord | None], dict[int, Beat | None]]:
+        """The node agents' records and the named ranks' own beats (no caches needed)."""
+        raw = {n: self._beats.get((job_id, f"node:{n}")) for n in nodes}
+        return ({n: decode_node_record(v) if v is not None else None for n, v in raw.items()},
+                self.beats(job_id, ranks))
 
     # -- fences (Redis gives the set a TTL; this store lives as long as its process) --
     def fence(self, job_id: str, members: Iterable[str]) -> None:

@@ -29,7 +29,7 @@ from kuangchao.platform.jobs.encoding import AUDIT_CAP, EVENT_CAP, LOG_CAP, METR
 # A rank (workers/runtime/worker.py, liveness.py):
 RANK_STORE = 2       # its JobStore: the train loop, and the token thread's revocation
                      # check (workers/runtime/credentials.py, `kc-token`)
-RANK_HEARTBEAT = 1   # heartbeat.heartbeat_client, used by the heartbeat thread alone
+RANK_HEARTBEAT = 1   # beat_client.heartbeat_client, used by the heartbeat thread alone
                      # (beats, progress, flags, `kc debug` answers)
 RANK_LOG = 1         # liveness.log_sink: a second heartbeat_client for the job log
 RANK_PROBE = 1       # platform/jobs/link_probe.timed_write's own connection, and
@@ -40,6 +40,10 @@ CONTROLLER_STORE = 2  # its JobStore: the run loop, and a second call beside it
                       # (the actor's max_concurrency is 2)
 CONTROLLER_SPARES = 1  # platform/execution/spares.py opens a store of its own
 CONTROLLER_CONNECTIONS = CONTROLLER_STORE + CONTROLLER_SPARES
+# A job's node agent (workers/runtime/node_agent.py): one heartbeat client on each
+# node the job uses, so at most one per rank slot (a cluster of one-rank jobs with
+# `node_agents: on`).
+NODE_AGENT_CONNECTIONS = 1
 # The control plane's fixed actors (platform/runtime/actors.py, authority_actor.py):
 # the scheduler (its store, and the store launch_controller opens per launch until
 # collected) 2, the registry 1, the token authority (its calls and its sweep
@@ -52,7 +56,7 @@ API_CONNECTIONS = 40 + 2
 # `kc` commands, `kc logs --follow`, `kc doctor`, redis-cli: people, not the cluster.
 OPERATOR_MARGIN = 64
 # Up to one job per rank slot (a cluster of one-rank jobs), so one controller per slot.
-SLOT_CONNECTIONS = RANK_CONNECTIONS + CONTROLLER_CONNECTIONS
+SLOT_CONNECTIONS = RANK_CONNECTIONS + CONTROLLER_CONNECTIONS + NODE_AGENT_CONNECTIONS
 CLIENT_HEADROOM = 2  # restarts overlap old and new processes; redis-py pools grow
 # Redis's own default. Sizing only raises it: a small cluster's need (`needed`) is
 # far below it, and a few thousand idle descriptors cost nothing.

@@ -89,6 +89,9 @@ class FaultToleranceSection(_Section):
     stop_grace_s: float = Field(10.0, ge=0, le=600)
     # Keep one warm process per node of the job, to take over a failed rank at once.
     spare_workers: bool = False
+    # One agent per node relays the node's heartbeats in one Redis record
+    # (docs/fault-tolerance.md): `auto` starts them for jobs of 64 ranks or more.
+    node_agents: Literal["auto", "on", "off"] = "auto"
     # Fault drills: batches (by global data index) whose loss is made NaN.
     inject_nan_at_batches: list[int] = Field(default_factory=list, max_length=100)
     # A drill for `kc debug gradient`: these parameters (by name) are left out of the

@@ -1,7 +1,8 @@
 """Faults of the infrastructure under a job, on a stack of its own: Redis
 restarted mid-job (a private redis-server with an append-only file, so it
 comes back with its data), a node that keeps failing (quarantined after two
-failures here), and a node lost (its raylet SIGKILLed).
+failures here), a node whose heartbeat agent is SIGKILLed, and a node lost
+(its raylet SIGKILLed).
 
 Two nodes are all these need (one raylet fewer to start and run): a job packed
 on one node moves to the other. The node test runs last: it leaves the cluster
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from kuangchao.api.sdk.client import Client
+from kuangchao.platform.jobs.store import JobStore
 
 from .conftest import HERE, Stack, kc, raylet_of, wait_for
 from .private_redis import PrivateRedis
@@ -133,6 +135,53 @@ def test_a_node_failing_twice_is_quarantined_and_the_job_moves(infra):
     assert not {n["name"]: n for n in client.nodes()["nodes"]}[node]["quarantine"]
     out = kc("node", "release", node, env=infra.env)
     assert out.returncode == 2 and "not quarantined" in out.stderr
+
+
+def test_a_killed_node_agent_is_a_lost_node_and_its_job_moves(infra):
+    """A job with node agents: its ranks' beats reach Redis in their agent's record only.
+    The agent SIGKILLed, its node is lost to the controller (a dead agent is a lost node,
+    docs/fault-tolerance.md): the job is placed elsewhere and trains on."""
+    client: Client = infra.client
+    d = job_doc(infra, "infra-agent", steps=100_000, interval=50)
+    d["fault_tolerance"]["node_agents"] = "on"
+    job = client.submit(d)
+    store = JobStore.from_url(infra.env["KC_REDIS_URL"], infra.env["KC_REDIS_PREFIX"])
+
+    def relayed():
+        j = client.get(job["id"])
+        nodes = sorted({p["node"] for p in j["placement"]})
+        if j["state"] != "RUNNING" or j["progress"]["step"] < 60 or len(nodes) != 1:
+            return None
+        record = store.relayed_beats(job["id"], nodes, [], {}, {})[0][nodes[0]]
+        own = store.beats(job["id"], range(len(j["placement"])))
+        ok = record and set(record.beats) == {0, 1} and not any(own.values())
+        return (j, record) if ok else None
+
+    # Past a checkpoint, both ranks relayed by the one agent, no rank key of their own.
+    placed, record = wait_for(relayed, 400, "the job's ranks to be relayed by their agent")
+    lost = record.node
+    os.kill(record.agent_pid, signal.SIGKILL)
+
+    moved = wait_for(lambda: (j := client.get(job["id"]))["state"] == "RUNNING"
+                     and j["restarts"] == 1
+                     and j["progress"]["step"] > j["restart_log"][0].get("resumed_step", 1e9) + 10
+                     and j, 600, "the job to train on elsewhere")
+    client.cancel(job["id"])
+    done = infra.wait_state(job["id"], DONE, timeout=120)
+    assert done["state"] == "CANCELLED", done["message"]
+    entry = done["restart_log"][0]
+    assert entry["kind"] == "node_lost" and entry["unreachable"] == "agent", entry
+    assert f"node agent on {lost} stopped" in entry["cause"] and entry["node"] == lost
+    timeout_s = d["fault_tolerance"]["heartbeat_timeout_s"]
+    assert entry["detected_after_s"] <= timeout_s + 2 * d["fault_tolerance"]["heartbeat_interval_s"]
+    assert lost not in {p["node"] for p in moved["placement"]}
+    fenced = [e for e in client.events(job["id"])["events"] if e["type"] == "fenced"]
+    assert fenced and set(fenced[0]["ranks"]) == {0, 1}  # the whole node's ranks
+    view = {n["name"]: n for n in client.nodes()["nodes"]}
+    assert "node agent stopped" in view[lost]["quarantine"]["reason"]
+    # The node is sound (only its agent was killed): back into service for the next test.
+    out = kc("node", "release", lost, env=infra.env)
+    assert out.returncode == 0, out.stderr
 
 
 def test_lost_node_job_is_placed_elsewhere(infra):

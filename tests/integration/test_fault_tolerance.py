@@ -97,7 +97,8 @@ def running_rank(stack, job_id: str, rank: int, min_step: int) -> tuple[dict, di
     job, slot = wait_for(ready, 400, f"job {job_id} to run past step {min_step} "
                          f"with rank {rank}'s process alive")
     if job["restarts"]:
-        warnings.warn(f"job {job_id} restarted before the test's fault: {job['restart_log']}")
+        warnings.warn(f"job {job_id} restarted before the test's fault: {job['restart_log']}",
+                      stacklevel=2)
     return job, slot
 
 

@@ -45,7 +45,8 @@ class Step:
 class FakeWatch:
     """The heartbeat watch: hands out the verdicts the group's script queued."""
 
-    def __init__(self, group: FakeGroup, ranks: list[int], *_: Any, hosts: Any = None) -> None:
+    def __init__(self, group: FakeGroup, ranks: list[int], *_: Any, hosts: Any = None,
+                 nodes: Any = None) -> None:
         self.group, self.ranks, self.hosts = group, ranks, hosts or {}
         self.classifier = type("Classifier", (), {"heartbeat_timeout_s": 10.0})()
         group.watches.append(self)
@@ -55,6 +56,9 @@ class FakeWatch:
         return verdicts
 
     def last_beat(self, rank: int) -> None:
+        return None
+
+    def agent_gone(self, rank: int) -> None:
         return None
 
     def collect_stacks(self, suspects: list[int]) -> dict[int, str]:
@@ -99,6 +103,9 @@ class FakeGroup:
         self.next_pid = 1000
         self.keeper_plan: Callable[[], Any] = lambda: None
         self.plans: list[tuple[tuple[int, ...], Any]] = []  # what each `run` carried
+
+    def ensure_agents(self, placement: Any) -> None:
+        self.agent_nodes = sorted({p.node for p in placement})
 
     def watch_factory(self, store: Any, job_id: str, ranks: list[int], *args: Any,
                       **kw: Any) -> FakeWatch:

@@ -460,7 +460,7 @@ def test_a_rank_unpickling_the_authority_handle_loads_no_control_plane():
 RAW_CLIENT_EXCEPTIONS = {
     # A rank's heartbeat thread keeps a client of its own with tight timeouts (the
     # store's retries for seconds); its writes are the store's own pipeline writes.
-    "workers/runtime/heartbeat.py": "the heartbeat thread's own client",
+    "workers/runtime/beat_client.py": "the heartbeat thread's and node agent's own client",
     "workers/runtime/debug.py": "answers on the heartbeat thread's client",
     # `kc doctor` probes a URL it is given, before any store exists.
     "platform/runtime/doctor_probe.py": "probes a URL",

@@ -25,6 +25,7 @@ from kuangchao.platform.protocol.heartbeat import Beat
 from kuangchao.workers import fence as fencing
 from kuangchao.workers.checkpoint.files import ChecksummingFileSystem
 from kuangchao.workers.errors import FencedError
+from kuangchao.workers.runtime import beat_client
 from kuangchao.workers.runtime import heartbeat as heartbeat_module
 from kuangchao.workers.runtime.heartbeat import Heartbeat
 from kuangchao.workers.runtime.joblog import JobLogSink
@@ -144,7 +145,7 @@ def test_the_lease_lapses_once_the_ttl_less_the_margin_has_passed_since_the_last
 
 
 def test_the_exit_bound_is_one_beat_period_and_one_socket_timeout():
-    assert fencing.exit_bound_s(0.5, heartbeat_module.client_timeout_s(5.0)) == pytest.approx(
+    assert fencing.exit_bound_s(0.5, beat_client.client_timeout_s(5.0)) == pytest.approx(
         0.5 + 5.0 / 3)
 
 
@@ -496,6 +497,6 @@ def test_a_ranks_redis_connections_drop_unsent_bytes_when_they_close():
 
     sock = redis_client._abortive_class(Base)()._connect()
     assert sock.opts == [(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))]
-    client = heartbeat_module.heartbeat_client("redis://127.0.0.1:1/0", TIMEOUT)
+    client = beat_client.heartbeat_client("redis://127.0.0.1:1/0", TIMEOUT)
     assert client.connection_pool.connection_class.abortive
-    assert heartbeat_module.socket_timeout(client) == pytest.approx(TIMEOUT / 3)
+    assert beat_client.socket_timeout(client) == pytest.approx(TIMEOUT / 3)

@@ -33,7 +33,7 @@ COMPOSE_GPU_HOST = (8, 8)
 
 def test_the_per_component_counts_add_up():
     assert rs.RANK_CONNECTIONS == 5 and rs.CONTROLLER_CONNECTIONS == 3
-    assert rs.SLOT_CONNECTIONS == 8
+    assert rs.NODE_AGENT_CONNECTIONS == 1 and rs.SLOT_CONNECTIONS == 9
     # The capped lists (platform/jobs/encoding.py) at their average sizes: about 15 MiB a job.
     assert 14 * MIB < rs.JOB_BYTES < 16 * MIB
 
@@ -47,13 +47,13 @@ def test_rank_slots_count_gpus_or_a_cpu_nodes_cpus():
 
 def test_a_small_cluster_gets_the_floors_and_a_large_one_grows_with_its_slots():
     small = sizing(ClusterSize(nodes=2, slots=8))
-    assert small.clients == 8 * 8 + 6 + 42 and small.needed == 2 * small.clients + 64
+    assert small.clients == 8 * 9 + 6 + 42 and small.needed == 2 * small.clients + 64
     assert (small.maxclients, small.nofile, small.maxmemory_text()) == (10000, 10128, "2048mb")
     assert small.config_lines() == ["maxclients 10000", "maxmemory 2048mb",
                                     "maxmemory-policy noeviction"]
     big = sizing(ClusterSize(nodes=128, slots=1024, api_processes=2))
-    assert big.clients == 1024 * 8 + 6 + 2 * 42 == 8282
-    assert big.maxclients == big.needed == 16628 and big.nofile == 16628 + 32 + 96
+    assert big.clients == 1024 * 9 + 6 + 2 * 42 == 9306
+    assert big.maxclients == big.needed == 18676 and big.nofile == 18676 + 32 + 96
     assert big.maxmemory == 25600 * MIB and big.maxmemory % rs.MAXMEMORY_STEP == 0
     bigger = sizing(ClusterSize(nodes=256, slots=2048, api_processes=2))
     assert bigger.maxclients > big.maxclients and bigger.maxmemory > big.maxmemory
@@ -126,8 +126,8 @@ def test_valkey_starts_with_its_soft_open_file_limit_raised_but_never_past_the_h
     assert redis_limits.shortfall(small, (1024, 4096)) is None
     assert redis_limits.shortfall(big, (1024, inf)) is None
     why = redis_limits.shortfall(big, (1024, 4096))
-    assert why and "about 4064 clients" in why and "1024 rank slots need 16628" in why
-    assert "ulimit -Hn 16756" in why and "LimitNOFILE" in why
+    assert why and "about 4064 clients" in why and "1024 rank slots need 18676" in why
+    assert "ulimit -Hn 18804" in why and "LimitNOFILE" in why
 
 
 # -- kc doctor ------------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def test_a_redis_sized_for_the_cluster_is_ok():
 
 def test_too_few_clients_fail_with_the_config_line_and_the_open_file_limit():
     f = by_check(capacity_findings({**GOOD, "maxclients": "200"}, SIZE))["redis-clients"]
-    assert f.status == "fail" and "open up to 304 connections" in f.message
+    assert f.status == "fail" and "open up to 336 connections" in f.message
     assert "`maxclients 10000`" in f.fix and "open-file limit" in f.fix and "10128" in f.fix
     # Enough for the cluster, but without headroom: a warning.
     w = by_check(capacity_findings({**GOOD, "maxclients": "500"}, SIZE))["redis-clients"]

@@ -17,6 +17,12 @@ beats resume (a Redis outage, ridden out); in it, the process exits.
 When the controller suspects a hang it sets a stack request; the thread
 answers with every Python thread's stack. It can, because the main thread
 blocked in a collective or a sleep has released the GIL.
+
+With a node agent (`relay_via`), a beat goes to a file the agent relays, and the
+round trip is the agent's, once per node (workers/runtime/beat_relay.py): its ack
+renews the lease, says whether this process is fenced, and brings the flags
+and stack requests. Only progress (the chief's) still goes to Redis from here.
+Without a fresh ack the rank beats on its own key, as without an agent.
 """
 
 from __future__ import annotations
@@ -35,12 +41,13 @@ import redis
 
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.beats import drop_beat, queue_beat
-from kuangchao.platform.jobs.fences import queue_fence_check, read_fenced
+from kuangchao.platform.jobs.fences import member, queue_fence_check, read_fenced
 from kuangchao.platform.jobs.flags import carried_flags, queue_stack_answer
-from kuangchao.platform.jobs.redis_client import abortive
 from kuangchao.platform.jobs.streams import queue_points, queue_progress
 from kuangchao.platform.protocol.heartbeat import Beat
 from kuangchao.workers import fence as fencing
+from kuangchao.workers.runtime.beat_client import socket_timeout
+from kuangchao.workers.runtime.beat_relay import BeatRelay, beat_folder
 
 _log = logging.getLogger(__name__)
 
@@ -101,6 +108,7 @@ class Heartbeat:
         self._warned_unfenceable = False
         # Runs on this thread after a beat that found the `debug` flag set (kc debug).
         self.on_debug: Callable[[], None] | None = None
+        self.relay: BeatRelay | None = None
 
     # -- what training calls -------------------------------------------------
     def set_step(self, step: int) -> None:
@@ -115,6 +123,8 @@ class Heartbeat:
         """Beat as `rank` from now on (a resize renumbered this rank); the old key goes."""
         with self._beat_lock:
             old, self.rank = self.rank, rank
+            if self.relay is not None and old != rank:
+                self.relay.rename(rank)
         if old != rank and self.fence.lease_ok():
             try:
                 drop_beat(self.client, self.prefix, self.job_id, old)
@@ -136,6 +146,14 @@ class Heartbeat:
         """
         self.carries_progress = True
         self.flag_keys = carried_flags(self.prefix, self.job_id)
+
+    def relay_via(self, job_id: str, node: str) -> None:
+        """Hand beats to this node's agent for the job, when it acknowledges them."""
+        try:
+            self.relay = BeatRelay(beat_folder(job_id, node), self.rank,
+                                   fresh_s=2 * self.interval_s)
+        except OSError as exc:  # no folder for it: beat on the own key only
+            self.on_log("WARNING", f"no node-agent folder ({exc}); this rank beats on its own")
 
     def publish(self, progress: dict[str, Any], point: dict[str, Any] | None = None) -> None:
         """Queue progress fields for the next beat (newer values win), and a
@@ -178,6 +196,8 @@ class Heartbeat:
                 drop_beat(self.client, self.prefix, self.job_id, self.rank)
             except redis.RedisError:
                 pass
+        if delete and self.relay is not None:
+            self.relay.drop()
         if self._thread is not None:
             self.fence.disarm()
 
@@ -231,6 +251,8 @@ class Heartbeat:
         self._seq += 1
         beat = Beat(self.rank, self.step, self.phase, os.getpid(), self.node, time.time(),
                     self._progress_ts, self._seq)
+        if self.relay is not None and self._relayed(beat):
+            return
         with self._lock:
             progress, self._progress = self._progress, {}
             points, self._points = self._points, []
@@ -245,10 +267,7 @@ class Heartbeat:
                 pipe.get(keys.stack_request(self.prefix, self.job_id, self.rank))
                 for _, key in flags:
                     pipe.exists(key)
-                if progress and self.carries_progress:
-                    queue_progress(pipe, self.prefix, self.job_id, progress)
-                if points and self.carries_progress:
-                    queue_points(pipe, self.prefix, self.job_id, points)
+                self._queue_progress(pipe, progress, points)
                 replies = pipe.execute(raise_on_error=False)
             if isinstance(replies[0], redis.exceptions.NoPermissionError):
                 replies[0] = self._unfenceable(replies[0])
@@ -268,6 +287,49 @@ class Heartbeat:
         self.flags.update({name: bool(v) for (name, _), v in zip(flags, replies[3:], strict=False)})
         if replies[2]:
             self._answer_stack_request()
+
+    def _queue_progress(self, pipe: Any, progress: dict[str, Any],
+                        points: list[dict[str, Any]]) -> None:
+        if progress and self.carries_progress:
+            queue_progress(pipe, self.prefix, self.job_id, progress)
+        if points and self.carries_progress:
+            queue_points(pipe, self.prefix, self.job_id, points)
+
+    def _relayed(self, beat: Beat) -> bool:
+        """Hand `beat` to the node agent; True when a fresh ack made the own round trip
+        needless (the lease renewed, flags and stack requests taken from it)."""
+        assert self.relay is not None
+        at = self.fence.clock()
+        try:
+            self.relay.write(beat, at)
+        except OSError:
+            return False  # the own key carries this beat
+        found = self.relay.fresh_ack(time.time())
+        if found is None:
+            return False
+        ack, beat_at = found
+        if member(os.getpid(), self.node) in ack.fenced:
+            self._fenced()
+            return True
+        self.fence.renew(beat_at)
+        self.beats_sent += 1
+        self.flags.update({name: ack.flags.get(name, False) for name in self.flag_keys})
+        with self._lock:
+            progress, self._progress = self._progress, {}
+            points, self._points = self._points, []
+        try:
+            if progress or points:  # the chief's: not the agent's to carry
+                with self.client.pipeline(transaction=False) as pipe:
+                    self._queue_progress(pipe, progress, points)
+                    pipe.execute()
+            if self.rank in ack.stack_requests:
+                self._answer_stack_request()
+        except BaseException:
+            with self._lock:  # keep the progress for the next beat
+                self._progress = {**progress, **self._progress}
+                self._points = points + self._points
+            raise
+        return True
 
     def _answer_stack_request(self) -> None:
         text = (f"rank {self.rank} pid {os.getpid()} on {self.node}, step {self.step}, "
@@ -319,26 +381,3 @@ class Heartbeat:
                                     "(beats, progress, log lines, checkpoints) until it has "
                                     "read from Redis that it was not replaced meanwhile")
             self._stop.wait(delay)
-
-
-def heartbeat_client(url: str, timeout_s: float) -> redis.Redis:
-    """A Redis client for heartbeats: no retries inside redis-py, short timeouts, and
-    connections that drop what they could not send when they close (`abortive`). Its
-    writes go through the store's functions (platform/jobs/beats.py, streams.py,
-    flags.py, fences.py, debug_requests.py). The store's own client rides out a Redis
-    restart for seconds, which would hold beats past their TTL, and would deliver a
-    write begun before a network cut after the heal: after the rank's lease."""
-    limit = client_timeout_s(timeout_s)
-    return abortive(redis.Redis.from_url(url, socket_connect_timeout=limit,
-                                         socket_timeout=limit, decode_responses=True))
-
-
-def client_timeout_s(timeout_s: float) -> float:
-    """The socket timeout of a rank's short-lived Redis requests, for a heartbeat TTL."""
-    return max(0.5, min(5.0, timeout_s / 3))
-
-
-def socket_timeout(client: Any) -> float:
-    """`client`'s socket timeout (0 for a client without one, as in tests)."""
-    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
-    return float(kwargs.get("socket_timeout") or 0.0)

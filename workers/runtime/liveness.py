@@ -14,14 +14,15 @@ from typing import Any
 
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.settings import Settings
+from kuangchao.workers.runtime.beat_client import heartbeat_client
 from kuangchao.workers.runtime.debug import DebugResponder
-from kuangchao.workers.runtime.heartbeat import Heartbeat, heartbeat_client
+from kuangchao.workers.runtime.heartbeat import Heartbeat
 from kuangchao.workers.runtime.joblog import JobLogSink
 from kuangchao.workers.runtime.telemetry import WorkerTelemetry
 
 
 def log_sink(store: JobStore | None, settings: Settings, job_id: str, rank: int,
-             heartbeat: tuple[float, float] | None) -> JobLogSink:
+             heartbeat: tuple[float, ...] | None) -> JobLogSink:
     """The rank's job log: with a heartbeat, on a client of the lease's kind."""
     if store is not None and settings.redis_url and heartbeat is not None:
         store = JobStore(heartbeat_client(settings.redis_url, heartbeat[1]), settings.redis_prefix)
@@ -29,14 +30,14 @@ def log_sink(store: JobStore | None, settings: Settings, job_id: str, rank: int,
 
 
 def start_heartbeat(settings: Settings, job_id: str, rank: int, node: str,
-                    heartbeat: tuple[float, float] | None, sink: JobLogSink,
+                    heartbeat: tuple[float, ...] | None, sink: JobLogSink,
                     store: JobStore | None, telemetry: WorkerTelemetry | None,
                     generation: Callable[[], int]) -> Heartbeat | None:
     """Start the rank's heartbeat (None without Redis or heartbeat settings): it carries
     progress and flags with a store, and answers `kc debug` with telemetry."""
     if not settings.redis_url or heartbeat is None:
         return None
-    interval_s, timeout_s = heartbeat
+    interval_s, timeout_s = heartbeat[0], heartbeat[1]
 
     def on_log(level: str, msg: str) -> None:
         sink.emit(msg, level=level, module="heartbeat")
@@ -49,4 +50,6 @@ def start_heartbeat(settings: Settings, job_id: str, rank: int, node: str,
             responder: Any = DebugResponder(hb.client, settings.redis_prefix, job_id, telemetry,
                                             generation)
             hb.on_debug = responder
+    if len(heartbeat) > 2 and heartbeat[2]:  # the job runs node agents (node_agents.py)
+        hb.relay_via(job_id, node)
     return hb.start()

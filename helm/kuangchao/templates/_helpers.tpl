@@ -365,7 +365,7 @@ as redis.conf writes it).
 {{- $slots = add $slots (mul $pods $perPod) }}
 {{- $nodes = add $nodes $pods }}
 {{- end }}
-{{- $clients := add (mul $slots 8) 6 (mul (int .Values.api.replicas) 42) }}
+{{- $clients := add (mul $slots 9) 6 (mul (int .Values.api.replicas) 42) }}
 {{- $maxclients := max 10000 (add (mul $clients 2) 64) }}
 {{- with .Values.redis.maxclients }}{{ $maxclients = int . }}{{ end }}
 {{- $need := add (mul $slots 15893216) (mul $nodes 8454144) 167108864 (mul $clients 32768) }}
