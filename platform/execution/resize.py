@@ -297,6 +297,7 @@ class ResizeExecutor:
             self.store.annotate_resize(self.job_id, {"formed_s": round(formed_s, 3)})
         self.store.clear_rejoin(self.job_id)
         self.store.wake_scheduler(self.job_id)  # GPUs a shrink freed are someone's now
+        self.group.ensure_agents(self.store.get(self.job_id).placement)  # on nodes it grew to
         self.formation.watch_ranks(infos)
 
     def _drop_request(self, message: str) -> None:
