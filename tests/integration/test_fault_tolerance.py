@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from .conftest import wait_for
 pytestmark = pytest.mark.integration
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED"}
+STALL_S = 2.0  # rank 0 idle this long, its heartbeat going: it waits on the stopped rank
 
 
 def spec(stack, name):
@@ -106,25 +108,30 @@ def stop_past_a_checkpoint(stack, job_id: str, pid: int, every: int) -> int:
     """SIGSTOP rank `pid` (its peers then wait in their next collective) at a step that
     no checkpoint is of, so that killing it costs steps the restore undoes; returns it.
 
-    Steps take milliseconds here, heartbeats (which carry rank 0's reports) a second:
-    only a stopped job shows the step it is at, once rank 0 has beaten twice since the
-    stop (a step it finished just before the stop goes out with the first). Stopped for
-    a few seconds, well inside the heartbeat timeout, so the kill is still what the
-    controller sees; a try whose beats come late (a busy machine) is let go and retried."""
+    Rank 0 may still finish one step after the stop: gloo's all-reduce of two ranks can
+    complete from what the stopped rank had sent, and on a busy machine rank 0's own part
+    can take a second or more. So the step is rank 0's own, read from its beat once the
+    beat says rank 0 has neither stepped nor changed phase for STALL_S while its heartbeat
+    thread beat on (twice since the stop): it waits on the stopped rank. Stopped for a few
+    seconds, well inside the heartbeat timeout, so the kill is still what the controller
+    sees; a try that does not settle in time (a busy machine) is let go and retried."""
     store = JobStore.from_url(stack.env["KC_REDIS_URL"], stack.env["KC_REDIS_PREFIX"])
 
-    def seq() -> int:
-        beat = store.beats(job_id, [0])[0]
-        return beat.seq if beat is not None else -1
+    def beat():
+        return store.beats(job_id, [0])[0]
+
+    def settled(first: int):
+        b = beat()
+        return b if b is not None and b.seq >= first + 2 and b.stalled_s >= STALL_S else None
 
     for _ in range(20):
         os.kill(pid, signal.SIGSTOP)
-        first, deadline = seq(), time.monotonic() + 6
-        while seq() < first + 2 and time.monotonic() < deadline:
+        first = (beat() or types.SimpleNamespace(seq=-1)).seq
+        deadline = time.monotonic() + 7
+        while (b := settled(first)) is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        step = stack.client.get(job_id)["progress"]["step"]
-        if seq() >= first + 2 and step % every:
-            return step
+        if b is not None and b.step % every:
+            return b.step
         os.kill(pid, signal.SIGCONT)
         time.sleep(0.2)
     raise AssertionError(f"job {job_id} stopped only at checkpoint steps")
