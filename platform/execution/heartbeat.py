@@ -105,23 +105,31 @@ class Classifier:
         wall = time.time() if wall is None else wall
         held = now < self._hold_until
         pids, fenced = self.pids, self.fenced
+        timeout_s, hang_s = self.heartbeat_timeout_s, self.hang_timeout_s
+        all_seen, get = self._seen, beats.get
         out = []
+        # One pass over every rank each poll (131,072 of them at the largest scale
+        # bench/heartbeats.py runs): the common cases cost a few comparisons each.
         for rank in self.ranks:
-            seen = self._seen[rank]
-            beat = beats.get(rank)
-            if beat is not None and (pids or fenced) and self._stale(rank, beat):
-                beat = None  # another process's: as if none came
-            if beat is not None and (seen.beat is None
-                                     or (beat.seq, beat.ts) != (seen.beat.seq, seen.beat.ts)):
-                seen.beat, seen.fresh_at = beat, now
+            seen = all_seen[rank]
+            beat = get(rank)
+            if beat is not None:
+                last = seen.beat
+                if beat is last:  # the scan's cache handed back the beat seen before
+                    if fenced and member(beat.pid, beat.node) in fenced:
+                        beat = None  # fenced since: as if none came
+                elif (pids or fenced) and self._stale(rank, beat):
+                    beat = None  # another process's: as if none came
+                elif last is None or beat.seq != last.seq or beat.ts != last.ts:
+                    seen.beat, seen.fresh_at = beat, now
             if held:
                 continue
-            if now - seen.fresh_at > self.heartbeat_timeout_s:
+            if now - seen.fresh_at > timeout_s:
                 last = seen.beat
                 since = wall - last.ts if last else now - seen.fresh_at
                 out.append(Verdict(rank, "expired", max(0.0, since), last))
-            elif (beat is not None and beat.phase not in UNTIMED_PHASES
-                  and beat.stalled_s > self.hang_timeout_s):
+            elif (beat is not None and beat.ts - beat.progress_ts > hang_s
+                  and beat.phase not in UNTIMED_PHASES):
                 out.append(Verdict(rank, "hung", beat.stalled_s, beat))
         return out
 
