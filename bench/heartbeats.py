@@ -1,226 +1,208 @@
-"""Heartbeats at scale: 16,384 ranks beating at 1 Hz into one Redis while the controller scans.
+"""Heartbeats at scale: 16,384 and 131,072 ranks beating at 1 Hz through node agents into one Redis.
+
+The design measured (issue 30): one node agent per node of 8 ranks gathers its
+ranks' beats and writes ONE record a second for the node
+(`{prefix}job:{id}:nb:{node}`, `encode_node_record`, PX = the heartbeat timeout);
+the controller reads the node records instead of one key per rank. Baseline:
+the per-rank-key design (every rank SETs its own key, the controller MGETs them
+all), measured in the same run.
 
 What is simulated:
 
-* Ranks. `--ranks` (16,384) ranks each beat once per second, spread evenly
-  over the second, from `--writers` (4) forked processes that each own a
-  contiguous shard. Every beat is what `workers/runtime/heartbeat.py` sends: one
-  round trip of `SET {prefix}job:{id}:hb:{rank} <Beat.encode()> PX 10000`,
-  `GET {prefix}job:{id}:stackreq:{rank}` (keys from `beat_key` /
-  `stack_request_key`), `EXISTS` of the job's preempt and cancel flags, and
-  on rank 0 an `HSET` of the job's progress. By default each rank has its own TCP connection (as
-  every real rank has its own client), so Redis sees one read and one reply
-  per beat, not one pipeline per batch of ranks; `--connections` lowers that.
-  A few ranks misbehave: dead ranks stop beating 1.5 s in, hung ranks beat
-  on with their step and `progress_ts` frozen (phase `collective`), and
-  slow-start ranks stay in phase `init` with frozen progress (must NOT be
-  flagged: start-up is untimed).
-* The controller. In this process, every 0.5 s (`JobController.poll_s`):
-  `read_beats` (pipelined MGETs over the store client `redis_client.connect` gives
-  the controller) + `Classifier.observe` for all ranks; heartbeat timeout
-  10 s (the spec default), hang timeout shortened to 5 s so hangs show up
-  within the run. The classifier must flag exactly the dead ranks (expired)
-  and the hung ones (hung), else the script exits 1. The import-time heap
-  is frozen out of the GC's way first.
+* Ranks and agents. `--writers` (4) forked processes each own a contiguous
+  shard of whole nodes (bench/heartbeats_sim.py). Each second is cut into 20
+  ticks so the writes spread evenly over the second. The writers run in one of
+  two modes, switched while they run:
+  - node agents: each node's agent, on a Redis connection of its own by
+    default (`--agent-connections` lowers that), sends once a second what
+    `workers/runtime/node_agent.py`'s `relay_once` sends in its one round trip:
+    `SET nb:{node} <encode_node_record(its ranks' beats)> PX 10000`, `SMEMBERS`
+    of the job's fence set, and one `MGET` of the job's three carried flags and
+    the stack request of each rank it relays. Like the real agent it relays a
+    rank's beat only while the rank rewrote it within two periods: a dead
+    rank's frozen beat is relayed for 2 s more, then left out, and the
+    controller reads the rank's own key from the next scan on (there is none:
+    the rank died). A dead agent writes nothing more, its record expires, and
+    its ranks fall back to their own keys (which the controller does not read:
+    they are covered by a lost agent, `RelayView`). Rank 0 also sends its own
+    `HSET` of the job's progress (not the agent's to carry).
+  - per-rank keys: every rank beats its own key, on a connection of its own by
+    default (`--connections` lowers that), exactly what
+    `workers/runtime/heartbeat.py` sends in its one round trip (`SISMEMBER` of
+    its process in the fence set, `SET hb:{rank} <Beat.encode()> PX 10000`,
+    `GET stackreq:{rank}`, `EXISTS` of the three flags, and on rank 0 the
+    job's progress `HSET`); dead ranks stop beating.
+  Misbehaving, chosen with fixed seeds: 4 dead ranks (from 1.5 s), 4 hung
+  ranks (beats go on, step and `progress_ts` frozen, phase `collective`), 2
+  slow-start ranks (phase `init`, frozen progress: must NOT be flagged), and 2
+  dead agents (from 1.5 s; all 16 of their ranks must be flagged `expired`).
+* The controller. Each design's scan runs in a forked process of its own
+  (bench/heartbeats_nodes.py `Controller`), so each heap holds only its own
+  design's state as a real controller's would, driven scan by scan from this
+  process every 0.5 s (`JobController.poll_s`; back to back when a scan takes
+  longer). With agents: `read_relayed` (node records and the own keys of the
+  ranks `RelayView.direct_ranks` names, pipelined MGETs in one round trip,
+  parse caches kept between scans), `RelayView.merge`, `Classifier.observe`;
+  per-rank: `read_beats` + `Classifier.observe`; both classifiers with each
+  rank's placed pid, as `RankWatch` builds its own. Heartbeat timeout 10 s (the
+  spec default), hang timeout shortened to 5 s so hangs show up within the
+  run. The node-agent classifier must flag exactly the dead ranks and the
+  dead agents' ranks (expired) and the hung ones (hung), over the run and in
+  its last scan, else the script exits 1 (as it does when a design's writes
+  fall below 95% of their nominal rate). The import-time heap is frozen out of
+  the GC's way first (the controller processes inherit that).
 * Redis. A private `redis-server` on a free port (no persistence, bind
-  127.0.0.1, maxclients raised for one connection per rank), stopped at the
-  end; without the binary, the shared Redis at KCBENCH_REDIS_URL with a unique
-  key prefix (Redis CPU then includes whatever else uses it).
+  127.0.0.1, maxclients raised for the connections), stopped at the end;
+  without the binary, the shared Redis at KCBENCH_REDIS_URL with a unique key
+  prefix (Redis CPU then includes whatever else uses it).
 
-Reported (after 2 s of warm-up, `--seconds` of steady state, then a shorter
-phase where the controller scans naively instead):
+Phases (3 s idle first, for Redis's idle CPU on stderr):
 
-  heartbeat_scan_ms_p99  p99 of one controller scan; baseline: one non-pipelined
-                         GET per rank (same decode and classifier); target: ours < 100 ms
-  redis_cpu_fraction     Redis CPU (INFO cpu, user + sys) over wall time in steady state;
-                         baseline: the same load with the naive scan; target: ours < 0.5 cores
+1. `--ranks` (16,384; 2,048 agents). The same writer processes switch between
+   the two designs: 2 s of warm-up with agents, then 4 x (1 s settle + 4 s of
+   per-rank keys with the per-rank scan; 1 s settle + `--seconds`/4 with node
+   agents and the node-agent scan), so drift favours neither side. The
+   settles (one beat period, untimed) let the writers' switch take effect.
+2. `--ranks-big` (131,072; 16,384 agents). The writers simulate the agents
+   only: 131,072 per-rank beats a second from Python writer processes would
+   take more than this 2-core machine has. The per-rank baseline scans 131,072
+   own keys that this process wrote before the phase, half of them rewritten
+   (untimed) before each scan, so half the values change between scans as with
+   1 Hz beats; the agents keep writing meanwhile. 2 s warm-up, then 3 x (4 s
+   of baseline scans, 1 s settle + `--seconds-big`/3 of node-agent scans). A
+   breakdown of the node-agent scan (6 scans) and a cProfile of it (3) follow,
+   on stderr.
 
-Layout: the simulated ranks (writer processes) and the private redis-server
-are in bench/heartbeats_sim.py; the controller's scans, the naive baseline,
-the measurements and the metrics are here.
+Reported (each the median over its segments, their min and max in `spread`):
 
-Run: .venv/bin/python bench/heartbeats.py [--seconds 25] [--ranks 16384]
+  heartbeat_scan_ms_p99      p99 of one controller scan at 16,384 ranks with node agents;
+                             baseline: the per-rank-key scan in the same run; target ours <= 100 ms
+  redis_cpu_fraction         Redis CPU (INFO cpu, user + sys) over wall time at 16,384 ranks
+                             with node agents (2,048 round trips a second + the scans); baseline:
+                             the per-rank-key design (16,384 beats a second + its scans);
+                             target ours <= 0.5 cores
+  heartbeat_scan_ms_p99_131k p99 of one controller scan at 131,072 ranks with node agents;
+                             baseline: read_beats + observe over 131,072 own keys; target ours
+                             <= 250 ms
+
+Stderr also gives each scan's CPU time, its parts, the GC pauses, the achieved
+write rates, and who used the CPUs (writers, controller, Redis, the machine).
+
+Layout: the writers (ranks and agents) and the private redis-server are in
+bench/heartbeats_sim.py; the controller's scans, its processes, the static
+baseline keys, the scan's breakdown and the measurements in
+bench/heartbeats_nodes.py; the phases, checks and metrics here.
+
+Run: .venv/bin/python bench/heartbeats.py [--seconds 25] [--ranks 16384] [--ranks-big 131072]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import math
 import multiprocessing as mp
 import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
 import redis
 
-from kuangchao.platform.execution.heartbeat import Classifier, Verdict
 from kuangchao.platform.jobs import redis_client
-from kuangchao.platform.jobs.beats import read_beats
 from kuangchao.platform.jobs.store import JobStore
-from kuangchao.platform.protocol.heartbeat import Beat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
 
+from bench.heartbeats_nodes import (  # noqa: E402
+    POLL_S,
+    AgentScan,
+    Controller,
+    Load,
+    RankScan,
+    StaticRanks,
+    combined,
+    measure,
+    percentile,
+    poll_loop,
+)
 from bench.heartbeats_sim import (  # noqa: E402
+    AGENTS,
     DEAD,
+    DEAD_AFTER_S,
+    DEAD_AGENTS,
     HEARTBEAT_TIMEOUT_S,
     HUNG,
     JOB,
+    PER_RANK,
+    RANKS_PER_NODE,
     SLOW_INIT,
     WARMUP_S,
-    WriterConfig,
-    WriterShared,
-    beat_writer,
+    Writers,
     delete_keys,
+    pick_dead_agents,
     pick_roles,
     raise_fd_limit,
     redis_server,
 )
 from bench.report import emit, log, median, wait_for_quiet  # noqa: E402
 from kuangchao.platform.jobs import keys
+from kuangchao.platform.jobs.flags import carried_flags
 
 BENCH = "heartbeats"
-HANG_TIMEOUT_S = 5.0  # spec default is 300 s; shortened so hung ranks are caught in the run
-POLL_S = 0.5  # JobController.poll_s
-IDLE_S = 3.0  # Redis CPU measured idle, for reference (stderr)
-SEGMENTS = 3  # alternating windows of our scan and the naive one
-MIN_RATE = 0.95  # achieved beats/s below this share of the nominal rate fails the run
+MIN_RATE = 0.95  # achieved writes/s below this share of the nominal rate fails the run
 
 
-class GcPauses:
-    """Collector pauses in this process (full collections, and all of them), seconds."""
+@dataclass(frozen=True)
+class Plan:
+    """The run's sizes and times (main() fills it from the arguments)."""
 
-    def __init__(self) -> None:
-        self.gen2: list[float] = []
-        self.total = 0.0
-        self._t = 0.0
-        gc.callbacks.append(self._on_gc)
+    ranks: int
+    ranks_big: int
+    writers: int
+    connections: int  # per-rank keys, over all writers (phase 1)
+    agent_connections: int  # phase 1
+    agent_connections_big: int  # phase 2
+    seconds: float  # node-agent scans at `ranks`, over all segments
+    seconds_big: float
+    segments: int = 4
+    segments_big: int = 3
+    base_s: float = 4.0  # each baseline segment
+    settle_s: float = 1.0  # after each switch of the writers' mode (one beat period), untimed
+    timeout_s: float = HEARTBEAT_TIMEOUT_S
+    hang_s: float = 5.0  # spec default 300 s; shortened so hung ranks are caught in the run
+    idle_s: float = 3.0  # Redis CPU measured idle, for reference (stderr)
 
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t = time.perf_counter()
-            return
-        took = time.perf_counter() - self._t
-        self.total += took
-        if info["generation"] == 2:
-            self.gen2.append(took)
-
-    def reset(self) -> None:
-        self.gen2, self.total = [], 0.0
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100)."""
-    s = sorted(xs)
-    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
-
-
-def redis_cpu(client: redis.Redis) -> float:
-    """Redis's CPU seconds so far (user + sys, all its threads)."""
-    info = client.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    def phase_s(self, big: bool) -> float:
+        """Wall seconds of a phase after the writers start."""
+        if big:
+            return WARMUP_S + self.segments_big * (self.settle_s + self.base_s) + self.seconds_big
+        return WARMUP_S + self.segments * (2 * self.settle_s + self.base_s) + self.seconds
 
 
-# -- the controller ----------------------------------------------------------------
-
-def naive_read(client: redis.Redis, prefix: str, ranks: list[int]) -> dict[int, Beat | None]:
-    """What a straightforward controller does: one GET per rank, one round trip each."""
-    out: dict[int, Beat | None] = {}
-    for r in ranks:
-        raw = client.get(keys.beat(prefix, JOB, r))
-        out[r] = Beat.decode(r, raw) if raw is not None else None
-    return out
+def expected_verdicts(roles: dict[int, int], dead_agents: list[int]) -> dict[int, str]:
+    want = {r: "expired" if role == DEAD else "hung" for r, role in roles.items() if role in (DEAD, HUNG)}
+    for node in dead_agents:
+        want.update({r: "expired" for r in range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)})
+    return want
 
 
-def poll_loop(scan: Callable[[], list[Verdict]], seconds: float, min_scans: int = 1,
-              on_verdicts: Callable[[list[Verdict]], None] | None = None,
-              check: Callable[[], None] | None = None) -> list[float]:
-    """Scan every POLL_S (back to back when a scan takes longer) for `seconds`
-    and at least `min_scans` scans; returns each scan's duration in seconds."""
-    times: list[float] = []
-    end = time.monotonic() + seconds
-    while time.monotonic() < end or len(times) < min_scans:
-        t = time.perf_counter()
-        verdicts = scan()
-        times.append(time.perf_counter() - t)
-        if on_verdicts is not None:
-            on_verdicts(verdicts)
-        if check is not None:
-            check()
-        time.sleep(max(0.0, POLL_S - (time.perf_counter() - t)))
-    return times
-
-
-def proc_cpu_s(pid: int) -> float:
-    """CPU seconds (user + sys) a live process has used, from /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@dataclass
-class Load:
-    """Redis CPU and beats over one measured window."""
-
-    wall_s: float
-    redis_cpu_s: float
-    beats: int
-    commands: int
-    writers_cpu_s: float = 0.0
-    controller_cpu_s: float = 0.0
-
-    @property
-    def cores(self) -> float:
-        return self.redis_cpu_s / self.wall_s
-
-    @property
-    def beat_rate(self) -> float:
-        return self.beats / self.wall_s
-
-
-@contextmanager
-def measure(client: redis.Redis, sent: mp.Array, writer_pids: list[int]) -> Iterator[list[Load]]:
-    """Yields a list that holds the window's Load once the block is done."""
-    out: list[Load] = []
-
-    def writers_cpu() -> float:
-        return sum(proc_cpu_s(pid) for pid in writer_pids)
-
-    t, cpu, wcpu, ccpu = time.monotonic(), redis_cpu(client), writers_cpu(), time.process_time()
-    beats, cmds = sum(sent), int(client.info("stats")["total_commands_processed"])
-    yield out
-    out.append(Load(time.monotonic() - t, redis_cpu(client) - cpu, sum(sent) - beats,
-                    int(client.info("stats")["total_commands_processed"]) - cmds,
-                    writers_cpu() - wcpu, time.process_time() - ccpu))
-
-
-
-def combined(windows: list[Load]) -> Load:
-    """Several measured windows as one (sums of seconds, CPU, beats and commands)."""
-    return Load(sum(w.wall_s for w in windows), sum(w.redis_cpu_s for w in windows),
-                sum(w.beats for w in windows), sum(w.commands for w in windows),
-                sum(w.writers_cpu_s for w in windows), sum(w.controller_cpu_s for w in windows))
-
-
-def check_verdicts(first: dict[int, Verdict], final: list[Verdict], roles: dict[int, int]) -> bool:
-    """Did the classifier flag exactly the dead (expired) and hung (hung) ranks?"""
-    want = {r: "expired" if role == DEAD else "hung" for r, role in roles.items()
-            if role in (DEAD, HUNG)}
-    got_ever = {r: v.kind for r, v in first.items()}
-    got_final = {v.rank: v.kind for v in final}
-    for r in sorted(want):
-        v = first.get(r)
-        log(f"  rank {r}: {v.kind} after {v.detected_after_s:.1f}s" if v else f"  rank {r}: not flagged")
+def check_verdicts(ctl: Controller, roles: dict[int, int], dead_agents: list[int], label: str) -> bool:
+    """Did the node-agent classifier flag exactly the dead ranks and the dead agents'
+    ranks (expired) and the hung ranks (hung), over the run and in its last scan?"""
+    want = expected_verdicts(roles, dead_agents)
+    first, got_final = ctl.call("verdicts")
+    got_ever = {r: kind for r, (kind, _) in first.items()}
+    shown = [r for r, role in roles.items() if role in (DEAD, HUNG)]
+    shown += [n * RANKS_PER_NODE for n in dead_agents]  # one rank of each dead agent
+    for r in sorted(shown):
+        role = roles.get(r)
+        what = "dead agent's rank" if role is None else "dead rank" if role == DEAD else "hung rank"
+        log(f"  {label} {what} {r}: {first[r][0]} after {first[r][1]:.1f}s" if r in first
+            else f"  {label} {what} {r}: not flagged")
     ok = got_ever == want and got_final == want
     if not ok:
         def differ(got: dict[int, str]) -> str:
@@ -228,201 +210,372 @@ def check_verdicts(first: dict[int, Verdict], final: list[Verdict], roles: dict[
             extra = sorted(r for r in got if r not in want)
             return f"missed {missed or 'none'}, {len(extra)} others flagged {extra[:10]}"
 
-        log(f"CLASSIFIER CHECK FAILED: expected {want}; over the run: {differ(got_ever)}; "
+        log(f"{label} CLASSIFIER CHECK FAILED: expected {want}; over the run: {differ(got_ever)}; "
             f"in the last scan: {differ(got_final)}")
     else:
-        log(f"classifier flagged exactly the {len(want)} dead/hung ranks; "
-            f"slow-start ranks {sorted(r for r, x in roles.items() if x == SLOW_INIT)} untouched")
+        log(f"{label}: the node-agent classifier flagged exactly the {len(want)} ranks "
+            f"(dead ranks, the {len(dead_agents)} dead agents' ranks, hung ranks); slow-start ranks "
+            f"{sorted(r for r, x in roles.items() if x == SLOW_INIT)} untouched")
     return ok
 
 
-# -- the run -------------------------------------------------------------------------
+@dataclass
+class Phase:
+    """What one phase measured."""
 
-def run(ranks: int, seconds: float, writers: int, connections: int) -> int:
+    label: str
+    ranks: int
+    roles: dict[int, int]
+    ours_runs: list[list[float]] = field(default_factory=list)  # scan seconds per segment
+    base_runs: list[list[float]] = field(default_factory=list)
+    ours_windows: list[Load] = field(default_factory=list)
+    base_windows: list[Load] = field(default_factory=list)
+    ours_parts: list[tuple] = field(default_factory=list)  # (read_relayed, merge, observe) s
+    base_parts: list[tuple] = field(default_factory=list)  # (read_beats, observe) s
+    ours_cpu: list[float] = field(default_factory=list)  # each scan's CPU seconds
+    base_cpu: list[float] = field(default_factory=list)
+    gc_gen2: list[float] = field(default_factory=list)  # the node-agent controller's
+    gc_total: float = 0.0
+    base_gc_gen2: list[float] = field(default_factory=list)
+    split: dict[str, float] = field(default_factory=dict)
+    ok: bool = False
+    lag: float = 0.0
+    skipped: int = 0
+    load_avg: float = 0.0
+
+    def p99s(self, runs: list[list[float]]) -> list[float]:
+        return [percentile(run, 99) * 1e3 for run in runs]
+
+
+def timed_segment(phase: Phase, ctl: Controller, seconds: float, stats: redis.Redis,
+                  writers: Writers, ours: bool, before: Callable[[], None] | None = None) -> None:
+    """`seconds` of one design's scans, measured."""
+    n0 = len(ctl.parts)
+    ctl.call("gc")
+    with measure(stats, writers, ctl.pid) as window:
+        times = poll_loop(ctl.scan, seconds, min_scans=3, check=writers.check_alive, before=before)
+    gen2, total = ctl.call("gc")
+    if ours:
+        phase.ours_runs.append(times)
+        phase.ours_windows += window
+        phase.ours_parts += ctl.parts[n0:]
+        phase.ours_cpu += ctl.cpu[n0:]
+        phase.gc_gen2 += gen2
+        phase.gc_total += total
+    else:
+        phase.base_runs.append(times)
+        phase.base_windows += window
+        phase.base_parts += ctl.parts[n0:]
+        phase.base_cpu += ctl.cpu[n0:]
+        phase.base_gc_gen2 += gen2
+
+
+def finish(phase: Phase, ours: Controller, writers: Writers, dead_agents: list[int]) -> None:
+    """The breakdown of our scan, the checks and the writers' lateness."""
+    phase.split = ours.call("breakdown")
+    writers.check_alive()
+    phase.ok = check_verdicts(ours, phase.roles, dead_agents, phase.label)
+    phase.lag, phase.skipped = max(writers.shared.lag), sum(writers.shared.skipped)
+    phase.load_avg = os.getloadavg()[0]
+
+
+def agent_scan(url: str, prefix: str, ranks: int, plan: Plan) -> Callable[[], AgentScan]:
+    return lambda: AgentScan(redis_client.connect(url), prefix, ranks, plan.timeout_s, plan.hang_s)
+
+
+def rank_scan(url: str, prefix: str, ranks: int, plan: Plan) -> Callable[[], RankScan]:
+    return lambda: RankScan(redis_client.connect(url), prefix, ranks, plan.timeout_s, plan.hang_s)
+
+
+# -- the phases ----------------------------------------------------------------------
+
+def phase_mixed(plan: Plan, ctx: mp.context.BaseContext, url: str, stats: redis.Redis,
+                prefix: str) -> Phase:
+    """Phase 1: the same writers alternate between node agents and per-rank keys."""
+    ranks = plan.ranks
+    roles = pick_roles(ranks)
+    dead_agents = pick_dead_agents(ranks, roles)
+    phase = Phase(f"{ranks:,} ranks", ranks, roles)
+    host, port = urlparse(url).hostname or "127.0.0.1", urlparse(url).port or 6379
+    p = JobStore(stats, prefix).p
+    writers = Writers(ctx, ranks, plan.writers, roles, dead_agents, host, port, prefix,
+                      plan.connections, plan.agent_connections,
+                      list(carried_flags(p, JOB).values()), keys.fenced(p, JOB),
+                      keys.progress(p, JOB), plan.timeout_s, AGENTS)
+    ours_s = plan.seconds / plan.segments
+    log(f"phase 1: {ranks:,} ranks on {ranks // RANKS_PER_NODE:,} nodes from {plan.writers} writer "
+        f"processes; node agents on {plan.agent_connections:,} connections, per-rank keys on "
+        f"{plan.connections:,}; {plan.segments} x ({plan.settle_s:.1f}s settle + {plan.base_s:.1f}s "
+        f"per-rank, {plan.settle_s:.1f}s settle + {ours_s:.1f}s node agents)")
+    ours = Controller(ctx, agent_scan(url, prefix, ranks, plan), POLL_S, "controller-agents")
+    base = Controller(ctx, rank_scan(url, prefix, ranks, plan), POLL_S, "controller-per-rank")
+    try:
+        took = writers.start()
+        log(f"writers connected in {took:.1f}s; "
+            f"{stats.info('clients')['connected_clients']} Redis clients")
+        writers.go()
+        ours.start()
+        poll_loop(ours.scan, WARMUP_S, check=writers.check_alive)
+        for _ in range(plan.segments):
+            writers.set_mode(PER_RANK)
+            if not base.started:
+                base.start()
+            poll_loop(base.scan, plan.settle_s, check=writers.check_alive)
+            timed_segment(phase, base, plan.base_s, stats, writers, ours=False)
+            writers.set_mode(AGENTS)
+            poll_loop(ours.scan, plan.settle_s, check=writers.check_alive)
+            timed_segment(phase, ours, ours_s, stats, writers, ours=True)
+        finish(phase, ours, writers, dead_agents)
+    finally:
+        writers.close()
+        ours.close()
+        base.close()
+    return phase
+
+
+def phase_big(plan: Plan, ctx: mp.context.BaseContext, url: str, stats: redis.Redis,
+              prefix: str) -> Phase:
+    """Phase 2: node agents at `ranks_big`, against own keys written by this process."""
+    ranks = plan.ranks_big
+    roles = pick_roles(ranks)
+    dead_agents = pick_dead_agents(ranks, roles)
+    phase = Phase(f"{ranks:,} ranks", ranks, roles)
+    host, port = urlparse(url).hostname or "127.0.0.1", urlparse(url).port or 6379
+    p = JobStore(stats, prefix).p
+    static = StaticRanks(stats, f"{prefix}static:", ranks, roles)
+    t = time.perf_counter()
+    static.write_all()
+    log(f"phase 2: {ranks:,} own keys for the per-rank baseline written in "
+        f"{time.perf_counter() - t:.1f}s (by this process: no per-rank writers at this scale)")
+    writers = Writers(ctx, ranks, plan.writers, roles, dead_agents, host, port, prefix, 0,
+                      plan.agent_connections_big,
+                      list(carried_flags(p, JOB).values()), keys.fenced(p, JOB),
+                      keys.progress(p, JOB), plan.timeout_s, AGENTS)
+    ours_s = plan.seconds_big / plan.segments_big
+    log(f"phase 2: {ranks:,} ranks on {ranks // RANKS_PER_NODE:,} nodes, node agents from "
+        f"{plan.writers} writer processes on {plan.agent_connections_big:,} connections; "
+        f"{plan.segments_big} x ({plan.base_s:.1f}s per-rank scans of the written keys, "
+        f"{plan.settle_s:.1f}s settle + {ours_s:.1f}s node agents)")
+    ours = Controller(ctx, agent_scan(url, prefix, ranks, plan), POLL_S, "controller-agents")
+    base = Controller(ctx, rank_scan(url, f"{prefix}static:", ranks, plan), POLL_S,
+                      "controller-per-rank")
+    try:
+        took = writers.start()
+        log(f"writers connected in {took:.1f}s; "
+            f"{stats.info('clients')['connected_clients']} Redis clients")
+        writers.go()
+        ours.start()
+        poll_loop(ours.scan, WARMUP_S, check=writers.check_alive)
+        for _ in range(plan.segments_big):
+            if not base.started:
+                base.start()
+            timed_segment(phase, base, plan.base_s, stats, writers, ours=False,
+                          before=static.rewrite_half)
+            # Every record changed while the baseline scanned: the first scan after it
+            # decodes them all, where a steady poll decodes half. Untimed, as in phase 1.
+            poll_loop(ours.scan, plan.settle_s, check=writers.check_alive)
+            timed_segment(phase, ours, ours_s, stats, writers, ours=True)
+        finish(phase, ours, writers, dead_agents)
+        log(f"{phase.label}: cProfile of 3 node-agent scans (own time first; cProfile inflates "
+            f"Python):\n{ours.call('profile')}")
+        log(f"{phase.label}: rewriting half the baseline's keys took "
+            f"{median(static.write_s[1:]) * 1e3:.0f} ms a scan (untimed, in the benchmark's process)")
+    finally:
+        writers.close()
+        ours.close()
+        base.close()
+    return phase
+
+
+# -- the report ----------------------------------------------------------------------
+
+def _ms(xs: list[float], q: float) -> str:
+    return f"{percentile(xs, q) * 1e3:.1f}"
+
+
+def _cpu(w: Load) -> str:
+    """Who used the CPUs over a window, in cores."""
+    own = (w.redis_cpu_s + w.writers_cpu_s + w.controller_cpu_s) / w.wall_s
+    return (f"writers {w.per_s('writers_cpu_s'):.2f}, controller {w.per_s('controller_cpu_s'):.2f}, "
+            f"Redis {w.cores:.2f} cores; the machine {w.per_s('machine_cpu_s'):.2f} of "
+            f"{os.cpu_count()} (others {max(0.0, w.per_s('machine_cpu_s') - own):.2f})")
+
+
+def report(phase: Phase, big: bool) -> bool:
+    """stderr lines for one phase; False when a design's writes fell short of their rate."""
+    ranks, nodes = phase.ranks, phase.ranks // RANKS_PER_NODE
+    ours_s = [t for run in phase.ours_runs for t in run]
+    base_s = [t for run in phase.base_runs for t in run]
+    label, parts, bparts = phase.label, phase.ours_parts, phase.base_parts
+    log(f"{label}: scan p99 per segment: node agents "
+        f"{', '.join(f'{x:.1f}' for x in phase.p99s(phase.ours_runs))} ms; per-rank keys "
+        f"{', '.join(f'{x:.1f}' for x in phase.p99s(phase.base_runs))} ms")
+    log(f"{label}: node-agent scan: {len(ours_s)} scans, p50 {_ms(ours_s, 50)} ms, p99 "
+        f"{_ms(ours_s, 99)} ms, max {max(ours_s) * 1e3:.1f} ms (CPU time p50 "
+        f"{_ms(phase.ours_cpu, 50)}, p99 {_ms(phase.ours_cpu, 99)} ms); p50 of its parts: read_relayed "
+        f"{_ms([x[0] for x in parts], 50)}, merge {_ms([x[1] for x in parts], 50)}, observe "
+        f"{_ms([x[2] for x in parts], 50)} ms")
+    log(f"{label}: node-agent scan breakdown (median of 6 scans, ms): "
+        + ", ".join(f"{k} {v:.1f}" if k != "decoded" else f"{k} {v:.0f} records"
+                    for k, v in phase.split.items()))
+    log(f"{label}: per-rank scan: {len(base_s)} scans, p50 {_ms(base_s, 50)} ms, p99 "
+        f"{_ms(base_s, 99)} ms (CPU time p50 {_ms(phase.base_cpu, 50)}, p99 "
+        f"{_ms(phase.base_cpu, 99)} ms); p50 read_beats {_ms([x[0] for x in bparts], 50)}, observe "
+        f"{_ms([x[1] for x in bparts], 50)} ms")
+    log(f"{label}: GC in the node-agent controller during its segments: {phase.gc_total * 1e3:.0f} ms "
+        f"in all, {len(phase.gc_gen2)} full collections, longest "
+        f"{max(phase.gc_gen2, default=0) * 1e3:.0f} ms; in the per-rank one "
+        f"{len(phase.base_gc_gen2)} full collections, longest "
+        f"{max(phase.base_gc_gen2, default=0) * 1e3:.0f} ms")
+    ok = True
+    agents, rank_keys = combined(phase.ours_windows), combined(phase.base_windows)
+    want_records = nodes - DEAD_AGENTS
+    log(f"{label}: node agents: {agents.per_s('records'):,.0f} records/s (nominal {want_records:,}) "
+        f"+ {agents.per_s('beats'):,.0f} fallback beats/s of the dead agents' ranks; Redis "
+        f"{agents.per_s('commands'):,.0f} commands/s; {_cpu(agents)}")
+    if agents.per_s("records") < MIN_RATE * want_records:
+        log(f"LOAD NOT REACHED: {agents.per_s('records'):,.0f} records/s < {MIN_RATE:.0%} "
+            f"of {want_records:,}")
+        ok = False
+    if big:
+        log(f"{label}: per-rank segments (keys rewritten by this process, agents still writing; "
+            f"not a per-rank load): {_cpu(rank_keys)}")
+    else:
+        want_beats = ranks - sum(x == DEAD for x in phase.roles.values())  # the dead ranks stop
+        log(f"{label}: per-rank keys: {rank_keys.per_s('beats'):,.0f} beats/s (nominal "
+            f"{want_beats:,}); Redis {rank_keys.per_s('commands'):,.0f} commands/s; {_cpu(rank_keys)}")
+        if rank_keys.per_s("beats") < MIN_RATE * want_beats:
+            log(f"LOAD NOT REACHED: {rank_keys.per_s('beats'):,.0f} beats/s < "
+                f"{MIN_RATE:.0%} of {want_beats:,}")
+            ok = False
+    log(f"{label}: worst writer batch lateness {phase.lag * 1e3:.0f} ms, {phase.skipped} ticks "
+        f"skipped; 1-min load average at the end {phase.load_avg:.1f}")
+    return ok
+
+
+def run(plan: Plan) -> int:
     fds = raise_fd_limit()
-    # The benchmark's import-time heap would make
-    # every full collection during a scan walk ~200k objects the controller
-    # does not have; freeze it so GC pauses come from the scan's own garbage.
+    # The benchmark's import-time heap would make every full collection during a scan
+    # walk ~200k objects a controller does not have; freeze it (the controller
+    # processes, forked from this one, inherit that) so GC pauses come from the
+    # scans' own objects.
     gc.collect()
     gc.freeze()
-    pauses = GcPauses()
-    if connections > fds - 256:
-        log(f"open-file limit {fds}: {connections} connections cut to {fds - 256}")
-        connections = fds - 256
+    room = fds - 256
+    if plan.connections + plan.agent_connections > room or plan.agent_connections_big > room:
+        log(f"open-file limit {fds}: connections cut to {room} per phase")
+        agents = min(plan.agent_connections, room // 8)
+        plan = replace(plan, agent_connections=agents, connections=min(plan.connections, room - agents),
+                       agent_connections_big=min(plan.agent_connections_big, room))
     ctx = mp.get_context("fork")
     prefix = f"kcbench-{random.randbytes(4).hex()}:"
-    roles = pick_roles(ranks)
-    all_ranks = list(range(ranks))
-    with redis_server(maxclients=connections + 64) as (url, private):
-        ctl = redis_client.connect(url)  # the controller's client: decode_responses=True
+    need = max(plan.connections + plan.agent_connections, plan.agent_connections_big)
+    with redis_server(maxclients=need + 64) as (url, private):
         stats = redis.Redis.from_url(url)
-        job_keys = JobStore(ctl, prefix)  # the worker's names for the job's flags and progress
-        flag_keys = [keys.preempt(job_keys.p, JOB), keys.cancel(job_keys.p, JOB)]
         if not private:  # leave room for the shared server's other clients
             try:
                 maxclients = int(next(iter(stats.config_get("maxclients").values()), 10000))
             except redis.ResponseError:  # CONFIG may be disabled on a shared server
                 maxclients = 10000
-            room = maxclients - int(stats.info("clients")["connected_clients"]) - 200
-            if connections > room:
-                log(f"shared Redis has room for {room} connections; using that many")
-                connections = max(writers, room)
-        log(f"{ranks} ranks at 1 Hz from {writers} writer processes over {connections} connections; "
-            f"controller scan every {POLL_S}s; {seconds:.0f}s steady state")
-        host, port = urlparse(url).hostname or "127.0.0.1", urlparse(url).port or 6379
-        shared = WriterShared(ready=ctx.Queue(), go=ctx.Event(), stop=ctx.Event(),
-                              t_start=ctx.Value("d", 0.0, lock=False),
-                              sent=ctx.Array("q", writers, lock=False),
-                              lag=ctx.Array("d", writers, lock=False),
-                              skipped=ctx.Array("q", writers, lock=False))
-        procs = []
+            free = maxclients - int(stats.info("clients")["connected_clients"]) - 200
+            if need > free:
+                log(f"shared Redis has room for {free} connections; using that many")
+                agents = max(plan.writers, min(plan.agent_connections, free // 8))
+                plan = replace(plan, agent_connections=agents,
+                               connections=max(plan.writers, free - agents),
+                               agent_connections_big=max(plan.writers, free))
         try:
             wait_for_quiet(timeout_s=10)
-            with measure(stats, shared.sent, []) as idle:
-                time.sleep(IDLE_S)
-            for w in range(writers):
-                lo, hi = w * ranks // writers, (w + 1) * ranks // writers
-                conns = max(1, (w + 1) * connections // writers - w * connections // writers)
-                cfg = WriterConfig(w, all_ranks[lo:hi], roles, host, port, prefix, min(conns, hi - lo),
-                                   flag_keys, keys.progress(job_keys.p, JOB))
-                procs.append(ctx.Process(target=beat_writer, args=(cfg, shared), daemon=True))
-                procs[-1].start()
-            t = time.monotonic()
-            for _ in procs:
-                msg = shared.ready.get(timeout=60)
-                if msg != "ok":
-                    raise RuntimeError(msg)
-            log(f"writers connected in {time.monotonic() - t:.1f}s; "
-                f"{stats.info('clients')['connected_clients']} Redis clients")
-
-            def writers_alive() -> None:
-                dead = [p.pid for p in procs if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"writer processes {dead} died")
-
-            shared.t_start.value = time.time()
-            shared.go.set()
-            clf = Classifier(all_ranks, HEARTBEAT_TIMEOUT_S, HANG_TIMEOUT_S)
-            clf.start(time.monotonic())
-            first: dict[int, Verdict] = {}
-            final: list[Verdict] = []
-
-            reads: list[float] = []  # read_beats alone, for the breakdown on stderr
-            parsed: dict = {}  # kept between scans, as RankWatch does
-
-            def ours() -> list[Verdict]:
-                t = time.perf_counter()
-                beats = read_beats(ctl, prefix, JOB, all_ranks, cache=parsed)
-                reads.append(time.perf_counter() - t)
-                return clf.observe(beats, time.monotonic(), time.time())
-
-            def keep(verdicts: list[Verdict]) -> None:
-                final[:] = verdicts
-                for v in verdicts:
-                    first.setdefault(v.rank, v)
-
-            poll_loop(ours, WARMUP_S, on_verdicts=keep, check=writers_alive)
-            # The two scans alternate, SEGMENTS times each, under the same beat load, so
-            # drift (the writers' pace, the machine's other work) favours neither.
-            ours_seg, naive_seg = seconds / SEGMENTS, max(5.0, seconds / SEGMENTS / 3)
-            log(f"steady state: {SEGMENTS} x ({ours_seg:.1f}s of pipelined scans, "
-                f"{naive_seg:.1f}s of per-rank GET scans)")
-            reads.clear()
-            pauses.reset()
-            pids = [p.pid for p in procs if p.pid is not None]
-            naive_clf = Classifier(all_ranks, HEARTBEAT_TIMEOUT_S, HANG_TIMEOUT_S)
-            naive_clf.start(time.monotonic())
-            steady, naive, ours_runs, naive_runs = [], [], [], []
-            gc_gen2, gc_total = [], 0.0
-            for _ in range(SEGMENTS):
-                with measure(stats, shared.sent, pids) as window:
-                    ours_runs.append(poll_loop(ours, ours_seg, on_verdicts=keep,
-                                               check=writers_alive))
-                steady += window
-                gc_gen2 += pauses.gen2
-                gc_total += pauses.total
-                with measure(stats, shared.sent, pids) as window:
-                    naive_runs.append(poll_loop(
-                        lambda: naive_clf.observe(naive_read(ctl, prefix, all_ranks),
-                                                  time.monotonic(), time.time()),
-                        naive_seg, min_scans=3, check=writers_alive))
-                naive += window
-                pauses.reset()
-            load_avg = os.getloadavg()[0]
-            ok = check_verdicts(first, final, roles)
-            lag, skipped = max(shared.lag), sum(shared.skipped)
+            with measure(stats, None) as idle:
+                time.sleep(plan.idle_s)
+            log(f"Redis idle: {idle[0].cores:.4f} cores; the machine {idle[0].per_s('machine_cpu_s'):.2f} "
+                f"of {os.cpu_count()} CPUs busy")
+            small = phase_mixed(plan, ctx, url, stats, prefix)
+            ok = report(small, big=False) and small.ok
+            emit_small(small)
+            big = phase_big(plan, ctx, url, stats, f"{prefix}big:")
+            ok = report(big, big=True) and big.ok and ok
+            emit_big(big)
         finally:
-            shared.stop.set()
-            shared.go.set()  # writers still waiting for the start must see the stop
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
             if not private:
                 delete_keys(url, prefix)
-
-    (idle_load,) = idle
-    steady_load, naive_load = combined(steady), combined(naive)
-    ours_s = [t for run in ours_runs for t in run]
-    naive_times = [t for run in naive_runs for t in run]
-    nominal = ranks - sum(x == DEAD for x in roles.values())  # beats/s once the dead stopped
-    p99_runs = [percentile(run, 99) * 1e3 for run in ours_runs]
-    np99_runs = [percentile(run, 99) * 1e3 for run in naive_runs]
-    p50, p99 = percentile(ours_s, 50) * 1e3, median(p99_runs)
-    np50, np99 = percentile(naive_times, 50) * 1e3, median(np99_runs)
-    log(f"scan p99 per segment: pipelined {', '.join(f'{x:.1f}' for x in p99_runs)} ms; "
-        f"naive {', '.join(f'{x:.0f}' for x in np99_runs)} ms")
-    log(f"pipelined scan: {len(ours_s)} scans, p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
-        f"max {max(ours_s) * 1e3:.1f} ms (read_beats alone: p50 {percentile(reads, 50) * 1e3:.1f}, "
-        f"p99 {percentile(reads, 99) * 1e3:.1f} ms; the rest is Classifier.observe)")
-    log(f"GC in the controller during the steady state: {gc_total * 1e3:.0f} ms in all, "
-        f"{len(gc_gen2)} full collections, longest {max(gc_gen2, default=0) * 1e3:.0f} ms")
-    log(f"naive scan: {len(naive_times)} scans, p50 {np50:.0f} ms, p99 {np99:.0f} ms")
-    log(f"beats: {steady_load.beat_rate:,.0f}/s achieved over {steady_load.wall_s:.1f}s "
-        f"(nominal {nominal:,}/s), "
-        f"Redis {steady_load.commands / steady_load.wall_s:,.0f} commands/s; "
-        f"worst writer batch lateness {lag * 1e3:.0f} ms, {skipped} ticks skipped")
-    log(f"Redis CPU: steady {steady_load.cores:.3f} cores, naive-scan phase {naive_load.cores:.3f} "
-        f"cores ({naive_load.beat_rate:,.0f} beats/s), idle {idle_load.cores:.4f} cores")
-    st = steady_load
-    own = (st.redis_cpu_s + st.writers_cpu_s + st.controller_cpu_s) / st.wall_s
-    log(f"CPU in steady state: writers {st.writers_cpu_s / st.wall_s:.2f}, controller "
-        f"{st.controller_cpu_s / st.wall_s:.2f}, Redis {st.cores:.2f} cores: {own:.2f} of "
-        f"{os.cpu_count()} CPUs; 1-min load average at its end {load_avg:.1f} (well above "
-        f"{own:.1f} means other work shared the machine)")
-    emit(BENCH, "heartbeat_scan_ms_p99", "ms", p99, np99, 100, better="lower", target_on="ours",
-         spread={"ours": p99_runs, "baseline": np99_runs},
-         settings="baseline: one GET per rank key (no pipelining), the same Beat.decode and "
-                  "Classifier, alternating with ours under the same beat load")
-    emit(BENCH, "redis_cpu_fraction", "cores", median([w.cores for w in steady]),
-         median([w.cores for w in naive]), 0.5, better="lower", target_on="ours",
-         spread={"ours": [w.cores for w in steady], "baseline": [w.cores for w in naive]})
-    if steady_load.beat_rate < MIN_RATE * nominal:
-        log(f"LOAD NOT REACHED: {steady_load.beat_rate:,.0f} beats/s < {MIN_RATE:.0%} of {nominal:,}")
-        ok = False
     return 0 if ok else 1
+
+
+def emit_small(phase: Phase) -> None:
+    ours, base = phase.p99s(phase.ours_runs), phase.p99s(phase.base_runs)
+    ranks, nodes = phase.ranks, phase.ranks // RANKS_PER_NODE
+    emit(BENCH, "heartbeat_scan_ms_p99", "ms", median(ours), median(base), 100, better="lower",
+         target_on="ours", spread={"ours": ours, "baseline": base},
+         settings=f"{ranks} ranks, {RANKS_PER_NODE} a node; ours: node agents ({nodes} records: "
+                  "read_relayed + RelayView.merge + Classifier.observe); baseline: per-rank keys "
+                  f"(read_beats over {ranks} own keys + Classifier.observe), alternating with ours "
+                  "on the same writer processes")
+    cores = [w.cores for w in phase.ours_windows]
+    bcores = [w.cores for w in phase.base_windows]
+    emit(BENCH, "redis_cpu_fraction", "cores", median(cores), median(bcores), 0.5, better="lower",
+         target_on="ours", spread={"ours": cores, "baseline": bcores},
+         settings=f"{ranks} ranks; ours: {nodes} node agents, one round trip a second each (SET "
+                  "of the record, SMEMBERS, one MGET of the flags and each relayed rank's stack "
+                  f"request), and the node-agent scan; baseline: {ranks} ranks each beating its own "
+                  "key a second (SISMEMBER, SET, GET, EXISTS), and the per-rank scan; Redis CPU "
+                  "over wall time")
+
+
+def emit_big(phase: Phase) -> None:
+    ours, base = phase.p99s(phase.ours_runs), phase.p99s(phase.base_runs)
+    ranks, nodes = phase.ranks, phase.ranks // RANKS_PER_NODE
+    emit(BENCH, "heartbeat_scan_ms_p99_131k", "ms", median(ours), median(base), 250, better="lower",
+         target_on="ours", spread={"ours": ours, "baseline": base},
+         settings=f"{ranks} ranks, {RANKS_PER_NODE} a node; ours: node agents ({nodes} records "
+                  "written a second by the writer processes); baseline: read_beats over "
+                  f"{ranks} own keys written by the bench itself (no per-rank writers at this "
+                  "scale), half rewritten before each scan, alternating with ours")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=25.0,
-                        help="steady-state seconds (>= 12, so dead ranks expire within them)")
+                        help="seconds of node-agent scans at --ranks, over 4 segments")
+    parser.add_argument("--seconds-big", type=float, default=15.0,
+                        help="seconds of node-agent scans at --ranks-big, over 3 segments")
     parser.add_argument("--ranks", type=int, default=16_384)
+    parser.add_argument("--ranks-big", type=int, default=131_072)
     parser.add_argument("--writers", type=int, default=4, help="writer processes")
     parser.add_argument("--connections", type=int, default=None,
-                        help="Redis connections over all writers (default: one per rank)")
+                        help="Redis connections for the per-rank keys, over all writers "
+                             "(default: one per rank)")
+    parser.add_argument("--agent-connections", type=int, default=None,
+                        help="Redis connections for the node agents, over all writers "
+                             "(default: one per agent)")
     parser.add_argument("--quick", action="store_true",
-                        help="1,024 ranks, 2 writers, the shortest steady state: checks the "
-                             "script works (about 25 s)")
+                        help="1,024 and 8,192 ranks, 2 writers, heartbeat timeout 6 s, the "
+                             "shortest segments: checks the script works (about 35-40 s)")
     args = parser.parse_args()
+    extra: dict = {}
     if args.quick:
-        args.ranks, args.writers, args.seconds = 1024, 2, 12.0
-    if args.seconds < 12:
-        parser.error("--seconds must be at least 12: dead ranks expire 10 s after their last beat")
-    if args.ranks < 16 or args.writers < 1:
-        parser.error("need --ranks >= 16 and --writers >= 1")
-    sys.exit(run(args.ranks, args.seconds, args.writers, args.connections or args.ranks))
+        args.ranks, args.ranks_big, args.writers = 1024, 8192, 2
+        args.seconds, args.seconds_big = 6.0, 6.0
+        extra = {"segments": 2, "segments_big": 2, "base_s": 2.0, "settle_s": 0.5,
+                 "timeout_s": 6.0, "hang_s": 3.0, "idle_s": 1.0}
+    if args.ranks < 64 or args.ranks % RANKS_PER_NODE or args.ranks_big % RANKS_PER_NODE \
+            or args.ranks_big < 64 or args.writers < 1:
+        parser.error(f"need --ranks and --ranks-big >= 64, multiples of {RANKS_PER_NODE}, "
+                     "and --writers >= 1")
+    plan = Plan(args.ranks, args.ranks_big, args.writers, args.connections or args.ranks,
+                args.agent_connections or args.ranks // RANKS_PER_NODE,
+                args.agent_connections or args.ranks_big // RANKS_PER_NODE,
+                args.seconds, args.seconds_big, **extra)
+    need = DEAD_AFTER_S + plan.timeout_s + 2.5  # dead ranks and agents expire, then a scan sees it
+    for big in (False, True):
+        if plan.phase_s(big) < need:
+            parser.error(f"the {'second' if big else 'first'} phase lasts {plan.phase_s(big):.0f}s: "
+                         f"raise --seconds{'-big' if big else ''} so it lasts {need:.0f}s")
+    # Each design's classifier must see its keys again within the timeout after the other's segment.
+    if plan.settle_s + plan.seconds / plan.segments + 1.5 > plan.timeout_s:
+        parser.error(f"--seconds / {plan.segments} must stay under "
+                     f"{plan.timeout_s - plan.settle_s - 1.5:.1f}s")
+    sys.exit(run(plan))
 
 
 if __name__ == "__main__":

@@ -95,19 +95,19 @@ class NodeAgent:
         with self.client.pipeline(transaction=False) as pipe:
             queue_node_record(pipe, self.prefix, self.job_id, self.node, text, self.timeout_s)
             pipe.smembers(keys.fenced(self.prefix, self.job_id))
-            for key in self.flag_keys.values():
-                pipe.exists(key)
-            for b in beats:
-                pipe.exists(keys.stack_request(self.prefix, self.job_id, b.rank))
+            # One MGET for the flags and every relayed rank's stack request.
+            pipe.mget([*self.flag_keys.values(),
+                       *(keys.stack_request(self.prefix, self.job_id, b.rank) for b in beats)])
             replies = pipe.execute()
         n = len(self.flag_keys)
         suffix = "@" + self.node.replace("|", "_")
+        values = replies[2]
         ack = Ack(ts=now, acked={b.pid: b.seq for b in beats},
                   fenced=sorted(m for m in replies[1] if m.endswith(suffix)),
-                  flags={name: bool(v) for name, v in zip(self.flag_keys, replies[2:2 + n],
-                                                          strict=True)},
-                  stack_requests=[b.rank for b, v in zip(beats, replies[2 + n:], strict=True)
-                                  if v],
+                  flags={name: v is not None for name, v in zip(self.flag_keys, values[:n],
+                                                                strict=True)},
+                  stack_requests=[b.rank for b, v in zip(beats, values[n:], strict=True)
+                                  if v is not None],
                   agent_pid=os.getpid())
         replace_file(self.folder / ACK_FILE, ack.encode())
         self.records += 1
