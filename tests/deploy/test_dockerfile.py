@@ -351,12 +351,13 @@ def fake_kc(tmp_path: Path, fail_first: bool, fail_always: bool = False) -> Path
     bindir = tmp_path / "bin"
     bindir.mkdir()
     fails = "true" if fail_always else f"[ ! -e {tmp_path / 'failed'} ]" if fail_first else "false"
+    # The trap first: its start line is what the tests wait for before a SIGTERM.
     (bindir / "kc").write_text(f"""#!/bin/bash
+trap 'echo TERM >> {tmp_path}/kc.log; exit 0' TERM
 echo "start $* url=${{KC_REDIS_URL:-}}" >> {tmp_path}/kc.log
 if {fails}; then
   touch {tmp_path}/failed; exit 7
 fi
-trap 'echo TERM >> {tmp_path}/kc.log; exit 0' TERM
 while :; do sleep 0.1; done
 """)
     (bindir / "kc").chmod(0o755)
@@ -428,14 +429,17 @@ def test_entrypoint_waits_for_the_head_before_the_control_plane(tmp_path):
 
 def test_entrypoint_stops_both_on_sigterm(tmp_path, fake_gcs):
     bindir = fake_kc(tmp_path, fail_first=False)
-    head = "trap 'echo TERM > " + str(tmp_path / "head.log") + "; exit 143' TERM; while :; do sleep 0.1; done"
+    # The head says when its trap is set: a SIGTERM before that (a slow machine) would
+    # end it without the trap, which is not what the entrypoint is tested for.
+    head = ("trap 'echo TERM > " + str(tmp_path / "head.log") + "; exit 143' TERM; "
+            "echo ready > " + str(tmp_path / "head.ready") + "; while :; do sleep 0.1; done")
     proc = subprocess.Popen(["bash", str(ENTRYPOINT), "bash", "-c", head], start_new_session=True,
                             env={"PATH": f"{bindir}:{os.environ['PATH']}",
                                  "KC_CONTROL_PLANE_ARGS": f"--address {fake_gcs}"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(100):
-            if (tmp_path / "kc.log").exists():
+        for _ in range(600):
+            if (tmp_path / "kc.log").exists() and (tmp_path / "head.ready").exists():
                 break
             subprocess.run(["sleep", "0.1"])
         # tini -g signals the whole group, as here.
