@@ -289,19 +289,28 @@ def rank_scan(url: str, prefix: str, ranks: int, plan: Plan) -> Callable[[], Ran
 
 # -- the phases ----------------------------------------------------------------------
 
+def phase_writers(plan: Plan, ctx: mp.context.BaseContext, url: str, stats: redis.Redis,
+                  prefix: str, ranks: int, connections: int, agent_connections: int
+                  ) -> tuple[Phase, list[int], Writers]:
+    """A phase's misbehaving ranks and dead agents (fixed seeds), and its writers (not
+    started), in node-agent mode."""
+    roles = pick_roles(ranks)
+    dead_agents = pick_dead_agents(ranks, roles)
+    host, port = urlparse(url).hostname or "127.0.0.1", urlparse(url).port or 6379
+    p = JobStore(stats, prefix).p
+    writers = Writers(ctx, ranks, plan.writers, roles, dead_agents, host, port, prefix,
+                      connections, agent_connections,
+                      list(carried_flags(p, JOB).values()), keys.fenced(p, JOB),
+                      keys.progress(p, JOB), plan.timeout_s, AGENTS)
+    return Phase(f"{ranks:,} ranks", ranks, roles), dead_agents, writers
+
+
 def phase_mixed(plan: Plan, ctx: mp.context.BaseContext, url: str, stats: redis.Redis,
                 prefix: str) -> Phase:
     """Phase 1: the same writers alternate between node agents and per-rank keys."""
     ranks = plan.ranks
-    roles = pick_roles(ranks)
-    dead_agents = pick_dead_agents(ranks, roles)
-    phase = Phase(f"{ranks:,} ranks", ranks, roles)
-    host, port = urlparse(url).hostname or "127.0.0.1", urlparse(url).port or 6379
-    p = JobStore(stats, prefix).p
-    writers = Writers(ctx, ranks, plan.writers, roles, dead_agents, host, port, prefix,
-                      plan.connections, plan.agent_connections,
-                      list(carried_flags(p, JOB).values()), keys.fenced(p, JOB),
-                      keys.progress(p, JOB), plan.timeout_s, AGENTS)
+    phase, dead_agents, writers = phase_writers(plan, ctx, url, stats, prefix, ranks,
+                                                plan.connections, plan.agent_connections)
     ours_s = plan.seconds / plan.segments
     log(f"phase 1: {ranks:,} ranks on {ranks // RANKS_PER_NODE:,} nodes from {plan.writers} writer "
         f"processes; node agents on {plan.agent_connections:,} connections, per-rank keys on "
@@ -337,20 +346,13 @@ def phase_big(plan: Plan, ctx: mp.context.BaseContext, url: str, stats: redis.Re
               prefix: str) -> Phase:
     """Phase 2: node agents at `ranks_big`, against own keys written by this process."""
     ranks = plan.ranks_big
-    roles = pick_roles(ranks)
-    dead_agents = pick_dead_agents(ranks, roles)
-    phase = Phase(f"{ranks:,} ranks", ranks, roles)
-    host, port = urlparse(url).hostname or "127.0.0.1", urlparse(url).port or 6379
-    p = JobStore(stats, prefix).p
-    static = StaticRanks(stats, f"{prefix}static:", ranks, roles)
+    phase, dead_agents, writers = phase_writers(plan, ctx, url, stats, prefix, ranks, 0,
+                                                plan.agent_connections_big)
+    static = StaticRanks(stats, f"{prefix}static:", ranks, phase.roles)
     t = time.perf_counter()
     static.write_all()
     log(f"phase 2: {ranks:,} own keys for the per-rank baseline written in "
         f"{time.perf_counter() - t:.1f}s (by this process: no per-rank writers at this scale)")
-    writers = Writers(ctx, ranks, plan.writers, roles, dead_agents, host, port, prefix, 0,
-                      plan.agent_connections_big,
-                      list(carried_flags(p, JOB).values()), keys.fenced(p, JOB),
-                      keys.progress(p, JOB), plan.timeout_s, AGENTS)
     ours_s = plan.seconds_big / plan.segments_big
     log(f"phase 2: {ranks:,} ranks on {ranks // RANKS_PER_NODE:,} nodes, node agents from "
         f"{plan.writers} writer processes on {plan.agent_connections_big:,} connections; "

@@ -76,6 +76,19 @@ def checkpoint_steps(stack: Stack, job_id: str) -> list[int]:
                   if (p / "manifest.json").exists())
 
 
+def trains_on_then_cancelled(stack: Stack, job_id: str) -> tuple[dict, dict]:
+    """Wait until an open-ended job trains 10 steps past its one restart's resumed step,
+    cancel it; return it as it trained on, and as it ended (CANCELLED)."""
+    moved = wait_for(lambda: (j := stack.client.get(job_id))["state"] == "RUNNING"
+                     and j["restarts"] == 1
+                     and j["progress"]["step"] > j["restart_log"][0].get("resumed_step", 1e9) + 10
+                     and j, 600, "the job to train on elsewhere")
+    stack.client.cancel(job_id)
+    done = stack.wait_state(job_id, DONE, timeout=120)
+    assert done["state"] == "CANCELLED", done["message"]
+    return moved, done
+
+
 def test_redis_restart_mid_job_is_ridden_out(infra):
     client: Client = infra.client
     # Open-ended, so that it trains through the outage on a fast machine or a slow one
@@ -162,13 +175,7 @@ def test_a_killed_node_agent_is_a_lost_node_and_its_job_moves(infra):
     lost = record.node
     os.kill(record.agent_pid, signal.SIGKILL)
 
-    moved = wait_for(lambda: (j := client.get(job["id"]))["state"] == "RUNNING"
-                     and j["restarts"] == 1
-                     and j["progress"]["step"] > j["restart_log"][0].get("resumed_step", 1e9) + 10
-                     and j, 600, "the job to train on elsewhere")
-    client.cancel(job["id"])
-    done = infra.wait_state(job["id"], DONE, timeout=120)
-    assert done["state"] == "CANCELLED", done["message"]
+    moved, done = trains_on_then_cancelled(infra, job["id"])
     entry = done["restart_log"][0]
     assert entry["kind"] == "node_lost" and entry["unreachable"] == "agent", entry
     assert f"node agent on {lost} stopped" in entry["cause"] and entry["node"] == lost
@@ -194,13 +201,7 @@ def test_lost_node_job_is_placed_elsewhere(infra):
     assert {p["node"] for p in placement} == {lost}, "the job should be packed on one node"
     os.kill(raylet_of(placement[0]["node_id"]), signal.SIGKILL)
 
-    moved = wait_for(lambda: (j := client.get(job["id"]))["state"] == "RUNNING"
-                     and j["restarts"] == 1
-                     and j["progress"]["step"] > j["restart_log"][0].get("resumed_step", 1e9) + 10
-                     and j, 600, "the job to train on elsewhere")
-    client.cancel(job["id"])
-    done = infra.wait_state(job["id"], DONE, timeout=120)
-    assert done["state"] == "CANCELLED", done["message"]
+    moved, done = trains_on_then_cancelled(infra, job["id"])
     entry = done["restart_log"][0]
     assert done["restarts"] == 1 and entry.get("node") == lost, done["restart_log"]
     assert entry["kind"] in ("node_lost", "died", "expired")
