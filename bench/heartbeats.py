@@ -504,15 +504,20 @@ def run(plan: Plan) -> int:
     return 0 if ok else 1
 
 
-def emit_small(phase: Phase) -> None:
+def emit_scan(phase: Phase, metric: str, target: float, settings: str) -> None:
+    """A scan line: the median over segments of each segment's p99, ours against the baseline."""
     ours, base = phase.p99s(phase.ours_runs), phase.p99s(phase.base_runs)
-    ranks, nodes = phase.ranks, phase.ranks // RANKS_PER_NODE
-    emit(BENCH, "heartbeat_scan_ms_p99", "ms", median(ours), median(base), 100, better="lower",
+    emit(BENCH, metric, "ms", median(ours), median(base), target, better="lower",
          target_on="ours", spread={"ours": ours, "baseline": base},
-         settings=f"{ranks} ranks, {RANKS_PER_NODE} a node; ours: node agents ({nodes} records: "
-                  "read_relayed + RelayView.merge + Classifier.observe); baseline: per-rank keys "
-                  f"(read_beats over {ranks} own keys + Classifier.observe), alternating with ours "
-                  "on the same writer processes")
+         settings=f"{phase.ranks} ranks, {RANKS_PER_NODE} a node; {settings}")
+
+
+def emit_small(phase: Phase) -> None:
+    ranks, nodes = phase.ranks, phase.ranks // RANKS_PER_NODE
+    emit_scan(phase, "heartbeat_scan_ms_p99", 100,
+              f"ours: node agents ({nodes} records: read_relayed + RelayView.merge + "
+              f"Classifier.observe); baseline: per-rank keys (read_beats over {ranks} own keys + "
+              "Classifier.observe), alternating with ours on the same writer processes")
     cores = [w.cores for w in phase.ours_windows]
     bcores = [w.cores for w in phase.base_windows]
     emit(BENCH, "redis_cpu_fraction", "cores", median(cores), median(bcores), 0.5, better="lower",
@@ -525,14 +530,12 @@ def emit_small(phase: Phase) -> None:
 
 
 def emit_big(phase: Phase) -> None:
-    ours, base = phase.p99s(phase.ours_runs), phase.p99s(phase.base_runs)
     ranks, nodes = phase.ranks, phase.ranks // RANKS_PER_NODE
-    emit(BENCH, "heartbeat_scan_ms_p99_131k", "ms", median(ours), median(base), 250, better="lower",
-         target_on="ours", spread={"ours": ours, "baseline": base},
-         settings=f"{ranks} ranks, {RANKS_PER_NODE} a node; ours: node agents ({nodes} records "
-                  "written a second by the writer processes); baseline: read_beats over "
-                  f"{ranks} own keys written by the bench itself (no per-rank writers at this "
-                  "scale), half rewritten before each scan, alternating with ours")
+    emit_scan(phase, "heartbeat_scan_ms_p99_131k", 250,
+              f"ours: node agents ({nodes} records written a second by the writer processes); "
+              f"baseline: read_beats over {ranks} own keys written by the bench itself (no "
+              "per-rank writers at this scale), half rewritten before each scan, alternating "
+              "with ours")
 
 
 def main() -> None:
