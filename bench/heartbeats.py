@@ -305,6 +305,16 @@ def phase_writers(plan: Plan, ctx: mp.context.BaseContext, url: str, stats: redi
     return Phase(f"{ranks:,} ranks", ranks, roles), dead_agents, writers
 
 
+def warm_up(writers: Writers, ours: Controller, stats: redis.Redis) -> None:
+    """Connect the writers, start them in node-agent mode, and scan through the warm-up."""
+    took = writers.start()
+    log(f"writers connected in {took:.1f}s; "
+        f"{stats.info('clients')['connected_clients']} Redis clients")
+    writers.go()
+    ours.start()
+    poll_loop(ours.scan, WARMUP_S, check=writers.check_alive)
+
+
 def phase_mixed(plan: Plan, ctx: mp.context.BaseContext, url: str, stats: redis.Redis,
                 prefix: str) -> Phase:
     """Phase 1: the same writers alternate between node agents and per-rank keys."""
@@ -319,12 +329,7 @@ def phase_mixed(plan: Plan, ctx: mp.context.BaseContext, url: str, stats: redis.
     ours = Controller(ctx, agent_scan(url, prefix, ranks, plan), POLL_S, "controller-agents")
     base = Controller(ctx, rank_scan(url, prefix, ranks, plan), POLL_S, "controller-per-rank")
     try:
-        took = writers.start()
-        log(f"writers connected in {took:.1f}s; "
-            f"{stats.info('clients')['connected_clients']} Redis clients")
-        writers.go()
-        ours.start()
-        poll_loop(ours.scan, WARMUP_S, check=writers.check_alive)
+        warm_up(writers, ours, stats)
         for _ in range(plan.segments):
             writers.set_mode(PER_RANK)
             if not base.started:
@@ -362,12 +367,7 @@ def phase_big(plan: Plan, ctx: mp.context.BaseContext, url: str, stats: redis.Re
     base = Controller(ctx, rank_scan(url, f"{prefix}static:", ranks, plan), POLL_S,
                       "controller-per-rank")
     try:
-        took = writers.start()
-        log(f"writers connected in {took:.1f}s; "
-            f"{stats.info('clients')['connected_clients']} Redis clients")
-        writers.go()
-        ours.start()
-        poll_loop(ours.scan, WARMUP_S, check=writers.check_alive)
+        warm_up(writers, ours, stats)
         for _ in range(plan.segments_big):
             if not base.started:
                 base.start()
