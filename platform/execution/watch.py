@@ -100,6 +100,8 @@ class RankWatch:
         self.relay = RelayView({r: n for r, n in nodes.items() if r in set(self.ranks)}) \
             if nodes else None
         self._parsed_nodes: dict[str, tuple[str, NodeRecord | None]] = {}
+        # Ranks with no node in the placement: always read from their own keys.
+        self._unplaced = [r for r in self.ranks if self.relay and r not in self.relay.node_of]
 
     def poll(self) -> list[Verdict]:
         """Read every beat once; return the ranks judged failed (none while Redis is away)."""
@@ -133,9 +135,8 @@ class RankWatch:
         if self.relay is None:
             return self.store.beats(self.job_id, self.ranks, cache=self._parsed)
         relay = self.relay
-        uncovered = [r for r in self.ranks if r not in relay.node_of]
         records, direct = self.store.relayed_beats(
-            self.job_id, relay.nodes, relay.direct_ranks() + uncovered, self._parsed_nodes,
+            self.job_id, relay.nodes, relay.direct_ranks() + self._unplaced, self._parsed_nodes,
             self._parsed)
         gone = set(relay.gone)
         beats = relay.merge(records, direct)
