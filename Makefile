@@ -56,8 +56,10 @@ run: install
 	echo; echo "== loss summary =="; \
 	grep -E '^(state|step|loss|checkpoint) ' /tmp/kc-demo.out
 
+# Two pytest processes at once: the tiers with a Ray stack, and beside them at a lower
+# CPU priority the tier without one (tests/suite.py says why).
 test: install tools
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) tests/suite.py
 
 # Every benchmark at its defaults (about an hour and a half on 2 cores; not part of `make test`,
 # which runs each one's --quick mode): bench/results/latest.jsonl and latest.md.

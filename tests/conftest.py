@@ -52,12 +52,29 @@ def _tier(module: object, items: list[pytest.Item]) -> int:
     return OWN_STACK if own else SHARED_STACK if shared else NO_STACK
 
 
+# `--tiers`: which tiers this session runs. `make test` (tests/suite.py) runs the tiers
+# that use a Ray stack in one pytest process and the tier without one in another,
+# beside it at a lower CPU priority.
+TIER_CHOICES = {"all": {OWN_STACK, NO_STACK, SHARED_STACK}, "stack": {OWN_STACK, SHARED_STACK},
+                "nostack": {NO_STACK}}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--tiers", choices=sorted(TIER_CHOICES), default="all",
+                     help="run only the modules with a Ray stack (own or shared), only those "
+                          "without one, or all (the default)")
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
     by_module: dict[object, list[pytest.Item]] = {}
     for item in items:
         by_module.setdefault(item.path, []).append(item)
     tiers = {module: _tier(module, group) for module, group in by_module.items()}
+    keep = TIER_CHOICES[config.getoption("--tiers")]
+    if left := [item for item in items if tiers[item.path] not in keep]:
+        config.hook.pytest_deselected(items=left)
+        items[:] = [item for item in items if tiers[item.path] in keep]
     # The benchmarks' quick runs start in the background when the no-stack tier begins;
     # their module comes last in it and collects them (tests/bench/quick.py).
     items[:] = sorted(items, key=lambda item: (tiers[item.path], item.path.name == BENCH_MODULE))
@@ -65,7 +82,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if not _BACKGROUND and _TIERS.get(item.path, NO_STACK) >= NO_STACK:
+    if not _BACKGROUND and _TIERS.get(item.path, NO_STACK) >= NO_STACK \
+            and NO_STACK in TIER_CHOICES[item.config.getoption("--tiers")]:
         from tests.bench import quick
 
         _BACKGROUND.append(True)

@@ -1,0 +1,91 @@
+"""`make test`: the whole suite as two pytest processes running at once.
+
+The modules that use a Ray stack (their own, or the session's shared one: most
+of the suite's wall time) spend much of it waiting: clusters coming up, ranks
+importing torch, heartbeats timing out. On 2 cores a third to a half of the
+CPU time stayed idle while they ran, and the tier without a stack (unit,
+process, layout, deploy and security tests, and the light benchmarks' quick
+runs) then ran on its own after them. So the two run side by side:
+
+* the stack tiers in the foreground, at normal priority, in the order
+  tests/conftest.py gives them (own stacks first, then the shared stack);
+* the tier without a stack beside them at `nice` NICE, so it takes mostly the
+  CPU the stack tiers leave idle; its quick benchmark runs go lower still
+  (tests/bench/quick.py).
+
+Each pytest process is what `pytest tests --tiers=stack|nostack` runs by hand
+(tests/conftest.py). The foreground's output streams; the background's is
+kept in a file and printed when both are done, so the two do not interleave.
+The exit status is the first non-zero of the two. Arguments are passed to
+both (`-x`, `-k ...`). With KC_SUITE_JUNIT=PATH each writes a JUnit file,
+PATH-stack.xml and PATH-nostack.xml.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NICE = 10  # low enough to stay out of the stack tiers' way, high enough not to starve
+STOP_GRACE_S = 60
+
+
+def pytest_args(tier: str, extra: list[str]) -> list[str]:
+    args = [sys.executable, "-m", "pytest", "-q", "--durations=20" if tier == "stack" else
+            "--durations=10", f"--tiers={tier}", "tests", *extra]
+    if junit := os.environ.get("KC_SUITE_JUNIT"):
+        args.append(f"--junitxml={junit}-{tier}.xml")
+    return args
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C for a pytest process group (its fixtures bring their clusters down), then
+    SIGKILL for what is left after STOP_GRACE_S."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # a SIGTERM (CI's, say) stops both processes as Ctrl-C does
+
+
+def main(extra: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _interrupted)
+    started = time.monotonic()
+    with tempfile.TemporaryFile("w+") as log:
+        background = subprocess.Popen(["nice", "-n", str(NICE), *pytest_args("nostack", extra)],
+                                      cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        foreground = subprocess.Popen(pytest_args("stack", extra), cwd=ROOT, start_new_session=True)
+        try:
+            codes = [foreground.wait(), background.wait()]
+        except KeyboardInterrupt:
+            for proc in (foreground, background):
+                stop(proc)
+            return 130
+        finally:
+            for proc in (foreground, background):  # an exception above: leave nothing running
+                if proc.poll() is None:
+                    stop(proc)
+        log.seek(0)
+        print(f"\n== the tier without a Ray stack, run beside the above at nice {NICE} ==",
+              flush=True)
+        sys.stdout.write(log.read())
+    print(f"\n== suite: {time.monotonic() - started:.0f} s; exit {codes[0]} (stack tiers), "
+          f"{codes[1]} (tier without a stack) ==", flush=True)
+    return next((c for c in codes if c), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
