@@ -17,6 +17,11 @@ keep pytest's order, and a module's tests stay together and in their order
 except the benchmarks' quick runs: they start in the background as the
 no-stack tier begins, and their module comes last in that tier
 (tests/bench/quick.py).
+
+`--tiers stack|nostack` runs only the tiers with a stack or only the one
+without. `make test` runs both at once, as two pytest processes, the tier
+without a stack at a lower CPU priority (tests/suite.py): it then begins
+beside the own-stack tier and takes mostly the CPU the stack tiers leave idle.
 """
 
 from __future__ import annotations

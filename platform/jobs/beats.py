@@ -9,7 +9,7 @@ store."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
@@ -43,26 +43,32 @@ def read_beats(client, prefix: str, job_id: str, ranks: Iterable[int], chunk: in
             the values are unchanged in any scan.
     """
     ranks = list(ranks)
-    out: dict[int, Beat | None] = {}
     with client.pipeline(transaction=False) as pipe:
         for i in range(0, len(ranks), chunk):
             pipe.mget([keys.beat(prefix, job_id, r) for r in ranks[i:i + chunk]])
         replies = pipe.execute()
     values = [v for reply in replies for v in reply]
     if cache is None:
-        for rank, raw in zip(ranks, values, strict=True):
-            out[rank] = Beat.decode(rank, raw) if raw is not None else None
-        return out
-    for rank, raw in zip(ranks, values, strict=True):
+        return {rank: Beat.decode(rank, raw) if raw is not None else None
+                for rank, raw in zip(ranks, values, strict=True)}
+    return _parsed(ranks, values, cache, Beat.decode)
+
+
+def _parsed(names: list[Any], values: list[Any], cache: dict[Any, tuple[Any, Any]],
+            parse: Callable[[Any, Any], Any]) -> dict[Any, Any]:
+    """name -> parse(name, value) for each read value, None where the key was missing. A
+    value equal to the one `cache` holds for the name is not parsed again."""
+    out: dict[Any, Any] = {}
+    for name, raw in zip(names, values, strict=True):
         if raw is None:
-            out[rank] = None
+            out[name] = None
             continue
-        hit = cache.get(rank)
+        hit = cache.get(name)
         if hit is not None and hit[0] == raw:
-            out[rank] = hit[1]
+            out[name] = hit[1]
         else:
-            beat = out[rank] = Beat.decode(rank, raw)
-            cache[rank] = (raw, beat)
+            parsed = out[name] = parse(name, raw)
+            cache[name] = (raw, parsed)
     return out
 
 
@@ -80,27 +86,9 @@ def read_relayed(client: Any, prefix: str, job_id: str, nodes: list[str], ranks:
             pipe.mget([keys.beat(prefix, job_id, r) for r in ranks[i:i + chunk]])
         replies = pipe.execute()
     values = [v for reply in replies for v in reply]
-    records: dict[str, NodeRecord | None] = {}
-    for node, raw in zip(nodes, values[:len(nodes)], strict=True):
-        hit = node_cache.get(node) if raw is not None else None
-        if raw is None:
-            records[node] = None
-        elif hit is not None and hit[0] == raw:
-            records[node] = hit[1]
-        else:
-            rec = records[node] = decode_node_record(raw)
-            node_cache[node] = (raw, rec)
-    beats: dict[int, Beat | None] = {}
-    for rank, raw in zip(ranks, values[len(nodes):], strict=True):
-        hit = rank_cache.get(rank) if raw is not None else None
-        if raw is None:
-            beats[rank] = None
-        elif hit is not None and hit[0] == raw:
-            beats[rank] = hit[1]
-        else:
-            beat = beats[rank] = Beat.decode(rank, raw)
-            rank_cache[rank] = (raw, beat)
-    return records, beats
+    records = _parsed(nodes, values[:len(nodes)], node_cache,
+                      lambda _, raw: decode_node_record(raw))
+    return records, _parsed(ranks, values[len(nodes):], rank_cache, Beat.decode)
 
 
 class Beats:

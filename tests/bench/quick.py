@@ -6,7 +6,9 @@ of the suite's wall time with the CPUs half idle. So tests/conftest.py starts
 them as soon as the modules with a Ray stack of their own are done (those are the
 timing-sensitive ones, run on a quiet machine) and the tier of modules that need
 no stack begins; tests/bench/test_bench_quick.py, ordered last in that tier, only
-collects what they printed.
+collects what they printed. (Under `make test` that tier is a pytest process of its
+own, started beside the stack tiers at a lower priority, tests/suite.py: the quick
+runs then begin with the suite, at the lower priority plus NICE.)
 
 The scripts run at a lower CPU priority (`nice`), so the tests running beside
 them keep theirs: a quick run's timings are not judged (speed goals live in
