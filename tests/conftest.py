@@ -19,12 +19,15 @@ no-stack tier begins, and their module comes last in that tier
 (tests/bench/quick.py).
 
 `--tiers stack|nostack` runs only the tiers with a stack or only the one
-without. `make test` runs both at once, as two pytest processes, the tier
-without a stack at a lower CPU priority (tests/suite.py): it then begins
-beside the own-stack tier and takes mostly the CPU the stack tiers leave idle.
+without. `make test` runs them as two pytest processes (tests/suite.py): the
+tier without a stack starts when the shared-stack tier begins, and runs beside
+it at a lower CPU priority.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
@@ -86,7 +89,14 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     _TIERS.update(tiers)
 
 
+# tests/suite.py's signal: the file it names here is created when the shared-stack tier
+# begins, and the tier without a stack then starts beside it.
+SHARED_BEGAN_ENV = "KC_SUITE_SHARED_BEGAN"
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if (mark := os.environ.get(SHARED_BEGAN_ENV)) and _TIERS.get(item.path) == SHARED_STACK:
+        Path(mark).touch()
     if not _BACKGROUND and _TIERS.get(item.path, NO_STACK) >= NO_STACK \
             and NO_STACK in TIER_CHOICES[item.config.getoption("--tiers")]:
         from tests.bench import quick

@@ -39,8 +39,19 @@ def shared_redis_url() -> str | None:
 
 
 def kc(*args: str, env: dict[str, str], timeout: float = 600, cwd: Path = ROOT):
-    return subprocess.run([str(Path(sys.executable).parent / "kc"), *args], capture_output=True,
-                          text=True, env=env, timeout=timeout, cwd=cwd)
+    """`kc ARGS`, its output captured. On Ctrl-C (the test run stopped) it is waited for, not
+    killed: it got the same SIGINT, and `kc up` takes down what it had started so far."""
+    with subprocess.Popen([str(Path(sys.executable).parent / "kc"), *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env, cwd=cwd) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except KeyboardInterrupt:
+            proc.communicate(timeout=120)
+            raise
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def wait_for(fn, timeout: float, what: str, interval: float = 0.5) -> Any:
