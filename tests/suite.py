@@ -20,6 +20,9 @@ measured with the other tier beside them from the start they ran 20-60%
 longer (test_elastic 171 -> 274 s), which took back most of what the overlap
 saved. The shared-stack tier ran at its own pace beside it.
 
+KC_SUITE_NICE and KC_SUITE_START=begin (start both at once) change the two
+choices, for measuring them.
+
 Each pytest process is what `pytest tests --tiers=stack|nostack` runs by hand
 (tests/conftest.py). The foreground's output streams; the background's is
 kept in a file and printed when both are done, so the two do not interleave.
@@ -39,7 +42,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NICE = 10  # low enough to stay out of the stack tier's way, high enough not to starve
+NICE = int(os.environ.get("KC_SUITE_NICE", "10"))  # out of the stack tier's way, not starved
+# "shared": the tier without a stack starts as the shared-stack tier begins; "begin": at once.
+START = os.environ.get("KC_SUITE_START", "shared")
 POLL_S = 1.0
 SHARED_BEGAN_ENV = "KC_SUITE_SHARED_BEGAN"  # tests/conftest.py's name for it
 STOP_GRACE_S = 60
@@ -53,12 +58,12 @@ def pytest_args(tier: str, extra: list[str]) -> list[str]:
     return args
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """Ctrl-C for a pytest process group (its fixtures bring their clusters down), then
-    SIGKILL for what is left after STOP_GRACE_S."""
+def stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """Ctrl-C for the process group `proc` leads (a pytest run's fixtures, a benchmark's
+    `finally`, bring their clusters down), then SIGKILL for what is left after `grace_s`."""
     try:
         os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(STOP_GRACE_S)
+        proc.wait(grace_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -82,7 +87,7 @@ def main(extra: list[str]) -> int:
                                       env={**os.environ, SHARED_BEGAN_ENV: str(began)})
         background: subprocess.Popen | None = None
         try:
-            while foreground.poll() is None and not began.exists():
+            while START == "shared" and foreground.poll() is None and not began.exists():
                 time.sleep(POLL_S)
             background = subprocess.Popen(["nice", "-n", str(NICE), *pytest_args("nostack", extra)],
                                           cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,

@@ -19,7 +19,6 @@ prefix, cluster and temporary folders, so they do not see each other.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from bench import run_all
+from tests.suite import stop as interrupt  # Ctrl-C for its group, then SIGKILL
 
 ROOT = Path(__file__).resolve().parents[2]
 # Roughly longest first (quick-mode wall time on 2 cores), so the slow ones overlap the rest.
@@ -81,7 +81,7 @@ def _run(script: str) -> subprocess.CompletedProcess:
         try:
             stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            _interrupt(proc)
+            interrupt(proc)
             stdout, stderr = proc.communicate()
             stderr += f"\n[quick runs] killed after {TIMEOUT_S}s"
         finally:
@@ -91,24 +91,12 @@ def _run(script: str) -> subprocess.CompletedProcess:
     return out
 
 
-def _interrupt(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
-    """Ctrl-C for a script's process group (its `finally` brings its cluster down), then
-    SIGKILL for what is left after `grace_s`."""
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def stop() -> None:
     """At the session's end: runs never collected (a test run stopped early) are interrupted."""
     if _pool is not None:
         _pool.shutdown(wait=False, cancel_futures=True)
     for proc in list(_running.values()):
-        _interrupt(proc)
+        interrupt(proc)
 
 
 def selected_scripts(items) -> set[str]:
