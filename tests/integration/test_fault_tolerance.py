@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED"}
 STALL_S = 2.0  # rank 0 idle this long, its heartbeat going: it waits on the stopped rank
+WAITS_ON_PEERS = {"forward", "collective"}  # the built-in trainer's phases that wait on peers
 
 
 def spec(stack, name):
@@ -112,9 +113,13 @@ def stop_past_a_checkpoint(stack, job_id: str, pid: int, every: int) -> int:
     complete from what the stopped rank had sent, and on a busy machine rank 0's own part
     can take a second or more. So the step is rank 0's own, read from its beat once the
     beat says rank 0 has neither stepped nor changed phase for STALL_S while its heartbeat
-    thread beat on (twice since the stop): it waits on the stopped rank. Stopped for a few
-    seconds, well inside the heartbeat timeout, so the kill is still what the controller
-    sees; a try that does not settle in time (a busy machine) is let go and retried."""
+    thread beat on (twice since the stop), in a phase that waits on its peers (forward,
+    where the gradient all-reduce runs, or a collective): it waits on the stopped rank.
+    Stalled anywhere else, it is only slow (a busy machine), and may yet finish the step.
+    Neither the step nor the next is a checkpoint's, so that a survivor that did finish
+    one more step still went on past the newest checkpoint. Stopped for a few seconds,
+    well inside the heartbeat timeout, so the kill is still what the controller sees; a
+    try that does not settle in time (a busy machine) is let go and retried."""
     store = JobStore.from_url(stack.env["KC_REDIS_URL"], stack.env["KC_REDIS_PREFIX"])
 
     def beat():
@@ -122,7 +127,8 @@ def stop_past_a_checkpoint(stack, job_id: str, pid: int, every: int) -> int:
 
     def settled(first: int):
         b = beat()
-        return b if b is not None and b.seq >= first + 2 and b.stalled_s >= STALL_S else None
+        return b if (b is not None and b.seq >= first + 2 and b.stalled_s >= STALL_S
+                     and b.phase in WAITS_ON_PEERS) else None
 
     for _ in range(20):
         os.kill(pid, signal.SIGSTOP)
@@ -130,7 +136,7 @@ def stop_past_a_checkpoint(stack, job_id: str, pid: int, every: int) -> int:
         deadline = time.monotonic() + 7
         while (b := settled(first)) is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        if b is not None and b.step % every:
+        if b is not None and b.step % every and (b.step + 1) % every:
             return b.step
         os.kill(pid, signal.SIGCONT)
         time.sleep(0.2)
