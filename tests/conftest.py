@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.suite import SHARED_BEGAN_ENV
+
 OWN_STACK, NO_STACK, SHARED_STACK = 0, 1, 2
 BENCH_MODULE = "test_bench_quick.py"
 _TIERS: dict[object, int] = {}
@@ -89,12 +91,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     _TIERS.update(tiers)
 
 
-# tests/suite.py's signal: the file it names here is created when the shared-stack tier
-# begins, and the tier without a stack then starts beside it.
-SHARED_BEGAN_ENV = "KC_SUITE_SHARED_BEGAN"
-
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    # tests/suite.py's signal: the file it names is created when the shared-stack tier
+    # begins, and the tier without a stack then starts beside it.
     if (mark := os.environ.get(SHARED_BEGAN_ENV)) and _TIERS.get(item.path) == SHARED_STACK:
         Path(mark).touch()
     if not _BACKGROUND and _TIERS.get(item.path, NO_STACK) >= NO_STACK \

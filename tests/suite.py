@@ -49,7 +49,7 @@ NICE = int(os.environ.get("KC_SUITE_NICE", "10"))  # out of the stack tier's way
 # "shared": the tier without a stack starts as the shared-stack tier begins; "begin": at once.
 START = os.environ.get("KC_SUITE_START", "shared")
 POLL_S = 1.0
-SHARED_BEGAN_ENV = "KC_SUITE_SHARED_BEGAN"  # tests/conftest.py's name for it
+SHARED_BEGAN_ENV = "KC_SUITE_SHARED_BEGAN"  # tests/conftest.py creates the file it names
 STOP_GRACE_S = 60
 
 
