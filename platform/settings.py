@@ -16,11 +16,15 @@ from functools import lru_cache
 from pathlib import Path
 
 from kuangchao.platform.cluster.quarantine import QuarantinePolicy
+from kuangchao.platform.env_numbers import env_number
 
 RAY_NAMESPACE = "kuangchao"
 DEFAULT_PREFIX = "kc:"
 DEFAULT_API_PORT = 8000
 DEFAULT_DASHBOARD_PORT = 8265
+# Finished jobs kept in Redis (platform/scheduling/retention.py): a month of history to
+# look back on, and a bound on what Redis holds.
+DEFAULT_JOB_RETENTION_DAYS = 30.0
 
 
 def kc_home() -> Path:
@@ -171,6 +175,10 @@ class Settings:
         dev: Local dev mode (`KC_DEV_MODE=1`, set by `kc up`).
         job_acl: Give each job's workers a Redis ACL user of their own
             (`KC_REDIS_JOB_ACL`, default 1; 0 for a Redis without ACLs).
+        job_retention_days: How long a finished job's record, events, logs and
+            metrics stay in Redis (`KC_JOB_RETENTION_DAYS`, default 30; 0 keeps
+            them forever); the scheduler deletes them after that
+            (platform/scheduling/retention.py).
         object_store_env: The operator's object-store settings (`AWS_*`,
             `KC_OBJECT_STORE_*`, `KC_CHECKPOINT_URLS`, `KC_DATA_URLS`) as the
             starter read them, handed to the control plane's actors, which apply
@@ -189,9 +197,14 @@ class Settings:
     dev: bool = False
     job_acl: bool = True
     object_store_env: dict[str, str] | None = field(default=None, repr=False)
+    job_retention_days: float = DEFAULT_JOB_RETENTION_DAYS
 
     @classmethod
     def from_env(cls) -> Settings:
+        """Raises:
+            ClusterError: A numeric setting (`KC_QUARANTINE_*`, `KC_JOB_RETENTION_DAYS`)
+                is not a number or is negative.
+        """
         state = read_cluster_state() or {}
         prefix = os.environ.get("KC_REDIS_PREFIX") or state.get("redis_prefix") or DEFAULT_PREFIX
         api_url = (
@@ -213,4 +226,5 @@ class Settings:
             dev=dev_mode() or bool(state.get("dev_mode")),
             job_acl=os.environ.get("KC_REDIS_JOB_ACL", "1") != "0",
             object_store_env=operator_storage_env(),
+            job_retention_days=env_number("KC_JOB_RETENTION_DAYS", DEFAULT_JOB_RETENTION_DAYS),
         )

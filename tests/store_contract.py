@@ -430,3 +430,59 @@ def test_scrape_targets_register_and_leave_only_for_their_own_process(store):
     store.unregister_target("j1", 5, pid=11)
     (entry,) = store.targets(["j1"])["j1"].items()
     assert entry[0] == "1" and '"h:2"' in entry[1]
+
+
+# -- retention ----------------------------------------------------------------------
+TERMINAL = tuple(s.value for s in JobState if s.is_terminal)
+
+
+def finished_at(store, i: int, at: float) -> str:
+    """Job `i`, failed, as if it had finished at `at`."""
+    store.create(job(i))
+    store.update(f"j{i:03d}", lambda j: fail(j, "boom"))
+    store.update(f"j{i:03d}", lambda j: (replace(j, finished_at=at), None))
+    return f"j{i:03d}"
+
+
+def test_a_purge_forgets_a_job_finished_before_the_cutoff_and_every_key_it_left(store):
+    gone = finished_at(store, 1, at=500.0)
+    store.add_logs(gone, [{"rank": 0, "message": "hello"}])
+    store.add_metrics(gone, [{"step": 1, "loss": 2.0}])
+    store.set_progress(gone, {"step": 3, "loss": 1.5})
+    store.add_checkpoint(gone, {"step": 3, "path": "/c/3"})
+    store.record_samples(gone, {"1/2/0": "0:4"})
+    store.claim_controller(gone, "ctl/1")
+    store.request_cancel(gone)
+    store.recorder(gone).observe(metrics.FAILURE_DETECTION, 3.0, cause="died")
+    store.fence(gone, ["11@n0"])
+    store.create(job(2))  # another job's keys stay
+    store.set_progress("j002", {"step": 1})
+    assert store.purge_finished(gone, 600.0, TERMINAL) == "purged"
+    with pytest.raises(JobNotFound):
+        store.get(gone)
+    assert [j.id for j in store.list()] == ["j002"]
+    assert [j.id for j in store.list_active()] == ["j002"]
+    assert store.events(gone) == [] and store.logs(gone) == [] and store.metrics(gone) == []
+    assert store.progress(gone) == {} and store.checkpoints(gone) == [] and store.samples(gone) == {}
+    assert store.controller(gone) is None and not store.cancel_requested(gone)
+    assert store.metric_fields(gone) == {} and store.fenced(gone) == set()
+    assert store.progress("j002") == {"step": 1} and len(store.events("j002")) == 1
+
+
+def test_a_purge_keeps_a_job_that_runs_or_finished_at_or_after_the_cutoff(store):
+    store.create(job(1))
+    recent = finished_at(store, 2, at=600.0)
+    assert store.purge_finished("j001", 1e12, TERMINAL) == "kept"  # queued, however old
+    assert store.purge_finished(recent, 600.0, TERMINAL) == "kept"
+    assert store.purge_finished(recent, 600.0, ("SUCCEEDED",)) == "kept"  # not in `terminal`
+    assert store.get("j001").state is JobState.QUEUED and store.get(recent).finished_at == 600.0
+    assert [e.get("to") for e in store.events(recent)] == ["QUEUED", "FAILED"]
+    assert store.purge_finished(recent, 600.5, TERMINAL) == "purged"
+    assert [j.id for j in store.list()] == ["j001"]
+
+
+@pytest.mark.parametrize("bad", ["*", "j00?", "j001:events", ""])
+def test_a_purge_of_what_is_no_job_id_deletes_nothing(store, bad):
+    finished_at(store, 1, at=1.0)
+    assert store.purge_finished(bad, 1e12, TERMINAL) == "kept"
+    assert store.get("j001").state is JobState.FAILED

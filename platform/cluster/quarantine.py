@@ -8,8 +8,9 @@ nodes out until their quarantine ends or an operator releases them
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from kuangchao.platform.env_numbers import env_number
 
 # Failure kinds that say something about the node. A NaN loss, a user's
 # exception or a cancelled job do not.
@@ -32,11 +33,15 @@ class QuarantinePolicy:
 
     @classmethod
     def from_env(cls) -> QuarantinePolicy:
-        """`KC_QUARANTINE_FAILURES`, `KC_QUARANTINE_WINDOW_S`, `KC_QUARANTINE_S`."""
+        """`KC_QUARANTINE_FAILURES`, `KC_QUARANTINE_WINDOW_S`, `KC_QUARANTINE_S`.
+
+        Raises:
+            ClusterError: One of them is not a number, or is negative.
+        """
         d = cls()
-        return cls(failures=int(os.environ.get("KC_QUARANTINE_FAILURES", d.failures)),
-                   window_s=float(os.environ.get("KC_QUARANTINE_WINDOW_S", d.window_s)),
-                   duration_s=float(os.environ.get("KC_QUARANTINE_S", d.duration_s)))
+        return cls(failures=int(env_number("KC_QUARANTINE_FAILURES", d.failures, integer=True)),
+                   window_s=env_number("KC_QUARANTINE_WINDOW_S", d.window_s),
+                   duration_s=env_number("KC_QUARANTINE_S", d.duration_s))
 
     @property
     def enabled(self) -> bool:

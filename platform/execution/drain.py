@@ -35,8 +35,7 @@ from kuangchao.platform.cluster.drain import DrainNotice, describe_deadline, not
 from kuangchao.platform.cluster.registry import draining_nodes
 from kuangchao.platform.execution.drain_policy import DrainAction, DrainDecision, DrainView, decide
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank
-from kuangchao.platform.security.audit import AuditLog, AuditRecord
-from kuangchao.platform.settings import audit_file, audit_roots
+from kuangchao.platform.security.audit import AuditLog, AuditRecord, default_trail
 from kuangchao.platform.spec.jobspec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -201,11 +200,7 @@ class DrainResponder:
 
     def _audit(self, d: DrainDecision, message: str) -> None:
         if self.trail is None:
-            try:
-                self.trail = AuditLog(self.store, audit_file(), audit_roots())
-            except OSError as exc:  # no audit folder here: the stream still gets the record
-                log.warning("audit file not writable (%s); auditing to the stream only", exc)
-                self.trail = AuditLog(self.store, None)
+            self.trail = default_trail(self.store)
         self.trail.record(AuditRecord(
             principal=AUDIT_PRINCIPAL, action=f"job.drain_{d.action.value}",
             resource=f"node/{','.join(d.nodes)}", decision="allow", reason=message,

@@ -35,6 +35,8 @@ EVENT_CAP = 5_000
 REPORT_ANSWER_TTL_S = 600
 STACK_TTL_S = 3600  # a rank's answer to a stack request
 AUDIT_CAP = 200_000  # records the audit stream keeps (about: Redis trims it in whole nodes)
+# What a retention purge did to one job (retention_store.py, memory_retention.py).
+PURGED, KEPT, STALE = "purged", "kept", "stale"
 
 
 def log_text(record: dict[str, Any]) -> str:

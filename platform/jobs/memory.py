@@ -38,6 +38,7 @@ from kuangchao.platform.jobs.encoding import (
     sample_fields_from,
 )
 from kuangchao.platform.jobs.memory_more import Expiring, MemoryExtras
+from kuangchao.platform.jobs.memory_retention import MemoryRetention
 from kuangchao.platform.jobs.memory_security import MemorySecurity
 from kuangchao.platform.jobs.record_edits import RecordEdits
 from kuangchao.platform.jobs.state import JobRecord
@@ -57,7 +58,7 @@ class _Jobs:
         bisect.insort(self.order, (created_at, job_id))
 
 
-class MemoryStore(RecordEdits, MemoryExtras, MemorySecurity):
+class MemoryStore(RecordEdits, MemoryExtras, MemorySecurity, MemoryRetention):
     """Everything `JobStore` offers, held in this process. Safe to share between threads."""
 
     def __init__(self, prefix: str = "kc:") -> None:

@@ -8,7 +8,8 @@
 - credentials.py: API keys, token marks, the jobs' Redis users, the audit stream;
 - debug_requests.py: `kc debug` and `kc profile` requests and their answers;
 - beats.py: the ranks' heartbeats;
-- fences.py: the rank processes the controller replaced, which must write no more.
+- fences.py: the rank processes the controller replaced, which must write no more;
+- retention_store.py: a finished job forgotten once its retention is over.
 
 Key names come from keys.py (docs/architecture.md has the table); opening the
 connection is redis_client.py's.
@@ -27,11 +28,12 @@ from kuangchao.platform.jobs.node_health import NodeHealth
 from kuangchao.platform.jobs.recorded import Recorded
 from kuangchao.platform.jobs.records import COMMIT_SCRIPT, CREATE_SCRIPT, Records
 from kuangchao.platform.jobs.redis_client import connect
+from kuangchao.platform.jobs.retention_store import Retention
 from kuangchao.platform.jobs.streams import Streams
 
 
 class JobStore(Records, Streams, ControlFlags, NodeHealth, Recorded, Credentials,
-               DebugRequests, Beats, Fences):
+               DebugRequests, Beats, Fences, Retention):
     """Typed access to the job keys. Safe to share between threads."""
 
     def __init__(self, client: redis.Redis, prefix: str = "kc:") -> None:

@@ -34,7 +34,9 @@ from kuangchao.platform.observability.logjson import use_json_logs
 from kuangchao.platform.runtime.authority_actor import TokenAuthorityActor
 from kuangchao.platform.runtime.ray_connect import CONTROL_RESOURCE
 from kuangchao.platform.scheduling.orphans import RECONCILE_S, OrphanCheck
+from kuangchao.platform.scheduling.retention import RetentionSweep
 from kuangchao.platform.scheduling.scheduler import Scheduler
+from kuangchao.platform.security.audit import default_trail
 from kuangchao.platform.security.authority import AUTHORITY_NAME, load_signing_key
 from kuangchao.platform.settings import RAY_NAMESPACE, Settings
 from kuangchao.platform.storage.access import apply_operator_env
@@ -129,6 +131,8 @@ class SchedulerService:
         )
         self.cycles = 0
         self.orphans = OrphanCheck(self.store, self.settings, controller_exists)
+        self.retention = RetentionSweep(self.store, settings.job_retention_days,
+                                        default_trail(self.store))
         self._thread = threading.Thread(target=self._loop, daemon=True, name="kc-scheduler")
         self._thread.start()
 
@@ -141,6 +145,8 @@ class SchedulerService:
                 if time.monotonic() >= next_reconcile:
                     self.orphans.check()
                     sweep_keepers(self._ended)  # peer-memory keepers of ended jobs
+                    if self.retention.due():
+                        self.retention.sweep()  # finished jobs past KC_JOB_RETENTION_DAYS
                     next_reconcile = time.monotonic() + RECONCILE_S
             except Exception:
                 log.exception("scheduling cycle failed; retrying")
@@ -157,7 +163,8 @@ class SchedulerService:
             return True
 
     def info(self) -> dict[str, Any]:
-        return {"cycles": self.cycles, "pid": os.getpid(), "redis_prefix": self.settings.redis_prefix}
+        return {"cycles": self.cycles, "pid": os.getpid(), "redis_prefix": self.settings.redis_prefix,
+                "retention_days": self.retention.days, "jobs_purged": self.retention.purged_total}
     # No `stop`: any code in the cluster may call this actor, and the loop ends
     # only with its process.
 

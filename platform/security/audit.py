@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kuangchao.platform.security.job_audit import JobAuditFiles
+from kuangchao.platform.settings import audit_file, audit_roots
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,17 @@ class AuditRecord:
         # changes state writes one.
         return {"principal": self.principal, "action": self.action, "resource": self.resource,
                 "decision": self.decision, "reason": self.reason, "job": self.job, "ts": self.ts}
+
+
+def default_trail(store: Any) -> AuditLog:
+    """The trail a control-plane process keeps: the audit file (`KC_AUDIT_FILE`) and the
+    stream, with per-job copies under the audit roots; the stream alone where the
+    file's folder cannot be made here (said once, as a warning)."""
+    try:
+        return AuditLog(store, audit_file(), audit_roots())
+    except OSError as exc:  # no audit folder here: the stream still gets the records
+        log.warning("audit file not writable (%s); auditing to the stream only", exc)
+        return AuditLog(store, None)
 
 
 class AuditLog:
