@@ -121,12 +121,12 @@ class Inputs:
     # Detection: the docs' fast settings (docs/fault-tolerance.md, examples/fault-drill.yaml).
     heartbeat_timeout_s: float = 5.0
     hang_timeout_s: float = 60.0
-    scan_s_16k: float = 0.589  # heartbeats.py heartbeat_scan_ms_p99 at 16,384 ranks, measured
+    scan_s_16k: float = 0.0566  # heartbeats.py heartbeat_scan_ms_p99 at 16,384 ranks, 2026-12-05
     # Start-up and recovery, measured at measured_world ranks (latest.jsonl, 2026-12-03).
     first_step_s: float = 6.638  # overhead.py time_to_first_step_ratio (ours)
     mttr_s: float = MEASURED_MTTR_S  # recovery.py mttr_s: SIGKILL -> first step, in place
     crash_detect_s: float = 0.117  # recovery.py crash_detect_ms p99: inside mttr_s
-    survivor_stall_s: float = 2.470  # recovery.py mttr_s_warm_spares, as the survivors' regroup
+    survivor_stall_s: float = 1.931  # goodput.py survivor_stall_s (median of 10 kills), 2026-12-05
     measured_world: int = MEASURED_WORLD
     restart_s_per_doubling: float = RESTART_S_PER_DOUBLING  # anchored to FT-HSDP's 10 min
 
@@ -441,8 +441,8 @@ def calibrate(base: Inputs | None = None, runs: int = 20, seed: int = 0) -> dict
 
 MEASURED = {  # (bench, metric) -> (Inputs field, factor to its unit); "ours" is the value
     ("overhead", "time_to_first_step_ratio"): ("first_step_s", 1.0),
-    # bench/goodput.py's survivor stall, once it exists, is the measured value itself; until
-    # then recovery.py's warm-spare MTTR stands in for it (see survivor_stall_s).
+    # bench/goodput.py's survivor stall is the measured value itself; in a results file
+    # without it, recovery.py's warm-spare MTTR stands in for it.
     ("goodput", "survivor_stall_s"): ("survivor_stall_s", 1.0),
     ("recovery", "mttr_s"): ("mttr_s", 1.0),
     ("recovery", "crash_detect_ms"): ("crash_detect_s", 1e-3),
