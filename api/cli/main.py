@@ -190,7 +190,10 @@ def topology_probe(size_mb: Annotated[float, typer.Option(help="Payload per tran
         fail(exc.message)
     except ConnectionError as exc:
         fail(f"cannot connect to Ray ({exc}); run `kc up`, or set RAY_ADDRESS")
-    result = measure(nodes_from_ray(ray.nodes()), size_mb, rounds)
+    try:
+        result = measure(nodes_from_ray(ray.nodes()), size_mb, rounds)
+    except KuangchaoError as exc:  # a node's probe actor died or never answered
+        fail(exc.message, 1)
     store.set_info("probe", result)  # the measurements only: the registry finds leaves anew
     shown = {**result, "leaves": found_leaves(result)}
     typer.echo(json.dumps(shown)) if as_json else print_probe(shown)

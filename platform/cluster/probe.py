@@ -20,8 +20,13 @@ from typing import Any
 
 from kuangchao.platform.cluster.leaves import leaf_report, measured_leaves, probed_leaves
 from kuangchao.platform.cluster.topology import DEFAULT_LEAF, NodeInfo
+from kuangchao.platform.errors import ClusterError
 
 SAME_SPINE_FRACTION = 0.7  # leaves within 70% of the best bandwidth share a spine
+# Starts of a node's probe actor: a worker process can die before it runs (seen on a busy
+# netns node), and one more start is cheaper than a failed probe.
+PEER_STARTS = 3
+START_TIMEOUT_S = 120.0
 
 
 class _Peer:
@@ -66,10 +71,13 @@ def measure(nodes: tuple[NodeInfo, ...], size_mb: float = 16.0, rounds: int = 5)
     live = [n for n in nodes if n.alive]
     size = int(size_mb * 1024 * 1024)
     cls = ray.remote(_Peer)
-    peers = {n.name: cls.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-        n.node_id, soft=False)).remote(size) for n in live}
+
+    def start(n: NodeInfo) -> Any:
+        return cls.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            n.node_id, soft=False)).remote(size)
+
+    peers = start_peers(live, start)
     try:
-        ray.get([p.ping.remote() for p in peers.values()], timeout=120)
         pairs = []
         for a, b in itertools.combinations(live, 2):
             lat = ray.get(peers[a.name].pings.remote(peers[b.name], rounds * 4), timeout=120)
@@ -77,12 +85,61 @@ def measure(nodes: tuple[NodeInfo, ...], size_mb: float = 16.0, rounds: int = 5)
             pairs.append({"a": a.name, "b": b.name, "leaf_a": a.leaf, "leaf_b": b.leaf,
                           "latency_us": round(statistics.median(lat) * 1e6, 1),
                           "bandwidth_gbps": round(size * 8 / statistics.median(xfer) / 1e9, 3)})
+    except ray.exceptions.RayError as exc:
+        raise ClusterError(f"the probe lost a node's actor while measuring ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0]}); check the nodes (`kc doctor`) and run "
+                           "the probe again") from None
     finally:
         for p in peers.values():
-            ray.kill(p)
+            _kill(p)
     # Each node's label leaf: a lone node has no pair to say it was measured.
     return {"measured_at": time.time(), "size_mb": size_mb, "pairs": pairs,
             "node_leaves": {n.name: n.leaf for n in live}}
+
+
+def start_peers(live: list[NodeInfo], start: Any) -> dict[str, Any]:
+    """A ready probe actor on each node: one whose worker died before it ran, or that did
+    not answer within START_TIMEOUT_S, is started again, up to PEER_STARTS times.
+
+    Raises:
+        ClusterError: A node's actor never came up (named, with Ray's reason).
+    """
+    import ray
+
+    peers: dict[str, Any] = {}
+    ready: set[str] = set()
+    why: dict[str, str] = {}
+    for _ in range(PEER_STARTS):
+        for n in live:
+            if n.name not in peers:
+                peers[n.name] = start(n)
+        refs = {p.ping.remote(): name for name, p in peers.items() if name not in ready}
+        done, late = ray.wait(list(refs), num_returns=len(refs), timeout=START_TIMEOUT_S)
+        why = {refs[r]: f"no answer within {START_TIMEOUT_S:.0f} s" for r in late}
+        for r in done:
+            try:
+                ray.get(r)
+                ready.add(refs[r])
+            except ray.exceptions.RayActorError as exc:
+                why[refs[r]] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        for name in why:
+            _kill(peers.pop(name))
+        if not why:
+            return peers
+    for p in peers.values():
+        _kill(p)
+    raise ClusterError(f"the probe's actor did not start on {', '.join(sorted(why))} after "
+                       f"{PEER_STARTS} tries ({'; '.join(why.values())}); check those nodes "
+                       "(`kc doctor`) and run the probe again")
+
+
+def _kill(actor: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(actor)
+    except Exception:  # noqa: BLE001 -- already gone is what we wanted
+        pass
 
 
 def measured_spines(probe: dict[str, Any], leaf_of: dict[str, str] | None = None) -> dict[str, str]:

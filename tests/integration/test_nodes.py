@@ -53,3 +53,47 @@ def test_topology_probe_measures_every_pair_of_live_nodes(stack):
     live = [n for n in stack.client.nodes()["nodes"] if n["alive"]]
     assert len(result["pairs"]) == len(live) * (len(live) - 1) // 2
     assert all(p["latency_us"] > 0 and p["bandwidth_gbps"] > 0 for p in result["pairs"])
+
+
+def test_a_probe_actor_whose_worker_dies_before_it_runs_is_started_again(stack, ray_driver):
+    """`kc topology probe` once failed with a traceback: a node's probe actor died before
+    it ran. Now it is started again, and a node whose actor never comes up is named."""
+    import os
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from kuangchao.platform.cluster.probe import PEER_STARTS, _Peer, start_peers
+    from kuangchao.platform.cluster.registry import nodes_from_ray
+    from kuangchao.platform.errors import ClusterError
+
+    class Dies:  # local, so that Ray ships it by value
+        def __init__(self) -> None:
+            os._exit(1)
+
+        def ping(self) -> int:
+            return 0
+
+    live = [n for n in nodes_from_ray(ray_driver.nodes()) if n.alive][:2]
+    assert len(live) == 2
+    starts: list[str] = []
+
+    def start(n, cls=None):
+        starts.append(n.name)
+        cls = cls or (Dies if n.name == live[0].name and starts.count(n.name) == 1 else _Peer)
+        on = NodeAffinitySchedulingStrategy(n.node_id, soft=False)
+        return ray_driver.remote(cls).options(num_cpus=0, scheduling_strategy=on).remote(
+            *(() if cls is Dies else (1024,)))
+
+    peers = start_peers(live, start)
+    try:
+        assert sorted(peers) == sorted(n.name for n in live)
+        assert starts.count(live[0].name) == 2 and starts.count(live[1].name) == 1
+        assert ray_driver.get([p.ping.remote() for p in peers.values()], timeout=60) == [0, 0]
+    finally:
+        for p in peers.values():
+            ray_driver.kill(p)
+    starts.clear()
+    with pytest.raises(ClusterError) as exc:
+        start_peers(live[:1], lambda n: start(n, Dies))
+    assert live[0].name in exc.value.message and f"after {PEER_STARTS} tries" in exc.value.message
+    assert starts == [live[0].name] * PEER_STARTS
