@@ -105,7 +105,8 @@ def running_rank(stack, job_id: str, rank: int, min_step: int) -> tuple[dict, di
     return job, slot
 
 
-def stop_past_a_checkpoint(stack, job_id: str, pid: int, every: int) -> int:
+def stop_past_a_checkpoint(stack, job_id: str, pid: int, every: int,
+                           holds: list[list[float]] | None = None) -> int:
     """SIGSTOP rank `pid` (its peers then wait in their next collective) at a step that
     no checkpoint is of, so that killing it costs steps the restore undoes; returns it.
 
@@ -119,7 +120,9 @@ def stop_past_a_checkpoint(stack, job_id: str, pid: int, every: int) -> int:
     Neither the step nor the next is a checkpoint's, so that a survivor that did finish
     one more step still went on past the newest checkpoint. Stopped for a few seconds,
     well inside the heartbeat timeout, so the kill is still what the controller sees; a
-    try that does not settle in time (a busy machine) is let go and retried."""
+    try that does not settle in time (a busy machine) is let go and retried. `holds`, when
+    given, gets each try's [stopped at, let go at] (monotonic; the second None for the try
+    returned): a try let go stalled the job in training time a later rollback may undo."""
     store = JobStore.from_url(stack.env["KC_REDIS_URL"], stack.env["KC_REDIS_PREFIX"])
 
     def beat():
@@ -132,6 +135,9 @@ def stop_past_a_checkpoint(stack, job_id: str, pid: int, every: int) -> int:
 
     for _ in range(20):
         os.kill(pid, signal.SIGSTOP)
+        hold: list = [time.monotonic(), None]
+        if holds is not None:
+            holds.append(hold)
         first = (beat() or types.SimpleNamespace(seq=-1)).seq
         deadline = time.monotonic() + 7
         while (b := settled(first)) is None and time.monotonic() < deadline:
@@ -139,6 +145,7 @@ def stop_past_a_checkpoint(stack, job_id: str, pid: int, every: int) -> int:
         if b is not None and b.step % every and (b.step + 1) % every:
             return b.step
         os.kill(pid, signal.SIGCONT)
+        hold[1] = time.monotonic()
         time.sleep(0.2)
     raise AssertionError(f"job {job_id} stopped only at checkpoint steps")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import pytest
 
@@ -57,16 +58,18 @@ def common_copies(ray, job_id: str) -> set[int]:
     return set.intersection(*held.values()) if held else set()
 
 
-def stop_with_copies_past_the_disk(stack, ray, job_id: str, pid: int) -> int:
+def stop_with_copies_past_the_disk(stack, ray, job_id: str, pid: int,
+                                   holds: list[list[float]]) -> int:
     """SIGSTOP rank `pid` past a disk checkpoint at a moment when the keepers already
     hold a step of every rank newer than that checkpoint (on a busy machine the copies
     trail the steps: a copy every step is skipped while the last one is in flight);
-    returns the step it stopped at."""
+    returns the step it stopped at. `holds` gets every try's [stopped at, let go at]."""
     for _ in range(20):
-        stopped = stop_past_a_checkpoint(stack, job_id, pid, every=EVERY)
+        stopped = stop_past_a_checkpoint(stack, job_id, pid, every=EVERY, holds=holds)
         if any(stopped // EVERY * EVERY < s <= stopped for s in common_copies(ray, job_id)):
             return stopped
         os.kill(pid, signal.SIGCONT)
+        holds[-1][1] = time.monotonic()
     raise AssertionError(f"job {job_id}: the keepers never held a step past the disk's")
 
 
@@ -85,7 +88,9 @@ def test_a_killed_rank_is_restored_from_its_peers_memory_past_the_disk_checkpoin
     started = [e for e in client.events(victim["id"])["events"] if e["type"] == "peer_memory"]
     assert len(started) == 1 and started[0]["nodes"] == nodes, started
     assert alive(placed[1]["pid"])
-    stopped = stop_with_copies_past_the_disk(stack, ray_driver, victim["id"], placed[1]["pid"])
+    holds: list[list[float]] = []
+    stopped = stop_with_copies_past_the_disk(stack, ray_driver, victim["id"], placed[1]["pid"],
+                                             holds)
     os.kill(placed[1]["pid"], signal.SIGKILL)
 
     done = stack.wait_state(victim["id"], DONE, timeout=300)
@@ -111,7 +116,11 @@ def test_a_killed_rank_is_restored_from_its_peers_memory_past_the_disk_checkpoin
     # (A push still in flight when the rank was stopped may leave the step before it.)
     behind = stopped - entry["resumed_step"]
     assert behind <= 2, entry
-    assert lost["redone"] <= (behind + 1) * 1.5 * step_s + 0.05, lost
+    # A try the helpers let go (a busy machine) held the job in training time; when it
+    # fell in the steps the restore undid, the accounting rightly counts it as redone.
+    let_go = sum(end - start for start, end in holds if end is not None)
+    print(f"tries let go: {len(holds) - 1}, holding the job {let_go:.2f}s")
+    assert lost["redone"] <= (behind + 1) * 1.5 * step_s + 0.05 + let_go, lost
 
     reference = stack.wait_state(clean["id"], DONE, timeout=300)
     assert reference["state"] == "SUCCEEDED" and reference["restarts"] == 0
