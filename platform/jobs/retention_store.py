@@ -54,6 +54,7 @@ class Retention:
 
     r: redis.Redis
     p: str
+    _purge: Any  # PURGE_SCRIPT, registered by JobStore
 
     def purge_finished(self, job_id: str, finished_before: float,
                        terminal: tuple[str, ...]) -> str:
@@ -64,10 +65,7 @@ class Retention:
         whatever keys were left are gone)."""
         if not is_job_id(job_id):
             return KEPT
-        script = self.__dict__.get("_purge")
-        if script is None:
-            script = self.__dict__["_purge"] = self.r.register_script(PURGE_SCRIPT)
         names = [keys.job(self.p, job_id), keys.jobs(self.p), keys.active(self.p),
                  *(key(self.p, job_id) for key in OWN_KEYS)]
-        out: Any = script(names, [job_id, json.dumps(finished_before), *terminal])
+        out: Any = self._purge(names, [job_id, json.dumps(finished_before), *terminal])
         return _OUTCOME[int(out)]

@@ -28,7 +28,7 @@ from kuangchao.platform.jobs.node_health import NodeHealth
 from kuangchao.platform.jobs.recorded import Recorded
 from kuangchao.platform.jobs.records import COMMIT_SCRIPT, CREATE_SCRIPT, Records
 from kuangchao.platform.jobs.redis_client import connect
-from kuangchao.platform.jobs.retention_store import Retention
+from kuangchao.platform.jobs.retention_store import PURGE_SCRIPT, Retention
 from kuangchao.platform.jobs.streams import Streams
 
 
@@ -41,6 +41,7 @@ class JobStore(Records, Streams, ControlFlags, NodeHealth, Recorded, Credentials
         self.p = prefix
         self._commit = client.register_script(COMMIT_SCRIPT)
         self._create = client.register_script(CREATE_SCRIPT)
+        self._purge = client.register_script(PURGE_SCRIPT)
 
     def ping(self) -> bool:
         """Whether Redis answers (raises when it does not)."""

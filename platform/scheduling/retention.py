@@ -3,11 +3,11 @@
 Every job leaves its record, events, logs, loss curve and metrics in Redis, and
 Redis runs with `maxmemory` and `noeviction` (docs/operator-guide.md, "Redis
 sizing"): a history that only grows ends with Redis refusing writes, running
-jobs' included. So the scheduler, every `SWEEP_S`, forgets the jobs that
-finished (SUCCEEDED, FAILED or CANCELLED) more than the retention ago: their
-record, their place in the index and their keys go, in one script per job that
-checks again that the job is finished and old enough
-(platform/jobs/retention_store.py). Each purge is audited.
+jobs' included. So the scheduler, a minute after it starts and then every
+`SWEEP_S`, forgets the jobs that finished (SUCCEEDED, FAILED or CANCELLED) more
+than the retention ago: their record, their place in the index and their keys
+go, in one script per job that checks again that the job is finished and old
+enough (platform/jobs/retention_store.py). Each purge is audited.
 
 Not touched: the audit trail (its stream is capped, and its file outlives
 Redis), checkpoints (the user's data, in the checkpoint folder or bucket, kept as
@@ -31,6 +31,7 @@ from kuangchao.platform.security.audit import AuditRecord
 log = logging.getLogger(__name__)
 
 SWEEP_S = 600.0  # a day's retention is judged to within ten minutes
+FIRST_SWEEP_S = 60.0  # not at start-up: the first scheduling cycles come first
 PAGE = 500  # index entries read per round trip
 MAX_PER_SWEEP = 2_000  # deletions per sweep; a backlog (a first sweep) takes a few sweeps
 TERMINAL = tuple(s.value for s in JobState if s.is_terminal)
@@ -59,10 +60,10 @@ class RetentionSweep:
         self.store, self.days, self.trail = store, days, trail
         self.clock, self.monotonic = clock, monotonic
         self.purged_total = 0
-        self._next = 0.0
+        self._next = monotonic() + FIRST_SWEEP_S
 
     def due(self) -> bool:
-        """Whether a sweep is due (the first at once, then every `SWEEP_S`)."""
+        """Whether a sweep is due (the first `FIRST_SWEEP_S` after start, then every `SWEEP_S`)."""
         return self.days > 0 and self.monotonic() >= self._next
 
     def sweep(self) -> list[str]:

@@ -15,7 +15,7 @@ from kuangchao.platform.errors import ClusterError
 from kuangchao.platform.jobs.memory import MemoryStore
 from kuangchao.platform.jobs.state import JobRecord, JobState, cancel, fail
 from kuangchao.platform.scheduling import retention
-from kuangchao.platform.scheduling.retention import DAY_S, SWEEP_S, RetentionSweep
+from kuangchao.platform.scheduling.retention import DAY_S, FIRST_SWEEP_S, SWEEP_S, RetentionSweep
 from kuangchao.platform.settings import DEFAULT_JOB_RETENTION_DAYS, Settings
 
 NOW = 100 * DAY_S
@@ -67,10 +67,12 @@ def test_a_sweep_forgets_only_jobs_finished_longer_ago_than_the_retention_and_au
     assert sweep.sweep() == []  # nothing more is due
 
 
-def test_sweeps_come_every_sweep_s_and_a_retention_of_zero_keeps_everything():
+def test_sweeps_come_a_minute_after_start_then_every_sweep_s_and_zero_keeps_everything():
     store = MemoryStore()
     add(store, 1, 0.0, 1.0)
     sweep, clocks = sweep_of(store)
+    assert not sweep.due()  # the first scheduling cycles come first
+    clocks.mono += FIRST_SWEEP_S
     assert sweep.due()
     sweep.sweep()
     assert not sweep.due()
