@@ -35,6 +35,7 @@ def _stop(stack, job_id: str) -> None:
 
 def _json(out) -> dict:
     assert "Traceback" not in out.stderr, out.stderr
+    assert out.stdout.strip(), f"no report (exit {out.returncode}): {out.stderr}"
     return json.loads(out.stdout)
 
 
