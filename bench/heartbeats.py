@@ -42,7 +42,7 @@ What is simulated:
   process every 0.5 s (`JobController.poll_s`; back to back when a scan takes
   longer). With agents: `read_relayed` (node records and the own keys of the
   ranks `RelayView.direct_ranks` names, pipelined MGETs in one round trip,
-  parse caches kept between scans), `RelayView.merge`, `Classifier.observe`;
+  parse caches kept between scans), `RelayView.update`, `BeatTable.observe`;
   per-rank: `read_beats` + `Classifier.observe`; both classifiers with each
   rank's placed pid, as `RankWatch` builds its own. Heartbeat timeout 10 s (the
   spec default), hang timeout shortened to 5 s so hangs show up within the
@@ -415,7 +415,7 @@ def report(phase: Phase, big: bool) -> bool:
     log(f"{label}: node-agent scan: {len(ours_s)} scans, p50 {_ms(ours_s, 50)} ms, p99 "
         f"{_ms(ours_s, 99)} ms, max {max(ours_s) * 1e3:.1f} ms (CPU time p50 "
         f"{_ms(phase.ours_cpu, 50)}, p99 {_ms(phase.ours_cpu, 99)} ms); p50 of its parts: read_relayed "
-        f"{_ms([x[0] for x in parts], 50)}, merge {_ms([x[1] for x in parts], 50)}, observe "
+        f"{_ms([x[0] for x in parts], 50)}, update {_ms([x[1] for x in parts], 50)}, observe "
         f"{_ms([x[2] for x in parts], 50)} ms")
     log(f"{label}: node-agent scan breakdown (median of 6 scans, ms): "
         + ", ".join(f"{k} {v:.1f}" if k != "decoded" else f"{k} {v:.0f} records"
@@ -515,8 +515,8 @@ def emit_scan(phase: Phase, metric: str, target: float, settings: str) -> None:
 def emit_small(phase: Phase) -> None:
     ranks, nodes = phase.ranks, phase.ranks // RANKS_PER_NODE
     emit_scan(phase, "heartbeat_scan_ms_p99", 100,
-              f"ours: node agents ({nodes} records: read_relayed + RelayView.merge + "
-              f"Classifier.observe); baseline: per-rank keys (read_beats over {ranks} own keys + "
+              f"ours: node agents ({nodes} records: read_relayed + RelayView.update + "
+              f"BeatTable.observe); baseline: per-rank keys (read_beats over {ranks} own keys + "
               "Classifier.observe), alternating with ours on the same writer processes")
     cores = [w.cores for w in phase.ours_windows]
     bcores = [w.cores for w in phase.base_windows]

@@ -2,7 +2,7 @@
 
 * `AgentScan`: the controller's scan with node agents, as the controller runs
   it: `read_relayed` of every node's record and of the own keys of the ranks
-  `RelayView.direct_ranks` names, `RelayView.merge`, `Classifier.observe` (with
+  `RelayView.direct_ranks` names, `RelayView.update`, `BeatTable.observe` (with
   the placed processes' pids, as `RankWatch` builds it). It
   keeps the verdicts (the first per rank, and the last scan's) and times the
   three parts of every scan.
@@ -47,9 +47,10 @@ from typing import Any
 import redis
 
 from bench.heartbeats_sim import DEAD, HUNG, JOB, RANKS_PER_NODE, SLOW_INIT, Writers, node_name
+from kuangchao.platform.execution import relayed as relayed_mod
+from kuangchao.platform.execution.beat_table import BeatTable
 from kuangchao.platform.execution.heartbeat import Classifier, Verdict
 from kuangchao.platform.execution.relayed import RelayView
-from kuangchao.platform.jobs import beats as beats_mod
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.beats import read_beats, read_relayed
 from kuangchao.platform.protocol.heartbeat import Beat
@@ -69,9 +70,9 @@ class AgentScan:
     def __init__(self, client: Any, prefix: str, ranks: int, timeout_s: float, hang_s: float) -> None:
         self.client, self.prefix = client, prefix
         self.view = RelayView({r: node_name(r // RANKS_PER_NODE) for r in range(ranks)})
-        self.clf = Classifier(list(range(ranks)), timeout_s, hang_s, pids=placed_pids(ranks))
-        self.node_cache: dict = {}  # kept between scans, as the controller's watch does
-        self.rank_cache: dict = {}
+        self.clf = BeatTable(list(range(ranks)), timeout_s, hang_s, pids=placed_pids(ranks),
+                             nodes=self.view.nodes)
+        self.rank_cache: dict = {}  # kept between scans, as the controller's watch does
         self.first: dict[int, Verdict] = {}
         self.final: list[Verdict] = []
         self.parts: list[tuple[float, float, float]] = []  # (read, merge, observe) s per scan
@@ -79,9 +80,9 @@ class AgentScan:
     def __call__(self) -> list[Verdict]:
         t0 = time.perf_counter()
         records, direct = read_relayed(self.client, self.prefix, JOB, self.view.nodes,
-                                       self.view.direct_ranks(), self.node_cache, self.rank_cache)
+                                       self.view.direct_ranks(), self.rank_cache)
         t1 = time.perf_counter()
-        beats = self.view.merge(records, direct)
+        beats = self.view.update(records, direct)
         t2 = time.perf_counter()
         verdicts = self.clf.observe(beats, time.monotonic(), time.time())
         self.parts.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
@@ -201,28 +202,29 @@ def breakdown(scan: AgentScan, scans: int, poll_s: float, pauses: GcPauses) -> d
     """Median ms per part over `scans` node-agent scans, one per `poll_s`.
 
     Parts: `execute` (build and send the MGETs, Redis, hiredis parsing the
-    replies), `decode` (decode_node_record of the records that changed since the
-    last scan; `decoded` says how many), `read_rest` (the rest of read_relayed: the
-    keys' names, the cache look-ups), `merge` (RelayView.merge), `observe`
-    (Classifier.observe), `total` and `cpu` (the scan's CPU time in this
-    process); `gc` is the collector's pauses within the scan, already counted in
-    whichever part allocated when it ran (mostly decode). The wrappers cost about
-    0.3 us per decoded record; the scans' verdicts count as usual.
+    replies), `read_rest` (the rest of read_relayed: the keys' names, the own
+    keys' cache), `decode` (node_columns.gather of the records that changed
+    since the last scan, into one table; `decoded` says how many), `merge` (the
+    rest of RelayView.update: comparing the records, placing and covering the
+    entries), `observe` (BeatTable.observe), `total` and `cpu` (the scan's CPU
+    time in this process); `gc` is the collector's pauses within the scan,
+    already counted in whichever part allocated when it ran. The scans'
+    verdicts count as usual.
     """
     timed = _TimedPipelines(scan.client)
-    decode = beats_mod.decode_node_record
+    decode = relayed_mod.gather
     state = {"s": 0.0, "n": 0}
 
-    def timed_decode(raw: Any) -> Any:
+    def timed_decode(changed: Any) -> Any:
         t = time.perf_counter()
         try:
-            return decode(raw)
+            return decode(changed)
         finally:
             state["s"] += time.perf_counter() - t
-            state["n"] += 1
+            state["n"] += len(changed)
 
     rows: list[dict[str, float]] = []
-    client, scan.client, beats_mod.decode_node_record = scan.client, timed, timed_decode
+    client, scan.client, relayed_mod.gather = scan.client, timed, timed_decode
     try:
         for _ in range(scans):
             timed.execute_s, state["s"], state["n"] = 0.0, 0.0, 0
@@ -233,12 +235,12 @@ def breakdown(scan: AgentScan, scans: int, poll_s: float, pauses: GcPauses) -> d
             read, merge, observe = scan.parts[-1]
             rows.append({"execute": timed.execute_s * 1e3, "decode": state["s"] * 1e3,
                          "decoded": state["n"],
-                         "read_rest": (read - timed.execute_s - state["s"]) * 1e3,
-                         "merge": merge * 1e3, "observe": observe * 1e3, "total": total * 1e3,
+                         "read_rest": (read - timed.execute_s) * 1e3,
+                         "merge": (merge - state["s"]) * 1e3, "observe": observe * 1e3, "total": total * 1e3,
                          "cpu": cpu * 1e3, "gc": (pauses.total - g) * 1e3})
             time.sleep(max(0.0, poll_s - (time.perf_counter() - t)))
     finally:
-        scan.client, beats_mod.decode_node_record = client, decode
+        scan.client, relayed_mod.gather = client, decode
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 

@@ -336,9 +336,9 @@ class _Shard:
                     relayed.append(beat)
                     checks.append(self.stack_checks[i])
             self.agent_seq[j] += 1
-            text = encode_node_record(self.names[j], AGENT_PID_BASE + self.first_node + j, ts,
-                                      self.agent_seq[j], relayed).encode()
-            parts += (self.node_heads[j], b"$%d\r\n" % len(text), text, self.node_tails[j],
+            record = encode_node_record(self.names[j], AGENT_PID_BASE + self.first_node + j, ts,
+                                        self.agent_seq[j], relayed)
+            parts += (self.node_heads[j], b"$%d\r\n" % len(record), record, self.node_tails[j],
                       _resp(b"MGET", *self.flag_names, *checks))
             expected, records = expected + self.node_replies + len(checks), records + 1
             if self.first + lo == 0:  # rank 0's own HSET of its progress (not the agent's)

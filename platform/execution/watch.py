@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import redis
 
+from kuangchao.platform.execution.beat_table import BeatTable, ScanUpdate
 from kuangchao.platform.execution.heartbeat import Classifier, Verdict
 from kuangchao.platform.execution.relayed import RelayView
 from kuangchao.platform.jobs.store import JobStore
 from kuangchao.platform.protocol.heartbeat import Beat
-from kuangchao.platform.protocol.node_beat import NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +91,18 @@ class RankWatch:
         self.interval_s = interval_s
         self.hosts = hosts or {}
         self.clock = clock
-        self.classifier = Classifier(
-            self.ranks, heartbeat_timeout_s, hang_timeout_s, grace_s=2 * interval_s,
-            pids={r: h.pid for r, h in self.hosts.items() if h.pid is not None})
+        pids = {r: h.pid for r, h in self.hosts.items() if h.pid is not None}
+        self.relay = RelayView({r: n for r, n in nodes.items() if r in set(self.ranks)}) \
+            if nodes else None
+        # With agents, the columnar classifier: the scan that covers 131,072 ranks.
+        self.classifier: Classifier | BeatTable = (
+            BeatTable(self.ranks, heartbeat_timeout_s, hang_timeout_s, grace_s=2 * interval_s,
+                      pids=pids, nodes=self.relay.nodes) if self.relay is not None else
+            Classifier(self.ranks, heartbeat_timeout_s, hang_timeout_s, grace_s=2 * interval_s,
+                       pids=pids))
         self.classifier.start(clock())
         self.store_down_since: float | None = None
         self._parsed: dict[int, tuple[str, Beat | None]] = {}
-        self.relay = RelayView({r: n for r, n in nodes.items() if r in set(self.ranks)}) \
-            if nodes else None
-        self._parsed_nodes: dict[str, tuple[str, NodeRecord | None]] = {}
         # Ranks with no node in the placement: always read from their own keys.
         self._unplaced = [r for r in self.ranks if self.relay and r not in self.relay.node_of]
 
@@ -129,17 +132,16 @@ class RankWatch:
             self.store_down_since = None
         return self.classifier.observe(beats, now)
 
-    def _read(self) -> dict[int, Beat | None]:
+    def _read(self) -> dict[int, Beat | None] | ScanUpdate:
         """One scan: every rank's own key, or with agents their records and the own keys
         of the ranks no agent covers."""
         if self.relay is None:
             return self.store.beats(self.job_id, self.ranks, cache=self._parsed)
         relay = self.relay
-        records, direct = self.store.relayed_beats(
-            self.job_id, relay.nodes, relay.direct_ranks() + self._unplaced, self._parsed_nodes,
-            self._parsed)
+        records, direct = self.store.relayed_raw(
+            self.job_id, relay.nodes, relay.direct_ranks() + self._unplaced, self._parsed)
         gone = set(relay.gone)
-        beats = relay.merge(records, direct)
+        beats = relay.update(records, direct)
         for node in sorted(relay.gone - gone):
             log.warning("job %s: the node agent on %s stopped writing its record; the ranks "
                         "it relayed are judged lost with their node unless it comes back",

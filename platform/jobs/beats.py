@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
+from redis.client import NEVER_DECODE
 
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.protocol.heartbeat import Beat
@@ -28,8 +29,9 @@ def drop_beat(client: Any, p: str, job_id: str, rank: int) -> None:
     client.delete(keys.beat(p, job_id, rank))
 
 
-def queue_node_record(pipe: Any, p: str, job_id: str, node: str, text: str, ttl_s: float) -> None:
-    pipe.set(keys.node_beat(p, job_id, node), text, px=int(ttl_s * 1000))
+def queue_node_record(pipe: Any, p: str, job_id: str, node: str, record: bytes,
+                      ttl_s: float) -> None:
+    pipe.set(keys.node_beat(p, job_id, node), record, px=int(ttl_s * 1000))
 
 
 def read_beats(client, prefix: str, job_id: str, ranks: Iterable[int], chunk: int = 4096,
@@ -73,22 +75,21 @@ def _parsed(names: list[Any], values: list[Any], cache: dict[Any, tuple[Any, Any
 
 
 def read_relayed(client: Any, prefix: str, job_id: str, nodes: list[str], ranks: list[int],
-                 node_cache: dict[str, tuple[str, NodeRecord | None]],
                  rank_cache: dict[int, tuple[str, Beat | None]], chunk: int = 4096
-                 ) -> tuple[dict[str, NodeRecord | None], dict[int, Beat | None]]:
-    """The agents' records of `nodes` and the own keys of `ranks`, in one pipelined
-    round trip; None where a key expired. A value unchanged since the last scan (the
-    caches, kept by the caller) is not parsed again."""
+                 ) -> tuple[list[bytes | None], dict[int, Beat | None]]:
+    """The agents' records of `nodes`, as stored (bytes: the client does not decode
+    them, RelayView compares and decodes them in bulk), and the own beats of `ranks`
+    (`rank_cache` as in `read_beats`), in one pipelined round trip; None where a key
+    expired."""
     with client.pipeline(transaction=False) as pipe:
         for i in range(0, len(nodes), chunk):
-            pipe.mget([keys.node_beat(prefix, job_id, n) for n in nodes[i:i + chunk]])
+            pipe.execute_command("MGET", *(keys.node_beat(prefix, job_id, n)
+                                           for n in nodes[i:i + chunk]), **{NEVER_DECODE: True})
         for i in range(0, len(ranks), chunk):
             pipe.mget([keys.beat(prefix, job_id, r) for r in ranks[i:i + chunk]])
         replies = pipe.execute()
     values = [v for reply in replies for v in reply]
-    records = _parsed(nodes, values[:len(nodes)], node_cache,
-                      lambda _, raw: decode_node_record(raw))
-    return records, _parsed(ranks, values[len(nodes):], rank_cache, Beat.decode)
+    return values[:len(nodes)], _parsed(ranks, values[len(nodes):], rank_cache, Beat.decode)
 
 
 class Beats:
@@ -109,12 +110,20 @@ class Beats:
         """Each rank's current beat, None where its key expired; `cache` as in `read_beats`."""
         return read_beats(self.r, self.p, job_id, ranks, cache=cache)
 
-    def relayed_beats(self, job_id: str, nodes: list[str], ranks: list[int],
-                      node_cache: dict[str, tuple[str, NodeRecord | None]],
-                      rank_cache: dict[int, tuple[str, Beat | None]]
-                      ) -> tuple[dict[str, NodeRecord | None], dict[int, Beat | None]]:
-        """The node agents' records and the named ranks' own beats (`read_relayed`)."""
-        return read_relayed(self.r, self.p, job_id, nodes, ranks, node_cache, rank_cache)
+    def relayed_raw(self, job_id: str, nodes: list[str], ranks: list[int],
+                    rank_cache: dict[int, tuple[str, Beat | None]]
+                    ) -> tuple[list[bytes | None], dict[int, Beat | None]]:
+        """The node agents' records as stored, and the named ranks' own beats
+        (`read_relayed`): what the controller's scan reads."""
+        return read_relayed(self.r, self.p, job_id, nodes, ranks, rank_cache)
 
-    def put_node_record(self, job_id: str, node: str, text: str, ttl_s: float) -> None:
-        queue_node_record(self.r, self.p, job_id, node, text, ttl_s)
+    def relayed_beats(self, job_id: str, nodes: list[str], ranks: list[int]
+                      ) -> tuple[dict[str, NodeRecord | None], dict[int, Beat | None]]:
+        """The node agents' records, decoded, and the named ranks' own beats (for a
+        look at one node; the scan uses `relayed_raw`)."""
+        raws, direct = read_relayed(self.r, self.p, job_id, nodes, ranks, {})
+        return ({n: decode_node_record(v) if v is not None else None
+                 for n, v in zip(nodes, raws, strict=True)}, direct)
+
+    def put_node_record(self, job_id: str, node: str, record: bytes, ttl_s: float) -> None:
+        queue_node_record(self.r, self.p, job_id, node, record, ttl_s)

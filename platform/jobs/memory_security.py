@@ -169,16 +169,21 @@ class MemorySecurity:
         return {rank: Beat.decode(rank, raw) if raw is not None else None
                 for rank, raw in found.items()}
 
-    def put_node_record(self, job_id: str, node: str, text: str, ttl_s: float) -> None:
-        self._beats.put((job_id, f"node:{node}"), text, ttl_s)
+    def put_node_record(self, job_id: str, node: str, record: bytes, ttl_s: float) -> None:
+        self._beats.put((job_id, f"node:{node}"), record, ttl_s)
 
-    def relayed_beats(self, job_id: str, nodes: list[str], ranks: list[int],
-                      node_cache: dict, rank_cache: dict
-                      ) -> tuple[dict[str, NodeRecord | None], dict[int, Beat | None]]:
-        """The node agents' records and the named ranks' own beats (no caches needed)."""
-        raw = {n: self._beats.get((job_id, f"node:{n}")) for n in nodes}
-        return ({n: decode_node_record(v) if v is not None else None for n, v in raw.items()},
+    def relayed_raw(self, job_id: str, nodes: list[str], ranks: list[int], rank_cache: dict
+                    ) -> tuple[list[bytes | None], dict[int, Beat | None]]:
+        """The node agents' records as stored and the named ranks' own beats."""
+        return ([self._beats.get((job_id, f"node:{n}")) for n in nodes],
                 self.beats(job_id, ranks))
+
+    def relayed_beats(self, job_id: str, nodes: list[str], ranks: list[int]
+                      ) -> tuple[dict[str, NodeRecord | None], dict[int, Beat | None]]:
+        """The node agents' records, decoded, and the named ranks' own beats."""
+        raws, direct = self.relayed_raw(job_id, nodes, ranks, {})
+        return ({n: decode_node_record(v) if v is not None else None
+                 for n, v in zip(nodes, raws, strict=True)}, direct)
 
     # -- fences (Redis gives the set a TTL; this store lives as long as its process) --
     def fence(self, job_id: str, members: Iterable[str]) -> None:

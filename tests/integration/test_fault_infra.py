@@ -165,7 +165,7 @@ def test_a_killed_node_agent_is_a_lost_node_and_its_job_moves(infra):
         nodes = sorted({p["node"] for p in j["placement"]})
         if j["state"] != "RUNNING" or j["progress"]["step"] < 60 or len(nodes) != 1:
             return None
-        record = store.relayed_beats(job["id"], nodes, [], {}, {})[0][nodes[0]]
+        record = store.relayed_beats(job["id"], nodes, [])[0][nodes[0]]
         own = store.beats(job["id"], range(len(j["placement"])))
         ok = record and set(record.beats) == {0, 1} and not any(own.values())
         return (j, record) if ok else None

@@ -46,7 +46,7 @@ class Node:
         return hb
 
     def record(self):
-        records, _ = self.store.relayed_beats(self.job, [self.name], [], {}, {})
+        records, _ = self.store.relayed_beats(self.job, [self.name], [])
         return records[self.name]
 
     def kill_agent(self) -> None:

@@ -34,7 +34,9 @@ PURE = [
     "platform/execution/failure_policy.py", "platform/jobs/claims.py",
     "platform/execution/members.py", "platform/cluster/netplan.py", "platform/cluster/leaves.py",
     "platform/cluster/drain.py", "platform/execution/drain_policy.py",
-    "platform/protocol/memory_copies.py",
+    "platform/protocol/memory_copies.py", "platform/protocol/node_columns.py",
+    "platform/execution/heartbeat.py", "platform/execution/beat_table.py",
+    "platform/execution/relayed.py",
     "platform/jobs/redis_sizing.py", "platform/runtime/doctor_capacity.py",
 ]
 # Modules that may reach Redis but never Ray: the controller reaches Ray only through its

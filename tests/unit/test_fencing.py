@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from kuangchao.platform.execution.beat_table import BeatTable
 from kuangchao.platform.execution.fencing import fence_failed, replaced_by
 from kuangchao.platform.execution.heartbeat import Classifier
 from kuangchao.platform.execution.recovery import Failure
@@ -378,8 +379,9 @@ def beat(pid: int, seq: int, node: str = NODE) -> Beat:
     return Beat(0, 5, "train", pid, node, WALL0 + seq, WALL0 + seq, seq)
 
 
-def test_the_classifier_counts_beats_only_from_the_placed_process_and_never_a_fenced_one():
-    c = Classifier([0, 1], TIMEOUT, 600.0, pids={0: 111})
+@pytest.mark.parametrize("judge", [Classifier, BeatTable])
+def test_the_classifier_counts_beats_only_from_the_placed_process_and_never_a_fenced_one(judge):
+    c = judge([0, 1], TIMEOUT, 600.0, pids={0: 111})
     c.fenced = frozenset({member(222, NODE)})
     c.start(0.0)
     for t in range(1, 12):  # rank 0's old process and a fenced one keep beating
@@ -387,7 +389,7 @@ def test_the_classifier_counts_beats_only_from_the_placed_process_and_never_a_fe
         verdicts = c.observe(beats, now=float(t), wall=WALL0 + t)
     assert {(v.rank, v.kind) for v in verdicts} == {(0, "expired"), (1, "expired")}
     assert c.last_beat(0) is None
-    fresh = Classifier([0], TIMEOUT, 600.0, pids={0: 111})
+    fresh = judge([0], TIMEOUT, 600.0, pids={0: 111})
     fresh.start(0.0)
     for t in range(1, 30):
         assert fresh.observe({0: beat(111, t)}, now=float(t), wall=WALL0 + t) == []

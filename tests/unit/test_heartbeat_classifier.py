@@ -1,8 +1,12 @@
 """Heartbeat records and the controller's classifier (platform/execution/heartbeat.py),
-with explicit clocks."""
+with explicit clocks. Every case runs against both classifiers: the per-rank one
+and the columnar `BeatTable` (beat_table.py) that jobs with node agents use."""
+
+import sys
 
 import pytest
 
+from kuangchao.platform.execution.beat_table import BeatTable
 from kuangchao.platform.execution.heartbeat import Classifier
 from kuangchao.platform.jobs import keys
 from kuangchao.platform.jobs.beats import read_beats
@@ -10,6 +14,13 @@ from kuangchao.platform.protocol.heartbeat import Beat
 
 TIMEOUT, HANG = 10.0, 60.0
 WALL0 = 1_700_000_000.0  # wall clock (beat ts) at monotonic 0
+
+
+@pytest.fixture(params=["Classifier", "BeatTable"], autouse=True)
+def _judge(request, monkeypatch):
+    """Each case with `Classifier` as written, and with `BeatTable` in its place."""
+    if request.param == "BeatTable":
+        monkeypatch.setattr(sys.modules[__name__], "Classifier", BeatTable)
 
 
 def beat(rank=0, seq=1, ts=WALL0, progress_ts=None, step=5, phase="forward") -> Beat:

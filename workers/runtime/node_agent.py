@@ -91,9 +91,9 @@ class NodeAgent:
         now = time.time()
         beats = read_beat_files(self.folder, now, fresh_s=2 * self.interval_s)
         self.seq += 1
-        text = encode_node_record(self.node, os.getpid(), now, self.seq, beats)
+        record = encode_node_record(self.node, os.getpid(), now, self.seq, beats)
         with self.client.pipeline(transaction=False) as pipe:
-            queue_node_record(pipe, self.prefix, self.job_id, self.node, text, self.timeout_s)
+            queue_node_record(pipe, self.prefix, self.job_id, self.node, record, self.timeout_s)
             pipe.smembers(keys.fenced(self.prefix, self.job_id))
             # One MGET for the flags and every relayed rank's stack request.
             pipe.mget([*self.flag_keys.values(),
