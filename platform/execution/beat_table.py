@@ -44,7 +44,7 @@ class ScanUpdate:
     ranks, entries, nodes: The beats the changed records carry (rank numbers,
         `DTYPE` rows, and each one's node as an index into the table's `nodes`).
     absent: Ranks whose beat is missing this scan.
-    direct: Ranks read from their own keys: their beat, or None.
+    direct: Ranks read from their own keys and listed by no record: their beat, or None.
     """
 
     ranks: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))

@@ -102,7 +102,11 @@ class RelayView:
             self.agents_seen[self.nodes[i]] = pid
             self.gone.discard(self.nodes[i])
         ranks, rows, owner = self._placed(got.entries, got.record)
+        joined = ranks[~self.covered[ranks]]  # listed now, read from their own keys before
         moved = self._cover(ranks, owner, got.agents, absent)
+        if len(joined):  # the record's beat wins over the own key read in the same scan
+            listed = set(joined.tolist())
+            direct = {r: b for r, b in direct.items() if r not in listed}
         if moved:
             self._direct = [int(r) for r in self._ranks[~self.covered[self._ranks]]]
         return ScanUpdate(ranks, rows, owner, absent, direct)
@@ -125,7 +129,11 @@ class RelayView:
         for i in decoded:
             if listed is not None and listed[i] >= self._wanted[i]:
                 continue  # every rank of the node listed (the common case)
-            have = set(ranks[owner == i].tolist())
+            # Entries come record after record in node order (gather), so a record's
+            # are one slice: found in O(log n), not by a pass over every entry (at a
+            # large job's start most records list only some of their ranks).
+            lo, hi = np.searchsorted(owner, (i, i + 1))
+            have = set(ranks[lo:hi].tolist())
             for rank in self.ranks_of[self.nodes[i]]:
                 if rank not in have and self.covered[rank]:
                     self.covered[rank] = False  # fell back: its own key from the next scan

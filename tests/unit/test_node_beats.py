@@ -6,6 +6,7 @@ the columnar classifier the watch uses (beat_table.py)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kuangchao.platform.execution.beat_table import BeatTable, ScanUpdate
 from kuangchao.platform.execution.relayed import AUTO_MIN_RANKS, RelayView, agents_wanted
@@ -175,3 +176,73 @@ def test_auto_starts_agents_for_large_jobs_only():
 
     assert not agents_wanted(spec(4, "auto")) and agents_wanted(spec(AUTO_MIN_RANKS, "auto"))
     assert agents_wanted(spec(2, "on")) and not agents_wanted(spec(AUTO_MIN_RANKS, "off"))
+
+
+def test_a_large_jobs_start_with_partial_records_covers_exactly_the_listed_ranks():
+    view = RelayView({r: f"n{r // 8:04d}" for r in range(2048 * 8)})
+    raws = [record(n, 1, [beat(8 * i + k, 1, n) for k in range(0, 8, 2)])
+            for i, n in enumerate(view.nodes)]  # half of each node's ranks have started
+    update = view.update(raws, {})
+    assert len(update.ranks) == 8192
+    assert view.direct_ranks() == [r for r in range(2048 * 8) if r % 2]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_columnar_scan_judges_as_the_per_rank_classifier_fed_the_same_beats(seed):
+    """Seeded random scans (ranks dropping out of records, agents dying, stale pids,
+    fenced processes, stalls, start-up): the `BeatTable` fed each `ScanUpdate` and
+    the per-rank `Classifier` fed the beats it stands for give the same verdicts."""
+    import random
+
+    from kuangchao.platform.execution.heartbeat import Classifier
+    from kuangchao.platform.jobs.fences import member
+
+    rng = random.Random(seed)
+    node_of = {r: f"n{r // 4}" for r in range(16)}
+    pids = {r: 1000 + r for r in range(16)}
+    view = RelayView(node_of)
+    table = BeatTable(range(16), 3.0, 4.0, pids=pids, nodes=view.nodes)
+    plain = Classifier(list(range(16)), 3.0, 4.0, pids=pids)
+    seq = {r: 0 for r in range(16)}
+    progress = {r: 100.0 for r in range(16)}
+    held: dict[int, Beat | None] = {}  # what the old merge handed on: the same beat objects
+    flagged = 0
+    for scan in range(120):
+        now, wall = scan * 0.5, 100.0 + scan * 0.5
+        if scan % 40 == 20:  # a fence set only grows while a job is watched
+            victim = rng.randrange(16)
+            fenced = table.fenced | {member(1000 + victim, node_of[victim])}
+            table.fenced = plain.fenced = fenced
+        raws: list[bytes | None] = []
+        for node in view.nodes:
+            if rng.random() < 0.15:
+                raws.append(None)  # the agent's record expired
+                continue
+            if rng.random() < 0.3 and scan:
+                raws.append(view._last[view.nodes.index(node)])  # unchanged since the last scan
+                continue
+            listed = []
+            for rank in (r for r, n in node_of.items() if n == node):
+                if rng.random() < 0.1:
+                    continue  # fell out of the record
+                if rng.random() < 0.7:
+                    seq[rank] += 1
+                if rng.random() < 0.6:
+                    progress[rank] = wall
+                phase = rng.choice(["train", "train", "collective", "init"])
+                pid = pids[rank] if rng.random() < 0.95 else 7
+                listed.append(Beat(rank, seq[rank], phase, pid, node, wall, progress[rank],
+                                   seq[rank]))
+            raws.append(record(node, scan, listed))
+        direct = {r: (beat(r, seq[r], node_of[r])._replace(pid=pids[r], ts=wall,
+                                                            progress_ts=progress[r])
+                      if rng.random() < 0.5 else None) for r in view.direct_ranks()}
+        update = view.update(raws, direct)
+        held.update(beats_of(ScanUpdate(update.ranks, update.entries, update.nodes, update.absent,
+                                        update.direct), view.nodes))
+        got = table.observe(update, now, wall)
+        want = plain.observe(dict(held), now, wall)
+        assert [(v.rank, v.kind, round(v.detected_after_s, 6), v.last) for v in got] == [
+            (v.rank, v.kind, round(v.detected_after_s, 6), v.last) for v in want], scan
+        flagged += len(got)
+    assert flagged > 20  # the scans did exercise the verdicts
