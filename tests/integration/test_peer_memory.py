@@ -171,6 +171,61 @@ def _pusher(ray: Any) -> Any:
     return push
 
 
+def _keeper_pid(node_id: str) -> int:
+    """The keeper's worker process on a node: a child of its raylet titled `ray::Keeper`."""
+    from kuangchao.platform.runtime import procs
+
+    raylet = raylet_of(node_id)
+    found = []
+    for pid in procs._all_pids():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == raylet and procs._cmdline(pid).startswith("ray::Keeper"):
+            found.append(pid)
+    assert len(found) == 1, f"expected one keeper under raylet {raylet}, found {found}"
+    return found[0]
+
+
+def test_a_keeper_that_stops_answering_holds_no_copy_to_the_others_up(bed: Bed) -> None:
+    """A raylet killed takes seconds to fail its keeper's calls; a stopped keeper never
+    answers. Either way the copy to the other keeper is done within the straggler
+    grace, the next copy goes to it alone, and the one left behind lands in order
+    once the keeper runs again."""
+    from kuangchao.platform.protocol.memory_copies import KeeperPlan
+    from kuangchao.workers.checkpoint.ray_keepers import PUT_TIMEOUT_S, RayKeepers
+
+    tok, data = bed.token(), os.urandom(4096)
+    keepers = RayKeepers(KeeperPlan(bed.keepers, {0: "a", 1: "b"}))
+    first = keepers.put(["a", "b"], tok, _meta(5, 1, data), data)
+    assert not [a for a in first.values() if isinstance(a, BaseException)], first
+    pid = _keeper_pid(bed.b)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        second = keepers.put(["a", "b"], tok, _meta(5, 2, data), data)
+        took = time.monotonic() - t0
+        assert second["a"]["step"] == 2 and isinstance(second["b"], TimeoutError), second
+        # Done once A took it and B had STRAGGLER_S more: not after the call's own timeout.
+        assert took < PUT_TIMEOUT_S / 4, f"the push waited {took:.1f}s for a stopped keeper"
+        third = keepers.put(["a", "b"], tok, _meta(5, 3, data), data)
+        assert third["a"]["step"] == 3 and "still taking an earlier copy" in str(third["b"])
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # The copy left behind lands; the keeper takes copies again, newest last.
+    wait_for(lambda: not keepers._still_taking("b"), 60, "B's keeper to take the copy left behind")
+    fourth = keepers.put(["a", "b"], tok, _meta(5, 4, data), data)
+    assert fourth["b"]["step"] == 4, fourth
+    # B took 1, then (late) 2, never 3, then 4, and keeps the two newest. Had 2 landed
+    # after 4, it would have dropped 4 (a put drops the rank's newer copies).
+    listed = bed.ray.get(bed.keeper("b").listing.remote(tok, 5), timeout=30)
+    assert [m["step"] for m in listed] == [2, 4], listed
+    for node in ("a", "b"):  # leave no copies of this rank to the tests after
+        bed.ray.get(bed.keeper(node).drop.remote(tok, 5), timeout=30)
+
+
 def test_a_copy_outlives_its_node_and_restores_bit_identically(bed: Bed) -> None:
 
     import torch

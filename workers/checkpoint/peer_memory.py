@@ -13,6 +13,9 @@ on any rank when the next is due makes every rank skip that one (counted; the
 trainer asks all ranks in one tiny all-reduce), so training never waits on a keeper
 and the keepers always hold the same steps of every rank: a restore needs a step
 that all ranks have, and ranks skipping on their own would leave none in common.
+A keeper that stops answering holds a push up only until another keeper took the
+copy and `STRAGGLER_S` more have passed (ray_keepers.py), so that one dead node's
+keeper does not stop the copies to the others.
 A copy over `max_mb_per_rank` is never sent: the rank warns once, stops pushing, and
 the job relies on its disk checkpoints.
 
@@ -39,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kuangchao.platform.errors import CopyRefused, TokenError
+from kuangchao.platform.errors import CopyRefused
 from kuangchao.platform.protocol.memory_copies import (
     CopyLayout,
     CopyMeta,
@@ -56,79 +59,11 @@ from kuangchao.platform.spec.checkpoint import InMemorySection
 from kuangchao.workers import fence
 from kuangchao.workers.checkpoint.async_save import StagingBuffers, stage_to_cpu
 from kuangchao.workers.checkpoint.peer_state import apply, check_fits, deserialize, local_tensors, serialize
+from kuangchao.workers.checkpoint.ray_keepers import RayKeepers
 from kuangchao.workers.checkpoint.state_reader import StateDictReader
 from kuangchao.workers.errors import FencedError
 
-PUT_TIMEOUT_S = 120.0
-LIST_TIMEOUT_S = 10.0
-GET_TIMEOUT_S = 120.0
 Log = Callable[..., None]
-
-
-# -- the keepers, through Ray ------------------------------------------------------------
-
-
-def _cause(exc: BaseException) -> BaseException:
-    """The keeper's own exception (TokenError, CopyRefused) out of Ray's wrapping."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
-
-
-class RayKeepers:
-    """Calls the job's keepers, found by name; every call bounded in time, and a keeper
-    that fails or does not answer is reported as an exception in its node's place."""
-
-    def __init__(self, plan: KeeperPlan) -> None:
-        self.plan = plan
-        self._handles: dict[str, Any] = {}
-
-    def _handle(self, node: str) -> Any:
-        import ray
-
-        if node not in self._handles:
-            name = self.plan.keepers.get(node)
-            if name is None:
-                raise LookupError(f"the job has no keeper on {node}")
-            self._handles[node] = ray.get_actor(name, namespace=self.plan.namespace)
-        return self._handles[node]
-
-    def _gather(self, calls: dict[str, Callable[[Any], Any]], timeout_s: float) -> dict[str, Any]:
-        import ray
-
-        out: dict[str, Any] = {}
-        refs: dict[Any, str] = {}
-        for node, call in calls.items():
-            try:
-                refs[call(self._handle(node))] = node
-            except Exception as exc:  # noqa: BLE001 -- no such keeper (any more)
-                self._handles.pop(node, None)
-                out[node] = exc
-        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
-        for ref in ready:
-            try:
-                out[refs[ref]] = ray.get(ref)
-            except Exception as exc:  # noqa: BLE001 -- refused, or the keeper died
-                out[refs[ref]] = _cause(exc)
-                if not isinstance(out[refs[ref]], TokenError | CopyRefused):
-                    self._handles.pop(refs[ref], None)
-        for ref in pending:
-            out[refs[ref]] = TimeoutError(f"no answer within {timeout_s:.0f}s")
-        return out
-
-    def put(self, nodes: list[str], token: str | None, meta: dict[str, Any], data: bytes) -> dict[str, Any]:
-        import ray
-
-        ref = ray.put(data)  # once, for every keeper
-        return self._gather({n: lambda h: h.put.remote(token, meta, ref) for n in nodes}, PUT_TIMEOUT_S)
-
-    def listing(self, nodes: list[str], token: str | None, rank: int) -> dict[str, Any]:
-        return self._gather({n: lambda h: h.listing.remote(token, rank) for n in nodes}, LIST_TIMEOUT_S)
-
-    def get(self, node: str, token: str | None, rank: int, step: int) -> Any:
-        answer = self._gather({node: lambda h: h.get.remote(token, rank, step)}, GET_TIMEOUT_S)[node]
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
 
 
 # -- one rank's copies -------------------------------------------------------------------
