@@ -36,7 +36,9 @@ apart, on a short job, with the survivors' stall taken from the chaos run's kill
 of every phase and line (its numbers mean nothing).
 
 Run: .venv/bin/python bench/goodput.py [--interval 60] [--duration 600] [--kills 10]
-     [--seed 28] [--quick]   (JSON lines on stdout, settings and progress on stderr)
+     [--seed 28] [--quick] [--only kc|rt] [--kinds ...] [--faults N] [--steps N]
+     (JSON lines on stdout, settings and progress on stderr; `--only` runs one
+     system's runs alone, for a diagnosis: the lines then name the other side missing)
 """
 
 from __future__ import annotations
@@ -187,6 +189,9 @@ def main() -> None:
                     help="stop after this many faults (default: faults while the job runs)")
     ap.add_argument("--steps", type=int, default=0,
                     help="steps of the chaos job (default: --duration at the measured step time)")
+    ap.add_argument("--only", choices=("kc", "rt"), default=None,
+                    help="run one system's runs alone (a diagnosis: the lines then say the "
+                         "other side is missing)")
     args = ap.parse_args()
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     if not kinds or set(kinds) - set(KINDS):
@@ -223,9 +228,11 @@ def main() -> None:
         def doc(steps: int, name: str, skip: list[int] | None = None) -> dict[str, Any]:
             return job_doc(steps, args.ckpt_every, name, in_mem, skip)
 
-        if args.kills:
+        wanted = ("kc", "rt") if args.only is None else (args.only,)
+        if args.kills and "kc" in wanted:
             runs["kc_kills"] = safe("kuangchao: rank 1 SIGKILLed", lambda: kill_series(
                 kc, trace, doc(1_000_000, "goodput-kills"), "kills", args.kills), failed)
+        if args.kills and "rt" in wanted:
             runs["rt_kills"] = safe("Ray Train: rank 1 SIGKILLed", lambda: kill_series(
                 rt, trace, doc(1_000_000, "goodput-kills"), "kills", args.kills), failed)
         steps = args.steps
@@ -236,15 +243,19 @@ def main() -> None:
             log(f"chaos job: {steps} steps ({args.duration:.0f}s at {step_s:.3f}s a step, the "
                 "faster system's median in the kill series)")
         for key, system in (("kc", kc), ("rt", rt)):
+            if key not in wanted:
+                continue
             runs[f"{key}_chaos"] = safe(f"{key}: chaos run", lambda s=system: run_job(
                 s, trace, doc(steps, "goodput-chaos"), "chaos", plan, CPUS, GPUS), failed)
         # The fault-free runs; kuangchao's skips the batches its chaos run skipped (its
         # numeric rollback skips a batch that gave a NaN; Ray Train's restart retries it).
         skip = runs["kc_chaos"].skipped if runs.get("kc_chaos") else []
-        runs["kc_ref"] = safe("kc: fault-free run", lambda: run_job(
-            kc, trace, doc(steps, "goodput-ref", skip), "reference"), failed)
-        runs["rt_ref"] = safe("rt: fault-free run", lambda: run_job(
-            rt, trace, doc(steps, "goodput-ref"), "reference"), failed)
+        if "kc" in wanted:
+            runs["kc_ref"] = safe("kc: fault-free run", lambda: run_job(
+                kc, trace, doc(steps, "goodput-ref", skip), "reference"), failed)
+        if "rt" in wanted:
+            runs["rt_ref"] = safe("rt: fault-free run", lambda: run_job(
+                rt, trace, doc(steps, "goodput-ref"), "reference"), failed)
     for r in runs.values():
         describe(r)
     lines(runs, settings, args)
