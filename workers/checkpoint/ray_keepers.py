@@ -106,6 +106,8 @@ class RayKeepers:
                 return out
         for ref in pending:
             out[refs[ref]] = TimeoutError(f"no answer within {timeout_s:.0f}s")
+            if straggler_s is not None:  # a put: none more to this keeper until it answers
+                self._taking[refs[ref]] = ref
         return out
 
     def _still_taking(self, node: str) -> bool:
