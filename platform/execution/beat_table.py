@@ -33,7 +33,7 @@ import numpy as np
 from kuangchao.platform.execution.heartbeat import UNTIMED_PHASES, Verdict
 from kuangchao.platform.jobs.fences import member
 from kuangchao.platform.protocol.heartbeat import Beat
-from kuangchao.platform.protocol.node_beat import PHASE_BYTES, phase_name
+from kuangchao.platform.protocol.node_beat import phase_bytes, phase_name
 from kuangchao.platform.protocol.node_columns import DTYPE
 
 
@@ -149,7 +149,7 @@ class BeatTable:
         if self.has[i] and beat.seq == last["seq"] and beat.ts == last["ts"]:
             return
         self.beats[i] = (beat.rank, beat.pid, beat.step, beat.seq, beat.ts, beat.progress_ts,
-                         beat.phase.encode(errors="replace")[:PHASE_BYTES])
+                         phase_bytes(beat.phase))
         self.node[i] = self._intern(beat.node)
         self.has[i] = True
         self.fresh_at[i] = now

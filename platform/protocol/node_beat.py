@@ -58,11 +58,20 @@ def _clean(text: str) -> str:
     return text.replace(_SEP, "_").replace("\n", " ")
 
 
+def phase_bytes(phase: str) -> bytes:
+    """A phase name as a record stores it: UTF-8, its first `PHASE_BYTES` bytes."""
+    return phase.encode(errors="replace")[:PHASE_BYTES]
+
+
+def pack_entry(b: Beat) -> bytes:
+    """One rank's entry of a binary record."""
+    return ENTRY.pack(b.rank, b.pid, b.step, b.seq, b.ts, b.progress_ts, phase_bytes(b.phase))
+
+
 def encode_node_record(node: str, agent_pid: int, ts: float, seq: int,
                        beats: Iterable[Beat]) -> bytes:
     """The binary record of one agent's relayed beats (the module's layout)."""
-    entries = [ENTRY.pack(b.rank, b.pid, b.step, b.seq, b.ts, b.progress_ts,
-                          b.phase.encode(errors="replace")[:PHASE_BYTES]) for b in beats]
+    entries = [pack_entry(b) for b in beats]
     name = node.encode(errors="replace")
     return b"".join((HEADER.pack(MAGIC, agent_pid, ts, seq, len(entries), len(name)), name,
                      *entries))

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kuangchao.platform.protocol.node_beat import ENTRY, MAGIC, decode_text_record, record_layout
+from kuangchao.platform.protocol.node_beat import (
+    ENTRY,
+    MAGIC,
+    decode_text_record,
+    pack_entry,
+    record_layout,
+)
 
 DTYPE = np.dtype([("rank", "<i4"), ("pid", "<i4"), ("step", "<i8"), ("seq", "<i8"),
                   ("ts", "<f8"), ("progress_ts", "<f8"), ("phase", "S16")])
@@ -54,10 +60,7 @@ def gather(changed: list[tuple[int, bytes | str]]) -> Gathered:
         elif not raw.startswith(MAGIC) and (rec := decode_text_record(raw)) is not None:
             # An agent of an earlier version: its text record, packed as ours.
             agent_pid, n = rec.agent_pid, len(rec.beats)
-            bodies.append(b"".join(
-                ENTRY.pack(b.rank, b.pid, b.step, b.seq, b.ts, b.progress_ts,
-                           b.phase.encode(errors="replace")[:DTYPE["phase"].itemsize])
-                for b in rec.beats.values()))
+            bodies.append(b"".join(pack_entry(b) for b in rec.beats.values()))
         else:
             out.bad.append(i)
             continue

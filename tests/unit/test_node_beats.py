@@ -238,8 +238,7 @@ def test_the_columnar_scan_judges_as_the_per_rank_classifier_fed_the_same_beats(
                                                             progress_ts=progress[r])
                       if rng.random() < 0.5 else None) for r in view.direct_ranks()}
         update = view.update(raws, direct)
-        held.update(beats_of(ScanUpdate(update.ranks, update.entries, update.nodes, update.absent,
-                                        update.direct), view.nodes))
+        held.update(beats_of(update, view.nodes))
         got = table.observe(update, now, wall)
         want = plain.observe(dict(held), now, wall)
         assert [(v.rank, v.kind, round(v.detected_after_s, 6), v.last) for v in got] == [
