@@ -10,6 +10,11 @@ applies the decision:
 - SHRINK: a planned live resize without the replicas on the draining nodes
   (`ResizeExecutor.shrink_off`); they leave at their next step and the others go on, so
   nothing is redone. Then `drained_off`.
+- MOVE: the scheduler places the replicas there elsewhere (platform/execution/relocation.py),
+  their new ranks start while every rank trains on, and a planned generation change
+  (`ResizeExecutor.move_off`) lets the ranks there leave at their next step while the
+  new ones take the survivors' state. Then `drained_off` (`how: move`). No room, or a
+  move called off: the next poll requeues instead.
 - REQUEUE: the job's preempt flag, with a reason of `drain: <nodes>`. Every rank agrees on
   it at the next step boundary, the checkpoint of that step is written, and the ranks
   return (the preemption path of workers/trainer/loop.py). `yielded` records
@@ -73,7 +78,7 @@ class DrainResponder:
         self.source, self.trail, self.poll_s = source, trail, poll_s
         self.pending: DrainDecision | None = None  # a requeue asked; the ranks not yet gone
         self.noticed: set[str] = set()  # nodes whose drain this run announced
-        self._no_shrink = False  # a drain shrink was called off: requeue instead
+        self._no_shrink = False  # a drain shrink or move was called off: requeue instead
         self._next = 0.0
         self._first = True
 
@@ -103,12 +108,14 @@ class DrainResponder:
         if job.state is not JobState.RUNNING or job.resize is not None:
             return  # mid-resize or recovering: decided again at the next poll
         d = decide(DrainView(self._slots(job), notices, self.resizer.live and not self._no_shrink,
-                             spec.elastic_range))
+                             spec.elastic_range, keeps=spec.survivors_keep_work and not self._no_shrink))
         if d.action is DrainAction.NONE:
             return
         self._announce(d)
         if d.action is DrainAction.SHRINK:
             self._shrink(spec, d)
+        elif d.action is DrainAction.MOVE:
+            self._move(spec, d)
         else:
             self.pending = d
             self.store.request_preempt(self.job_id, DRAIN_TAG + ", ".join(d.nodes))
@@ -143,6 +150,18 @@ class DrainResponder:
                                 f"{step}; {replicas} replica(s) train on, no step redone")
         elif self.store.get(self.job_id).state is JobState.RUNNING:
             self._no_shrink = True  # called off: the next poll asks for a checkpoint instead
+
+    def _move(self, spec: JobSpec, d: DrainDecision) -> None:
+        assert d.membership is not None
+        if self.resizer.move_off(spec, d.membership, d.replicas, list(d.nodes), "drain"):
+            placed = {p.node for p in self._slots(self.store.get(self.job_id))
+                      if p.rank in set(d.membership.joining)}
+            self._event("drained_off", d, step=self._step(), how="move",
+                        message=f"rank(s) {_ranks(d.ranks)} left {', '.join(d.nodes)} by step "
+                                f"{self._step()}; their replica(s) train on "
+                                f"{', '.join(sorted(placed))}, no step redone")
+        elif self.store.get(self.job_id).state is JobState.RUNNING:
+            self._no_shrink = True  # no room, or called off: the next poll checkpoints instead
 
     def _follow_up(self) -> None:
         """A requeue is pending: stand down once the job has no rank left on those nodes

@@ -10,9 +10,10 @@ Nothing here touches Ray or Redis, so every branch is unit-tested directly.
 Two notions stay apart: `live` (an elastic job that resizes in place: a failure
 may shrink it) and `keeps` (the survivors keep their work: a failed replica
 whose node remains is refilled live at the same size, elastic or not). A job
-that keeps its work but cannot refill (its node lost or quarantined) goes back
-to the queue; one that does not keep it is replaced in place from the newest
-checkpoint.
+that keeps its work and lost a replica's node (or has it quarantined) asks the
+scheduler to place that replica elsewhere (`relocate`), and refills it live
+there; only when the scheduler finds no room does it go back to the queue. One
+that does not keep its work is replaced in place from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from kuangchao.platform.spec.elastic import ElasticRange, Membership, plan_membe
 
 # Failures the in-place path can handle: the rank's node is still there.
 IN_PLACE_KINDS = frozenset({"died", "expired", "hung"})
+# Failures a job whose survivors keep their work refills live: in place, or on other
+# nodes when the replica's node is lost (the node agent's or raylet's loss).
+RELOCATABLE_KINDS = IN_PLACE_KINDS | {"node_lost"}
 
 
 class Action(enum.StrEnum):
@@ -70,6 +74,9 @@ class FailureDecision:
     dead: The ranks lost (the failed one and every rank on a lost node).
     refill: Replicas (by index) hit by the failure whose nodes are all still
         usable: their placement groups get fresh ranks.
+    relocate: Replicas hit whose node is lost or quarantined, in a job whose
+        survivors keep their work: placed elsewhere by the scheduler, then refilled
+        (the controller requeues the job when it finds no room).
     """
 
     action: Action
@@ -77,6 +84,7 @@ class FailureDecision:
     dead: frozenset[int] = frozenset()
     membership: Membership | None = None
     refill: tuple[int, ...] = field(default_factory=tuple)
+    relocate: tuple[int, ...] = field(default_factory=tuple)
 
 
 def restarts_exhausted(restarts: int, max_restarts: int) -> bool:
@@ -91,44 +99,49 @@ def decide(view: FailureView) -> FailureDecision:
                                             "(fault_tolerance.max_restarts)")
     if view.rank is None or not view.has_group:
         return FailureDecision(Action.REQUEUE, "the whole job is affected: place it again")
-    if view.live:
+    if view.live:  # an elastic job shrinks around its survivors; the scheduler regrows it
         return _reshape(view)
+    if view.keeps and view.elastic is not None and view.kind in RELOCATABLE_KINDS:
+        return _refill(view)
     if view.kind not in IN_PLACE_KINDS:
         return FailureDecision(Action.REQUEUE, f"a {view.kind} failure needs a new placement")
     slot = _slot(view, view.rank)
     if slot is not None and slot.node in view.blocked:
         return FailureDecision(Action.REQUEUE, f"node {slot.node} is quarantined: place the job "
                                                "elsewhere")
-    if view.keeps and view.elastic is not None:
-        return _refill(view, slot)
     return FailureDecision(Action.REPLACE, f"replace rank {view.rank} in place",
                            dead=frozenset({view.rank}))
 
 
-def _refill(view: FailureView, slot: PlacedRank | None) -> FailureDecision:
-    """Survivors keep their work: the failed replica is refilled live, in its own placement
-    group, at the same size, when every node it holds is still there and not quarantined."""
+def _refill(view: FailureView) -> FailureDecision:
+    """Survivors keep their work: the failed replica is refilled live at the same size, in
+    its own placement group where every node it holds is still there and not quarantined,
+    else on nodes the scheduler finds for it (`relocate`)."""
     rng = view.elastic
     assert rng is not None and view.rank is not None
-    if slot is not None and slot.node_id in view.lost_nodes:
-        return FailureDecision(Action.REQUEUE, f"node {slot.node} is lost: place the job again",
-                               dead=frozenset({view.rank}))
-    d = _reshape(view)
+    slot = _slot(view, view.rank)
+    if view.kind == "node_lost" and slot is not None:  # lost to the controller, if not yet to Ray
+        view = dataclasses.replace(view, lost_nodes=view.lost_nodes | {slot.node_id})
+    d = _reshape(view, relocate=True)
     if d.action is not Action.RESHAPE or d.membership is None or (
             d.membership.world_size != len(view.slots)):
-        return FailureDecision(Action.REQUEUE, "a failed replica cannot be refilled where it ran "
-                                               "(a node lost or quarantined): place the job again",
-                               dead=d.dead)
+        return FailureDecision(Action.REQUEUE, "a failed replica cannot be refilled at the job's "
+                                               "size: place the job again", dead=d.dead)
     if not d.membership.ranks:  # one replica: nobody holds the state to hand over
+        if d.relocate or view.kind not in IN_PLACE_KINDS:
+            return FailureDecision(Action.REQUEUE, "the job's only replica lost its node: place "
+                                                   "the job again", dead=d.dead)
         return FailureDecision(Action.REPLACE, f"replace rank {view.rank} in place (no survivor "
                                                "holds the state)", dead=frozenset({view.rank}))
-    return dataclasses.replace(d, reason=f"refill rank(s) {sorted(d.dead)} live at "
+    where = " on other nodes" if d.relocate else ""
+    return dataclasses.replace(d, reason=f"refill rank(s) {sorted(d.dead)} live{where} at "
                                          f"{d.membership.world_size // rng.ranks_per_replica} "
                                          "replica(s); the survivors keep their work")
 
 
-def _reshape(view: FailureView) -> FailureDecision:
-    """An elastic job re-forms around its survivors, refilling replicas whose nodes remain."""
+def _reshape(view: FailureView, relocate: bool = False) -> FailureDecision:
+    """An elastic job re-forms around its survivors, refilling replicas whose nodes remain
+    (with `relocate`, also those whose nodes do not, on nodes the scheduler finds)."""
     rng = view.elastic
     if rng is None or view.kind == "resize":
         return FailureDecision(Action.REQUEUE, "a failure during a resize: place the job again")
@@ -138,15 +151,18 @@ def _reshape(view: FailureView) -> FailureDecision:
     refill = tuple(i for i in hit if all(
         (s := _slot(view, r)) is not None and s.node_id not in view.lost_nodes
         and s.node not in view.blocked for r in rng.replica_ranks(i)))
-    sizes = rng.sizes(upto=replicas_left(world, rng, dead) + len(refill))
+    moved = tuple(i for i in hit if i not in refill) if relocate else ()
+    sizes = rng.sizes(upto=replicas_left(world, rng, dead) + len(refill) + len(moved))
     if not sizes:
         return FailureDecision(Action.REQUEUE, f"fewer than {rng.min_replicas} replica(s) left "
                                                "(elastic.min_replicas): place the job again",
                                dead=frozenset(dead))
     m = plan_membership(world, rng, sizes[0], drop_ranks=dead)
     usable = len(m.joining) // rng.ranks_per_replica
+    chosen = (refill + moved)[:usable]
     return FailureDecision(Action.RESHAPE, f"re-form at {sizes[0]} replica(s)", dead=frozenset(dead),
-                           membership=m, refill=refill[:usable])
+                           membership=m, refill=tuple(i for i in chosen if i in refill),
+                           relocate=tuple(i for i in chosen if i in moved))
 
 
 def _slot(view: FailureView, rank: int) -> PlacedRank | None:

@@ -56,7 +56,7 @@ class Formation:
         self.gen += 1
         gen = Generation(gen=self.gen, world_size=world, replicas=replicas,
                          accum=rng.accumulation(replicas), host=host, port=port, ranks=ranks,
-                         joining=joining, cause=cause)
+                         joining=joining, cause=cause, keepers=self.group.keeper_plan())
         self.store.publish_generation(self.job_id, gen.to_json(), signal)
         return gen
 

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from kuangchao.platform.errors import Cancelled, FinishedDuringResize, KuangchaoError, WorkerLost
+from kuangchao.platform.execution import relocation
 from kuangchao.platform.execution.failure_policy import FailureDecision
 from kuangchao.platform.execution.recovery import Failure
 from kuangchao.platform.jobs.state import (
@@ -60,6 +61,7 @@ class ResizeExecutor:
         self.live = live
         self.cause = "requested"
         self.by_restart: dict[str, Any] | None = None  # a resize that became a restart
+        self.relocate_wait_s = relocation.RELOCATE_WAIT_S
 
     # -- triggers -------------------------------------------------------------
     def on_request(self, spec: JobSpec) -> None:
@@ -109,14 +111,47 @@ class ResizeExecutor:
             return False
         return self.group.world == m.world_size
 
+    def move_off(self, spec: JobSpec, m: Membership, replicas: tuple[int, ...],
+                 nodes: list[str], cause: str) -> bool:
+        """A planned move at the same size (off a draining node): the scheduler places
+        `replicas` elsewhere, their new ranks start while every rank trains on, and the
+        ranks `m` leaves out go at their next step as the new ones take the state.
+
+        Returns whether the group now runs at `m`: False when the scheduler had no
+        room, the job finished first, or the move was called off.
+        """
+        rng = spec.elastic_range
+        answer = relocation.ask(self.store, self.job_id, list(replicas), nodes,
+                                self.relocate_wait_s, planned=True)
+        slots = sorted(answer.slots, key=lambda p: p.rank)
+        if len(slots) != len(replicas) * rng.ranks_per_replica:
+            relocation.withdraw(self.store, self.job_id)
+            self.store.add_event(self.job_id, {
+                "type": "relocation_failed", "nodes": nodes,
+                "message": f"the replica(s) on {', '.join(nodes)} could not move live "
+                           f"({answer.why_not or 'a partial answer'})"})
+            return False
+        joiners: list[Joiner] = [(slots[i:i + rng.ranks_per_replica], None)
+                                 for i in range(0, len(slots), rng.ranks_per_replica)]
+        cur = self.group.world // rng.ranks_per_replica
+        self._begin({"to": cur, "from": cur, "cause": cause, "requested_at": time.time()}, m, spec,
+                    moved=len(slots))
+        try:
+            formed = self._run_generation(spec, m, joiners, dead=set(), planned=True)
+        except FinishedDuringResize:
+            return False
+        return formed is not None and self.group.world == m.world_size
+
     def after_loss(self, failure: Failure, decision: FailureDecision, spec: JobSpec) -> bool:
         """A job whose survivors keep their work lost ranks: re-form the group around them.
 
         Replicas in `decision.refill` get new ranks in their own placement group
-        (a warm spare on the node with `spare_workers`, else a fresh actor); the
-        others are dropped (an elastic job shrinks). A refill at the same size
-        keeps the job RECOVERING until the new generation formed. Returns False
-        when the job finished meanwhile (the caller sends it back to the queue).
+        (a warm spare on the node with `spare_workers`, else a fresh actor); those
+        in `decision.relocate` (their node lost) on nodes the scheduler places them
+        on (relocation.py); the others are dropped (an elastic job shrinks). A refill
+        at the same size keeps the job RECOVERING until the new generation formed.
+        Returns False when the job finished meanwhile, or when the scheduler found no
+        room for a lost replica (the caller sends it back to the queue).
         """
         assert decision.membership is not None and failure.rank is not None
         rng = spec.elastic_range
@@ -129,6 +164,11 @@ class ResizeExecutor:
         m = decision.membership
         joiners: list[Joiner] = [([by_rank[r] for r in rng.replica_ranks(i)], self.group.pgs[i])
                                  for i in decision.refill]
+        if decision.relocate:
+            moved = self._relocated(decision, by_rank, rng)
+            if moved is None:
+                return False
+            joiners += moved
         cur = self.group.world // rng.ranks_per_replica
         self._begin({"to": m.world_size // rng.ranks_per_replica, "from": cur,
                      "cause": failure.kind, "requested_at": failure.failed_at or time.time()},
@@ -143,8 +183,28 @@ class ResizeExecutor:
         # The survivors' first step in `gen` closes it (`survivor_stall_s`, reports.py).
         self.store.annotate_restart(self.job_id, {
             "path": "live", "placement_s": round(time.monotonic() - t0, 3), "generation": gen,
-            "refilled": len(m.joining), "spare": taken > 0 if spares else None})
+            "refilled": len(m.joining), "spare": taken > 0 if spares else None,
+            "relocated": len(decision.relocate) * rng.ranks_per_replica or None})
         return True
+
+    def _relocated(self, decision: FailureDecision, by_rank: dict[int, PlacedRank],
+                   rng: Any) -> list[Joiner] | None:
+        """The relocated replicas as joiners (new placement groups on the slots the
+        scheduler placed), or None, said on the job, when it placed none."""
+        rpr = rng.ranks_per_replica
+        lost = sorted({by_rank[r].node for i in decision.relocate for r in rng.replica_ranks(i)})
+        answer = relocation.ask(self.store, self.job_id, list(decision.relocate), lost,
+                                self.relocate_wait_s)
+        if not answer.slots or len(answer.slots) != len(decision.relocate) * rpr:
+            self.store.add_event(self.job_id, {
+                "type": "relocation_failed", "nodes": lost,
+                "message": f"the replica(s) lost with {', '.join(lost)} were not placed elsewhere "
+                           f"({answer.why_not or 'a partial answer'}): the job goes back to the "
+                           "queue"})
+            relocation.withdraw(self.store, self.job_id)
+            return None
+        slots = sorted(answer.slots, key=lambda p: p.rank)
+        return [(slots[i:i + rpr], None) for i in range(0, len(slots), rpr)]
 
     # -- the generation change -----------------------------------------------------
     def _run_generation(self, spec: JobSpec, m: Membership, joiners: list[Joiner],
@@ -235,7 +295,7 @@ class ResizeExecutor:
                 if j.resize_log else ()
             return settle_resize(j, f"resize called off, staying at {world} rank(s): {message}",
                                  placement=tuple(p for p in j.placement if p.rank < world),
-                                 resize=None, resize_log=log)
+                                 resize=None, resize_log=log, relocate=None)
         self.store.update(self.job_id, back)
         self.store.wake_scheduler(self.job_id)
 
@@ -257,15 +317,19 @@ class ResizeExecutor:
         spec = self.formation.spec
         return spec.elastic_range.ranks_per_replica if spec else 1
 
-    def _begin(self, req: dict[str, Any], m: Membership, spec: JobSpec) -> None:
-        """RESIZING, with the resize's entry opened (the first step at the new size closes it)."""
+    def _begin(self, req: dict[str, Any], m: Membership, spec: JobSpec, moved: int = 0) -> None:
+        """RESIZING, with the resize's entry opened (the first step at the new size closes it).
+        A planned move (`moved` ranks to other nodes) is RESIZING at the same size."""
         rpr = spec.elastic_range.ranks_per_replica
         cur = self.group.world // rpr
         self.cause = str(req.get("cause") or "requested")
         entry = self._entry(req, m.world_size // rpr, rpr, "live")
-        if entry["to"] == cur:
+        if entry["to"] == cur and not moved:
             return  # a refill at the same size: nothing resizes, the job stays RECOVERING
-        message = f"resizing from {cur} to {entry['to']} replica(s) ({self.cause})"
+        if moved:
+            entry["moved"] = moved
+        message = (f"moving {moved} rank(s) to other nodes at {cur} replica(s) ({self.cause})"
+                   if moved else f"resizing from {cur} to {entry['to']} replica(s) ({self.cause})")
         self.store.update(self.job_id, lambda j: resize(j, message,
                                                         resize_log=(*j.resize_log, entry)))
 
@@ -290,7 +354,7 @@ class ResizeExecutor:
                              f"replica(s), {gen.accum} micro-batch(es) per step; formed in "
                              f"{formed_s:.2f}s{kept}",
                           placement=placement, world_size=world, replicas=gen.replicas,
-                          gpus=world * spec.parallel.gpus_per_rank, resize=None)
+                          gpus=world * spec.parallel.gpus_per_rank, resize=None, relocate=None)
         resizing = self.store.get(self.job_id).state is JobState.RESIZING  # not a refill
         self.store.update(self.job_id, done)
         if resizing and self.store.get(self.job_id).resize_log:

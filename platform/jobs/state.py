@@ -126,6 +126,10 @@ class JobRecord:
     desired_replicas: int | None = None
     resize: dict[str, Any] | None = None
     resize_log: tuple[dict[str, Any], ...] = ()
+    # A job whose survivors keep their work and lost a node: the replicas its
+    # controller asks the scheduler to place elsewhere, and the scheduler's answer
+    # (platform/execution/relocation.py has the exchange).
+    relocate: dict[str, Any] | None = None
     waiting_for: str | None = None
     message: str | None = None
     driver: str = "scheduler"
@@ -269,7 +273,7 @@ def requeue(job: JobRecord, reason: str, *, only_from: JobState | None = None,
         only_from: Apply only when the job is in this state (e.g. RECOVERING)."""
     if job.state.is_terminal or (only_from is not None and job.state is not only_from):
         return None
-    changes = {"placement": (), "preempting_for": None, **changes}
+    changes = {"placement": (), "preempting_for": None, "relocate": None, **changes}
     return transition(job, JobState.QUEUED, reason, **changes)
 
 

@@ -21,19 +21,24 @@ class Generation:
     ranks: dict[int, int]  # current rank -> rank in this generation; absent ranks leave
     joining: tuple[int, ...]  # ranks of this generation that start without state
     cause: str = ""
+    # The job's peer-memory keepers and each rank's node in this generation
+    # (`KeeperPlan.to_json()`), or None without peer memory: survivors copy by it
+    # from here on, so that a rank whose node changed copies to its new peers.
+    keepers: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"gen": self.gen, "world_size": self.world_size, "replicas": self.replicas,
                 "accum": self.accum, "host": self.host, "port": self.port,
                 "ranks": {str(k): v for k, v in self.ranks.items()},
-                "joining": list(self.joining), "cause": self.cause}
+                "joining": list(self.joining), "cause": self.cause, "keepers": self.keepers}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Generation:
         return cls(gen=int(d["gen"]), world_size=int(d["world_size"]),
                    replicas=int(d["replicas"]), accum=int(d["accum"]), host=d["host"],
                    port=int(d["port"]), ranks={int(k): int(v) for k, v in d["ranks"].items()},
-                   joining=tuple(d.get("joining") or ()), cause=d.get("cause", ""))
+                   joining=tuple(d.get("joining") or ()), cause=d.get("cause", ""),
+                   keepers=d.get("keepers") if isinstance(d.get("keepers"), dict) else None)
 
     @property
     def prefix(self) -> str:

@@ -18,9 +18,17 @@ from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.errors import InvalidTransition, JobNotFound
 from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank, admit, cancel
 from kuangchao.platform.observability import metrics
-from kuangchao.platform.scheduling.plugins.decisions import Admit, Decision, Preempt, Resize, Wait
+from kuangchao.platform.scheduling.plugins.decisions import (
+    Admit,
+    Decision,
+    Preempt,
+    Relocate,
+    Resize,
+    Wait,
+)
 from kuangchao.platform.scheduling.plugins.interface import AdmissionPolicy
 from kuangchao.platform.scheduling.plugins.registry import make_policy
+from kuangchao.platform.scheduling.plugins.relocation import RELOCATING
 from kuangchao.platform.scheduling.plugins.snapshot import Snapshot
 from kuangchao.platform.scheduling.snapshot_keeper import SnapshotKeeper
 from kuangchao.platform.spec.queues import QueueTable
@@ -101,6 +109,8 @@ class Scheduler:
                 self._preempt(d)
             elif isinstance(d, Resize):
                 self._resize(d)
+            elif isinstance(d, Relocate):
+                self._relocate(d)
             else:
                 self._wait(d)
         return decisions
@@ -166,6 +176,29 @@ class Scheduler:
                 "from_replicas": j.replicas, "to_replicas": d.to}
         if self.store.update(d.job_id, ask) is not None:
             self.store.request_resize(d.job_id)
+
+    def _relocate(self, d: Relocate) -> None:
+        """Answer a running job's relocation request (platform/execution/relocation.py):
+        the new slots join its placement from now on (ranks past its world, as a grow's),
+        so that no other job is placed on them; or why not."""
+        def answer(j: JobRecord):
+            req = j.relocate
+            if (j.state not in RELOCATING or not isinstance(req, dict)
+                    or float(req.get("requested_at") or 0.0) != d.requested_at
+                    or "placed" in req or "refused" in req):
+                return None  # answered already, withdrawn, or a newer request
+            if d.plan is None:
+                return dataclasses.replace(j, relocate={**req, "refused": d.reason,
+                                                        "answered_at": time.time()}), {
+                    "type": "relocation_refused", "message": d.reason}
+            added = tuple(
+                PlacedRank(rank=j.world_size + s.rank, node=s.node, node_id=s.node_id, leaf=s.leaf,
+                           gpu=s.gpus[0] if s.gpus else None, gpus=s.gpus)
+                for s in d.plan.slots)
+            placed = {**req, "placed": [p.to_json() for p in added], "answered_at": time.time()}
+            return dataclasses.replace(j, relocate=placed, placement=j.placement + added), {
+                "type": "relocation_placed", "message": d.reason}
+        self.store.update(d.job_id, answer)
 
     def _wait(self, d: Wait) -> None:
         def note(j: JobRecord):

@@ -16,8 +16,11 @@ replica per node, each node with a folder of its own and no shared disk
   to the exact final loss of a run never killed.
 - The store frozen (SIGSTOP) for 20 s costs checkpoints, not training; a
   checkpoint truncated in the store is skipped on restore.
+- A node lost under a fixed-size job moves that replica to a free node: the job
+  never goes back to the queue, and the survivor keeps its work.
 
-The node test runs last: it replaces a node of the cluster.
+The node tests run last: the first replaces a node of the cluster, the second
+leaves it a node short.
 """
 
 from __future__ import annotations
@@ -347,3 +350,55 @@ def test_node_loss_shrinks_and_a_new_node_grows_without_losing_a_sample(elastic)
     print(f"loss curves to step {upto}: elastic against fixed, worst relative "
           f"difference {worst:.2e}")  # shown with pytest -rP
     assert worst <= LOSS_RTOL, {s: (ours[s], theirs[s]) for s in logged}
+
+
+def test_a_lost_nodes_replica_moves_to_a_free_node_and_the_survivor_keeps_its_work(elastic):
+    """A fixed-size job of two replicas on a cluster of three nodes: the raylet under one
+    replica SIGKILLed, the scheduler places that replica on the free node, and the job
+    re-forms there at its size. It never goes back to the queue, the survivor keeps its
+    process and its step, and nothing is restored from a checkpoint. Runs after the node
+    test (which left three nodes up) and last: it leaves the cluster a node short."""
+    client: Client = elastic.client
+    d = elastic.job_doc(task={"name": "relocated"})
+    d["training"].update(steps=100_000, seed=3, log_interval=10)
+    d["checkpoint"].update(interval_steps=10_000, path=STORE,
+                           in_memory={"interval_steps": 1, "replicas": 1,
+                                      "max_mb_per_rank": 64})
+    d["fault_tolerance"] = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5,
+                            "hang_timeout_s": 60}
+    nodes = {n["name"] for n in client.nodes()["nodes"] if n["alive"] and not n["quarantine"]}
+    assert len(nodes) == 3, nodes
+    job = client.submit(d)
+    running = wait_for(lambda: (j := client.get(job["id"]))["state"] == "RUNNING"
+                       and j["progress"]["step"] > 30 and j, 300, "the job to train")
+    placed = {p["rank"]: p for p in running["placement"]}
+    free = nodes - {p["node"] for p in placed.values()}
+    assert len(free) == 1 and placed[0]["node"] != placed[1]["node"], placed
+    os.kill(raylet_of(placed[1]["node_id"]), signal.SIGKILL)
+
+    moved = wait_for(lambda: (j := client.get(job["id"]))["state"] == "RUNNING"
+                     and j["restarts"] == 1 and "first_step_at" in j["restart_log"][0]
+                     and j["progress"]["step"] > j["restart_log"][0]["resumed_step"] + 10
+                     and j, 300, "the job to train on with the replica moved")
+    client.cancel(job["id"])
+    done = elastic.wait_state(job["id"], DONE, timeout=120)
+    assert done["state"] == "CANCELLED", done["message"]
+    entry = moved["restart_log"][0]
+    print(f"restart entry of the relocation: {entry}")  # shown with pytest -rP
+    assert entry["path"] == "live" and entry["relocated"] == 1, entry
+    assert entry["kind"] in ("node_lost", "died", "expired") and entry["node"] == placed[1]["node"]
+    after = {p["rank"]: p for p in moved["placement"]}
+    assert after[0]["pid"] == placed[0]["pid"] and after[0]["node"] == placed[0]["node"]
+    assert after[1]["node"] == free.pop() and moved["world_size"] == 2 and moved["relocate"] is None
+    events = client.events(job["id"])["events"]
+    states = [e["to"] for e in events if e["type"] == "state"]
+    assert states[:5] == ["QUEUED", "PLACING", "RUNNING", "RECOVERING", "RUNNING"], states
+    assert "QUEUED" not in states[1:], states  # never sent back to the queue
+    assert {"relocation_requested", "relocation_placed"} <= {e["type"] for e in events}
+    # The survivor went on from its own step; nothing was restored, nothing trained twice.
+    kept = [e for e in events if e["type"] == "survivors_kept"]
+    assert len(kept) == 1 and kept[0]["step"] == entry["resumed_step"], kept
+    logs = [r["message"] for r in client.logs(job["id"])["logs"]]
+    assert not [m for m in logs if "restored checkpoint" in m or "from peer memory" in m]
+    curve = [p["step"] for p in client.metrics(job["id"]).entries]
+    assert curve == sorted(set(curve)), curve

@@ -46,9 +46,13 @@ def store():
     return MemoryStore(prefix=f"kc-test-{time.monotonic_ns()}:")
 
 
-def controller(store, group, settings=SETTINGS, job_id="j1") -> JobController:
-    return JobController(job_id, settings, store=store, poll_s=0.0, group=group,
-                         watch_factory=group.watch_factory, credentials=FakeCredentials())
+def controller(store, group, settings=SETTINGS, job_id="j1",
+               relocate_wait_s: float = 0.5) -> JobController:
+    ctl = JobController(job_id, settings, store=store, poll_s=0.0, group=group,
+                        watch_factory=group.watch_factory, credentials=FakeCredentials())
+    # No scheduler runs beside most of these tests: a relocation goes unanswered, soon.
+    ctl.resizer.relocate_wait_s = relocate_wait_s
+    return ctl
 
 
 def events(store, job_id="j1") -> list[dict]:
@@ -193,12 +197,16 @@ def test_a_fixed_size_job_refills_with_a_fresh_rank_without_spares(store, tmp_pa
 
 
 def test_a_fixed_size_job_whose_node_is_lost_or_quarantined_is_placed_again(store, tmp_path):
+    # No scheduler answers the relocation (none runs here): the job goes back to the queue.
     placed_job(store, "j1", spec_doc(tmp_path), ["n0", "n1"])
     group = FakeGroup(tmp_path / "ckpt" / "j1", [Step([Outcome(1, died="raylet gone")])],
                       lost_nodes={"id-n1"})
     assert controller(store, group).run() == "QUEUED"
     assert store.get("j1").restart_log[0]["path"] == "requeue"
     assert not [c for c in group.calls if c[0] == "reshape"]
+    (failed,) = [e for e in events(store) if e["type"] == "relocation_failed"]
+    assert failed["nodes"] == ["n1"] and "did not answer" in failed["message"]
+    assert store.get("j1").relocate is None
 
     store.quarantine_node("n1", {"since": time.time(), "until": time.time() + 600,
                                  "failures": 2, "reason": "flaky"})

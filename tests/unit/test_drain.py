@@ -24,7 +24,7 @@ from kuangchao.platform.scheduling.scheduler import Scheduler
 from kuangchao.platform.spec.elastic import ElasticRange
 from kuangchao.platform.spec.jobspec import validate_spec
 from tests.unit.controller_fakes import FakeGroup, Step, placed_job
-from tests.unit.test_controller import ELASTIC, controller, spec_doc
+from tests.unit.test_controller import ELASTIC, RESTORES, controller, spec_doc
 
 ID0, ID1 = "0a" * 28, "1b" * 28  # Ray node ids: 28 bytes in hex
 
@@ -159,6 +159,22 @@ def test_policy_requeues_an_elastic_job_that_cannot_resize_in_place():
     assert d.action is DrainAction.REQUEUE
 
 
+FIXED = ElasticRange(min_replicas=4, max_replicas=4, micro_batch_size=2, global_batch=8)
+
+
+def test_policy_moves_the_replicas_of_a_job_whose_survivors_keep_their_work():
+    d = decide(DrainView(slots("n0", "n1", "n2", "n1"), NOTICE, elastic=FIXED, keeps=True))
+    assert d.action is DrainAction.MOVE and d.ranks == {1, 3} and d.replicas == (1, 3)
+    # The same size: the others keep their order, two new ranks join.
+    assert d.membership.ranks == {0: 0, 2: 1} and d.membership.joining == (2, 3)
+    assert d.membership.world_size == 4 and d.deadline == 150.0
+
+
+def test_policy_requeues_a_job_every_replica_of_which_runs_on_the_draining_node():
+    d = decide(DrainView(slots("n1", "n1"), NOTICE, elastic=FIXED, keeps=True))
+    assert d.action is DrainAction.REQUEUE and "every replica" in d.reason
+
+
 # -- the controller ------------------------------------------------------------------------
 
 def draining(ctl, *names: str, deadline: float | None = None) -> None:
@@ -168,7 +184,8 @@ def draining(ctl, *names: str, deadline: float | None = None) -> None:
 
 
 def test_a_drained_fixed_size_job_checkpoints_at_the_next_step_and_queues_again(store, tmp_path):
-    placed_job(store, "j1", spec_doc(tmp_path), ["n0", "n1"])
+    # A train function that resizes by restarting: its replicas cannot move live.
+    placed_job(store, "j1", spec_doc(tmp_path, elastic=RESTORES), ["n0", "n1"])
     store.set_progress("j1", {"step": 40})
     ckpt = {"path": str(tmp_path / "ckpt" / "j1" / "step_00000041"), "step": 41}
     yielded = {"preempted": True, "steps": 41, "checkpoint": ckpt}
@@ -260,7 +277,7 @@ def test_a_new_run_withdraws_a_drain_request_an_earlier_run_left_not_a_scheduler
 
 
 def test_a_node_gone_before_the_job_yielded_is_the_failure_paths_alone(store, tmp_path):
-    placed_job(store, "j1", spec_doc(tmp_path), ["n0", "n1"])
+    placed_job(store, "j1", spec_doc(tmp_path, elastic=RESTORES), ["n0", "n1"])
     group = FakeGroup(tmp_path / "ckpt" / "j1", [Step(), Step([Outcome(1, died="raylet gone")])],
                       lost_nodes={"id-n1"})
     ctl = controller(store, group)
@@ -285,7 +302,7 @@ def test_a_node_gone_before_the_job_yielded_is_the_failure_paths_alone(store, tm
 
 
 def test_the_failure_path_moving_the_job_first_stands_the_drain_down(store, tmp_path):
-    job = placed_job(store, "j1", spec_doc(tmp_path), ["n0", "n1"])
+    job = placed_job(store, "j1", spec_doc(tmp_path, elastic=RESTORES), ["n0", "n1"])
     spec = validate_spec(job.spec)
     store.update("j1", lambda j: start(j, "running"))
     group = FakeGroup(tmp_path / "ckpt" / "j1")

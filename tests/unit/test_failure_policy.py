@@ -111,17 +111,44 @@ def test_a_single_replica_job_has_no_survivor_to_keep_work_and_is_replaced_in_pl
     assert d.action is Action.REPLACE and d.dead == {0} and "no survivor" in d.reason
 
 
-def test_a_fixed_size_job_whose_node_is_lost_goes_back_to_the_queue():
+def test_a_fixed_size_job_whose_node_is_lost_is_refilled_on_nodes_the_scheduler_finds():
     d = decide(view(keeps=True, lost_nodes=frozenset({"id1"}), elastic=fixed()))
-    assert d.action is Action.REQUEUE and "lost" in d.reason
-    # Another rank's node lost with it: that replica cannot be refilled where it ran.
+    assert d.action is Action.RESHAPE and d.dead == {1}
+    assert d.relocate == (1,) and d.refill == ()
+    assert d.membership.world_size == 4 and d.membership.joining == (3,)
+    assert "on other nodes" in d.reason and "survivors keep their work" in d.reason
+    # Another rank's node lost with it: both replicas are placed elsewhere.
     d = decide(view(keeps=True, lost_nodes=frozenset({"id2"}), elastic=fixed()))
-    assert d.action is Action.REQUEUE and d.dead == {1, 2}
-    assert decide(view(kind="node_lost", keeps=True, elastic=fixed())).action is Action.REQUEUE
+    assert d.action is Action.RESHAPE and d.dead == {1, 2}
+    assert d.refill == (1,) and d.relocate == (2,) and d.membership.joining == (2, 3)
+    # The controller saw the node lost before Ray did: it is lost all the same.
+    d = decide(view(kind="node_lost", keeps=True, elastic=fixed()))
+    assert d.action is Action.RESHAPE and d.relocate == (1,) and d.refill == ()
 
 
-def test_a_fixed_size_job_on_a_quarantined_node_goes_back_to_the_queue():
+def test_a_replica_of_several_ranks_moves_whole_off_a_lost_node():
+    slots = (slot(0, "a", "ida"), slot(1, "a", "ida"), slot(2, "b", "idb"), slot(3, "b", "idb"))
+    d = decide(view(kind="node_lost", rank=0, slots=slots, keeps=True, lost_nodes=frozenset({"ida"}),
+                    elastic=fixed(replicas=2, rpr=2)))
+    assert d.action is Action.RESHAPE and d.dead == {0, 1} and d.relocate == (0,)
+    assert d.membership.ranks == {2: 0, 3: 1} and d.membership.joining == (2, 3)
+
+
+def test_a_single_replica_job_whose_node_is_lost_goes_back_to_the_queue():
+    d = decide(view(kind="node_lost", rank=0, slots=SLOTS[:1], keeps=True,
+                    lost_nodes=frozenset({"id0"}), elastic=fixed(replicas=1)))
+    assert d.action is Action.REQUEUE and "only replica" in d.reason
+
+
+def test_a_fixed_size_job_on_a_quarantined_node_moves_that_replica_elsewhere():
     d = decide(view(keeps=True, blocked=frozenset({"n1"}), elastic=fixed()))
+    assert d.action is Action.RESHAPE and d.relocate == (1,) and d.refill == ()
+
+
+def test_a_lost_node_still_needs_a_new_placement_when_survivors_do_not_keep_their_work():
+    d = decide(view(kind="node_lost", lost_nodes=frozenset({"id1"}), elastic=fixed()))
+    assert d.action is Action.REQUEUE and d.relocate == ()
+    d = decide(view(blocked=frozenset({"n1"}), elastic=fixed()))
     assert d.action is Action.REQUEUE and "quarantined" in d.reason
 
 

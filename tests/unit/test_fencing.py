@@ -456,8 +456,10 @@ def test_a_controller_run_fences_the_ranks_of_a_node_cut_off(tmp_path):
     group.unreachable = {"id-n1": "network"}
     settings = Settings(redis_url="redis://10.0.0.2:6380/0", redis_prefix=P, ray_address=None,
                         api_url="http://127.0.0.1:1", quarantine=QuarantinePolicy())
-    JobController("j1", settings, store=store, poll_s=0.0, group=group,
-                  watch_factory=group.watch_factory, credentials=FakeCredentials()).run()
+    ctl = JobController("j1", settings, store=store, poll_s=0.0, group=group,
+                        watch_factory=group.watch_factory, credentials=FakeCredentials())
+    ctl.resizer.relocate_wait_s = 0.5  # no scheduler answers here: the job requeues soon
+    ctl.run()
     [fenced] = [e for e in store.events("j1") if e["type"] == "fenced"]
     assert fenced["ranks"] == [1, 2] and fenced["node"] == "n1"
     assert store.fenced("j1") == {f"{pid}@n1" for pid in fenced["pids"]} and len(fenced["pids"]) == 2

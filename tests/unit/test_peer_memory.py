@@ -284,6 +284,19 @@ def test_a_rank_on_a_node_without_a_keeper_pushes_to_its_peers():
     assert alone.targets() == ["a"] and "one node" in log.text()
 
 
+def test_a_survivor_copies_by_the_new_generations_plan_after_a_replica_moved():
+    """Rank 1 of [a, b] is rank 0 of [b, c] once a's replica moved to c: its copies go to
+    its own node and to c's keeper, no longer to a's (lost)."""
+    keepers = LocalKeepers(["a", "b", "c"])
+    names = {n: keeper_name(JOB, n) for n in "abc"}
+    pm = PeerMemory(KeeperPlan({"a": names["a"], "b": names["b"]}, {0: "a", 1: "b"}), 1, 2, "h",
+                    SECTION, token, Lines(), keepers=keepers)
+    assert pm.targets() == ["b", "a"]
+    pm.regroup(0, 2)
+    pm.replan(KeeperPlan(names, {0: "b", 1: "c"}))
+    assert pm.targets() == ["b", "c"]
+
+
 # -- the keeper's token check -------------------------------------------------------------
 
 

@@ -15,6 +15,13 @@ def test_a_generation_survives_its_json_as_redis_stores_it():
                      ranks={0: 0, 2: 1}, joining=(2, 3), cause="resize")
     assert Generation.from_json(json.loads(json.dumps(gen.to_json()))) == gen
     assert gen.ready_key(1) == "gen3/ready/1"
+    # With the job's keeper plan (peer memory); one published before it had none.
+    plan = {"keepers": {"n2": "kc-keeper-j-n2"}, "node_of": {"0": "n0", "1": "n2"},
+            "namespace": "kc"}
+    with_plan = Generation(**{**gen.__dict__, "keepers": plan})
+    assert Generation.from_json(json.loads(json.dumps(with_plan.to_json()))) == with_plan
+    old = {k: v for k, v in gen.to_json().items() if k != "keepers"}
+    assert Generation.from_json(old).keepers is None
 
 
 def test_a_beat_with_the_separator_in_its_phase_still_decodes():

@@ -112,6 +112,13 @@ class PeerMemory:
         """Push as `rank` of `world_size` from now on (after a live resize)."""
         self.rank, self.world_size = rank, world_size
 
+    def replan(self, plan: KeeperPlan) -> None:
+        """Copy by the keepers and nodes of a new generation (ranks renumbered, a
+        replica moved off a lost node): its own node and peers as they are now."""
+        self.plan = plan
+        if hasattr(self.keepers, "replan"):
+            self.keepers.replan(plan)
+
     def _say(self, key: str, message: str, level: str = "WARNING") -> None:
         if key not in self._said:  # once per kind: a push every step must not flood the log
             self._said.add(key)

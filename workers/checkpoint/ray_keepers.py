@@ -44,6 +44,12 @@ class RayKeepers:
         self._handles: dict[str, Any] = {}
         self._taking: dict[str, Any] = {}  # node -> a put left behind, still running
 
+    def replan(self, plan: KeeperPlan) -> None:
+        """The keepers of a new generation; handles to keepers no longer in it go."""
+        self.plan = plan
+        for node in [n for n in self._handles if plan.keepers.get(n) is None]:
+            self._handles.pop(node, None)
+
     def _handle(self, node: str) -> Any:
         import ray
 

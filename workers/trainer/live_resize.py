@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kuangchao.platform.protocol.memory_copies import KeeperPlan
 from kuangchao.workers.data.shares import Shares
 from kuangchao.workers.elastic.generation import (
     await_generation,
@@ -73,6 +74,10 @@ def join_next(ctx: TrainContext, pos: Position) -> tuple[int, int, int, Any] | N
         was = ctx.rank
         _, kv = join_generation(gen, new_rank, JOIN_TIMEOUT_S)
         ctx.regroup(new_rank, gen.world_size, gen.accum, gen.gen)
+        if gen.keepers is not None:  # the keepers as the new membership has them
+            ctx.keepers = gen.keepers
+            if ctx.peer_memory is not None:
+                ctx.peer_memory.replan(KeeperPlan.from_json(gen.keepers))
         ctx.generation_start = pos.step  # provisional; sync_state may move it on
         ctx.group_store = kv
     ctx.log(f"rank {was} is rank {new_rank} of {gen.world_size} in generation {gen.gen} "

@@ -141,6 +141,9 @@ class JobPublic(Public):
     desired_replicas: int | None
     resize: dict[str, Any] | None
     resize_log: list[dict[str, Any]]
+    # A node lost under a job whose survivors keep their work: the replicas its
+    # controller asked the scheduler to place elsewhere, and the answer.
+    relocate: dict[str, Any] | None = None
     waiting_for: str | None
     message: str | None = Field(description="the last state change's reason; for FAILED, "
                                             "the error")

@@ -27,6 +27,7 @@ from kuangchao.platform.scheduling.plugins.decisions import (
     GpuMap,
     Hold,
     Preempt,
+    Relocate,
     Resize,
     Step,
     Wait,
@@ -137,6 +138,9 @@ class Cycle:
         elif isinstance(step, Resize) and step.plan is not None:
             job = self.job(step.job_id)
             self._take(plan_gpus(step.plan), job, (step.to - job.replicas) * job.rng.gpus_per_replica)
+        elif isinstance(step, Relocate) and step.plan is not None:
+            # The job's size is unchanged: the lost node's GPUs leave its count as these join.
+            self._take(plan_gpus(step.plan), self.job(step.job_id), 0)
 
     def _take(self, gpus: GpuMap, job: JobView, quota_gpus: int) -> None:
         """Admit or grow: these free GPUs become used, and count against the job's queue."""

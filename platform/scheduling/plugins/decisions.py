@@ -49,7 +49,18 @@ class Resize:
     for_job: str | None = None
 
 
-Decision = Admit | Wait | Preempt | Resize
+@dataclass(frozen=True)
+class Relocate:
+    """Place a running job's replicas that lost their node elsewhere, at the same size
+    (its survivors keep their work), or say why not (`plan` None)."""
+
+    job_id: str
+    requested_at: float  # the request it answers: a newer one is not answered by this
+    reason: str
+    plan: PlacementPlan | None = None
+
+
+Decision = Admit | Wait | Preempt | Resize | Relocate
 
 
 @dataclass(frozen=True)

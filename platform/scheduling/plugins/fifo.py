@@ -6,7 +6,9 @@ import time
 from dataclasses import replace
 
 from kuangchao.platform.placement.solver import Infeasible, PlacementPlan, place
+from kuangchao.platform.scheduling.plugins.cycle import Cycle
 from kuangchao.platform.scheduling.plugins.decisions import Admit, Decision, Wait
+from kuangchao.platform.scheduling.plugins.relocation import LostReplicaRelocation, open_request
 from kuangchao.platform.scheduling.plugins.snapshot import JobView, Snapshot, plan_gpus, union
 
 
@@ -19,6 +21,11 @@ class FifoPolicy:
     def decide(self, snap: Snapshot) -> list[Decision]:
         used = snap.used_gpus()
         out: list[Decision] = []
+        if any(open_request(j) for j in snap.active):
+            # A running job's lost replicas first (relocation.py), as under the gang policy.
+            cycle = Cycle(snap)
+            out.extend(LostReplicaRelocation().decide(snap.active, cycle))
+            used = cycle.blocked()
         blocked_by: str | None = None
         for job in sorted(snap.queued, key=lambda j: (j.created_at, j.id)):
             if blocked_by is not None:

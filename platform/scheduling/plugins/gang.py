@@ -6,7 +6,8 @@ all, within its queue's quota (guarantee plus borrowing). A job that does not
 fit first shrinks lower-priority elastic jobs, else preempts, else waits: the
 first such job is the head, and later jobs backfill only around the GPUs it
 would take. Running elastic jobs then shrink as asked, or grow while no
-queued job wants GPUs.
+queued job wants GPUs. Before all of it, a running job that lost a node and keeps
+its survivors' work gets its lost replicas placed elsewhere (relocation.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kuangchao.platform.scheduling.plugins.interface import (
 )
 from kuangchao.platform.scheduling.plugins.preemption import CheckpointPreemption
 from kuangchao.platform.scheduling.plugins.quota import QueueQuota
+from kuangchao.platform.scheduling.plugins.relocation import LostReplicaRelocation
 from kuangchao.platform.scheduling.plugins.snapshot import JobView, Snapshot, order_key
 
 
@@ -45,10 +47,11 @@ class GangPolicy:
         self.shrink = shrink or ElasticShrink()
         self.grow = grow or ElasticGrow(self.quota)
         self.backfill = backfill or HeadReservation()
+        self.relocation = LostReplicaRelocation()
 
     def decide(self, snap: Snapshot) -> list[Decision]:
         cycle = Cycle(snap)
-        out: list[Decision] = []
+        out: list[Decision] = [*self.relocation.decide(snap.active, cycle)]
         for job in sorted(snap.queued, key=order_key):
             out.extend(self._apply(cycle, self._queued(snap.view(job), cycle)))
         out.extend(self._running(snap, cycle))

@@ -1,0 +1,253 @@
+"""Relocation: a job whose survivors keep their work lost a replica's node; its
+controller asks the scheduler for other GPUs (platform/execution/relocation.py), the
+scheduler answers first in its cycle (platform/scheduling/plugins/relocation.py), and
+the job re-forms at the same size there without going back to the queue."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+
+import pytest
+
+from kuangchao.platform.cluster.drain import DrainNotice, mark_draining
+from kuangchao.platform.cluster.topology import NodeInfo
+from kuangchao.platform.control import operations
+from kuangchao.platform.execution import relocation
+from kuangchao.platform.execution.members import Outcome
+from kuangchao.platform.jobs.memory import MemoryStore
+from kuangchao.platform.jobs.state import JobRecord, JobState, PlacedRank, recover
+from kuangchao.platform.scheduling.plugins.fifo import FifoPolicy
+from kuangchao.platform.scheduling.scheduler import Scheduler
+from kuangchao.platform.spec.jobspec import validate_spec
+from tests.unit.controller_fakes import FakeGroup, Step
+from tests.unit.test_controller import controller, spec_doc
+
+
+@pytest.fixture(autouse=True)
+def _kc_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KC_HOME", str(tmp_path / "home"))  # the audit file goes there
+
+
+@pytest.fixture
+def store():
+    return MemoryStore(prefix=f"kc-test-{time.monotonic_ns()}:")
+
+
+def node(name: str, gpus: int = 1) -> NodeInfo:
+    return NodeInfo(name=name, gpus=gpus, islands=(tuple(range(gpus)),), leaf="leaf-0",
+                    node_id=f"id-{name}")
+
+
+def running(store, name: str, nodes: list[str], doc: dict | None = None) -> str:
+    """A job RUNNING with one rank (GPU 0) on each of `nodes`."""
+    spec = validate_spec(doc or {"task": {"name": name},
+                                 "parallel": {"data_parallel_size": len(nodes),
+                                              "micro_batch_size": 1}})
+    job_id = operations.submit(store, spec).id
+    placement = tuple(PlacedRank(r, n, f"id-{n}", "leaf-0", gpu=0, gpus=(0,))
+                      for r, n in enumerate(nodes))
+    store.update(job_id, lambda j: (dataclasses.replace(
+        j, state=JobState.RUNNING, placement=placement, world_size=len(nodes),
+        replicas=len(nodes), gpus=len(nodes)), None))
+    return job_id
+
+
+def lose(store, job_id: str, replicas: list[int], avoid: list[str]) -> float:
+    """What the controller writes: RECOVERING, and the request."""
+    at = time.time()
+    store.update(job_id, lambda j: recover(j, "node lost", {"kind": "node_lost"}))
+    store.update(job_id, lambda j: (dataclasses.replace(j, relocate={
+        "replicas": replicas, "avoid": avoid, "requested_at": at}), None))
+    return at
+
+
+def kinds(store, job_id: str) -> list[str]:
+    return [e["type"] for e in store.events(job_id)]
+
+
+# -- the scheduler's answer ----------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", [None, FifoPolicy()], ids=["gang", "fifo"])
+def test_a_lost_replica_is_placed_on_a_free_node_before_a_queued_job_takes_it(store, policy):
+    cluster = (node("n0"), node("n1"), node("n2"))
+    job_id = running(store, "a", ["n0", "n1"])
+    queued = operations.submit(store, validate_spec({"task": {"name": "q"}, "parallel": {
+        "data_parallel_size": 1, "micro_batch_size": 1}})).id
+    at = lose(store, job_id, [1], ["n1"])
+    Scheduler(store, lambda: cluster, lambda _: None, policy=policy).step()
+    job = store.get(job_id)
+    assert job.relocate["requested_at"] == at and [p["node"] for p in job.relocate["placed"]] == ["n2"]
+    # The new slot joins the placement past the world (n1's stays until the group re-forms),
+    # so that nothing else lands there; the queued job does not fit now (n1 counts as held).
+    assert [(p.rank, p.node) for p in job.placement] == [(0, "n0"), (1, "n1"), (2, "n2")]
+    assert store.get(queued).state is JobState.QUEUED
+    assert "relocation_placed" in kinds(store, job_id)
+
+
+def test_never_on_a_node_the_controller_saw_lost_nor_on_one_in_quarantine(store):
+    cluster = (node("n0"), node("n1"), node("n2"), node("n3"))
+    job_id = running(store, "a", ["n0", "n2"])
+    store.update(job_id, lambda j: (dataclasses.replace(j, placement=(
+        j.placement[0], PlacedRank(1, "n2", "id-n2", "leaf-0", gpu=0, gpus=(0,)))), None))
+    store.quarantine_node("n1", {"since": time.time(), "until": time.time() + 600,
+                                 "failures": 3, "reason": "flaky"})
+    lose(store, job_id, [1], ["n3"])  # Ray may still list a lost node alive; it is avoided
+    # n2 is the lost replica's own node and still in the placement: its GPU counts as held.
+    Scheduler(store, lambda: cluster, lambda _: None).step()
+    job = store.get(job_id)
+    assert "refused" in job.relocate and "do not fit" in job.relocate["refused"]
+    assert len(job.placement) == 2 and "relocation_refused" in kinds(store, job_id)
+
+
+def test_a_request_is_answered_once_and_a_withdrawn_one_not_at_all(store):
+    cluster = (node("n0"), node("n1"), node("n2"), node("n3"))
+    scheduler = Scheduler(store, lambda: cluster, lambda _: None)
+    job_id = running(store, "a", ["n0", "n1"])
+    lose(store, job_id, [1], ["n1"])
+    scheduler.step()
+    scheduler.step()
+    job = store.get(job_id)
+    assert len(job.relocate["placed"]) == 1 and len(job.placement) == 3
+    relocation.withdraw(store, job_id)  # the controller gave up: the late slot goes too
+    job = store.get(job_id)
+    assert job.relocate is None and [p.node for p in job.placement] == ["n0", "n1"]
+    scheduler.step()
+    assert store.get(job_id).relocate is None and len(store.get(job_id).placement) == 2
+
+
+def test_a_job_resizing_or_placing_gets_no_answer_but_a_running_one_moving_off_a_drain_does(
+        store):
+    cluster = (node("n0"), node("n1"), node("n2"))
+    scheduler = Scheduler(store, lambda: cluster, lambda _: None)
+    job_id = running(store, "a", ["n0", "n1"])
+    request = {"replicas": [1], "avoid": ["n1"], "requested_at": 1.0}
+    for state in (JobState.RESIZING, JobState.PLACING):
+        store.update(job_id, lambda j, s=state: (dataclasses.replace(j, state=s, relocate=request),
+                                                 None))
+        scheduler.step()
+        job = store.get(job_id)
+        assert "placed" not in job.relocate and len(job.placement) == 2, state
+    store.update(job_id, lambda j: (dataclasses.replace(j, state=JobState.RUNNING), None))
+    scheduler.step()
+    assert [p["node"] for p in store.get(job_id).relocate["placed"]] == ["n2"]
+
+
+# -- the controller's side ------------------------------------------------------------------
+
+def test_ask_waits_for_the_answer_and_withdraws_when_none_comes(store):
+    job_id = running(store, "a", ["n0", "n1"])
+    store.update(job_id, lambda j: recover(j, "node lost", {"kind": "node_lost"}))
+    ticks = iter(range(100))
+    answer = relocation.ask(store, job_id, [1], ["n1"], wait_s=3, clock=lambda: next(ticks),
+                            sleep=lambda _: None)
+    assert answer.slots == () and "did not answer within 3s" in answer.why_not
+    assert store.get(job_id).relocate is None
+    # Not RECOVERING (the job ended meanwhile): nothing is asked.
+    store.update(job_id, lambda j: (dataclasses.replace(j, state=JobState.SUCCEEDED), None))
+    assert "no longer RECOVERING" in relocation.ask(store, job_id, [1], ["n1"], wait_s=3).why_not
+
+
+def placed(store, tmp_path, nodes: list[str], job_id: str = "j1") -> None:
+    """A job PLACING with one rank on each of `nodes`, on GPU 0 (as the scheduler admits)."""
+    placement = tuple(PlacedRank(r, n, f"id-{n}", "leaf-0", gpu=0, gpus=(0,))
+                      for r, n in enumerate(nodes))
+    store.create(JobRecord(id=job_id, name=job_id, spec=spec_doc(tmp_path), state=JobState.PLACING,
+                           world_size=len(nodes), gpus=len(nodes), replicas=len(nodes),
+                           placement=placement))
+
+
+@contextlib.contextmanager
+def scheduling(store, cluster: tuple[NodeInfo, ...]):
+    """A scheduler beside the controller, on the same store, cycling on every wake-up."""
+    scheduler = Scheduler(store, lambda: cluster, lambda _: None)
+    stop = threading.Event()
+
+    def schedule() -> None:
+        while not stop.is_set():
+            store.wait_for_wake(0.05)
+            scheduler.step()
+
+    thread = threading.Thread(target=schedule, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def test_a_fixed_size_job_that_loses_a_node_refills_it_live_where_the_scheduler_placed_it(
+        store, tmp_path):
+    """The controller and a scheduler on one store: the lost rank's replica is placed on
+    the free node, and the job trains on at its size without going back to the queue."""
+    job_id = "j1"
+    placed(store, tmp_path, ["n0", "n1"])
+    with scheduling(store, (node("n0"), node("n1"), node("n2"))):
+        group = FakeGroup(tmp_path / "ckpt" / job_id, [Step([Outcome(1, died="raylet gone")])],
+                          lost_nodes={"id-n1"})
+        assert controller(store, group, relocate_wait_s=30).run() == "SUCCEEDED"
+    job = store.get(job_id)
+    assert [p.node for p in job.placement] == ["n0", "n2"] and job.world_size == 2
+    assert job.restarts == 1 and job.restart_log[0]["kind"] == "node_lost"
+    assert job.restart_log[0]["path"] == "live" and job.restart_log[0]["relocated"] == 1
+    assert job.relocate is None
+    assert "QUEUED" not in [e.get("to") for e in store.events(job_id)]
+    assert ("reshape", (0,), 1) in group.calls
+    assert [c for c in group.calls if c[0] == "teardown"] == [("teardown",)]  # at the end only
+    assert group.pg_history[-1] == ["pg-r0", "pg-new0"]  # a new placement group on n2
+    assert {"relocation_requested", "relocation_placed"} <= set(kinds(store, job_id))
+
+
+# -- a drain's planned move ------------------------------------------------------------------
+
+def drained(ctl, name: str) -> None:
+    ctl.drain.source = lambda: {f"id-{name}": DrainNotice(f"id-{name}", time.time() + 20)}
+    ctl.drain.poll_s = 0.0
+
+
+def test_a_drained_fixed_size_job_moves_the_replica_there_live_and_redoes_nothing(store, tmp_path):
+    placed(store, tmp_path, ["n0", "n1"])
+    with scheduling(store, (node("n0"), mark_draining((node("n1"),), {"id-n1": DrainNotice(
+            "id-n1", None)})[0], node("n2"))):
+        group = FakeGroup(tmp_path / "ckpt" / "j1", [Step(), Step()])
+        ctl = controller(store, group, relocate_wait_s=30)
+        drained(ctl, "n1")
+        assert ctl.run() == "SUCCEEDED"
+    job = store.get("j1")
+    assert [p.node for p in job.placement] == ["n0", "n2"] and job.world_size == 2
+    # Planned: no restart, no checkpoint, no preemption; one generation change.
+    assert job.restarts == 0 and job.preemptions == 0 and not store.preempt_requested("j1")
+    entry = job.resize_log[-1]
+    assert (entry["from"], entry["to"], entry["cause"], entry["moved"]) == (2, 2, "drain", 1)
+    assert ("reshape", (0,), 1) in group.calls and ("release", (1,)) in group.calls
+    (noticed,) = [e for e in store.events("j1") if e["type"] == "node_draining"]
+    assert noticed["action"] == "move"
+    (off,) = [e for e in store.events("j1") if e["type"] == "drained_off"]
+    assert off["how"] == "move" and "train on n2" in off["message"]
+    assert "drain_checkpoint" not in kinds(store, "j1") and job.relocate is None
+    assert audit_actions(store) == ["job.drain_move"]
+
+
+def test_a_drained_job_with_no_room_elsewhere_checkpoints_and_queues_again(store, tmp_path):
+    placed(store, tmp_path, ["n0", "n1"])
+    yielded = {"preempted": True, "steps": 41}
+    with scheduling(store, (node("n0"), node("n1"))):  # no free node
+        group = FakeGroup(tmp_path / "ckpt" / "j1", [
+            Step(), Step(), Step([Outcome(0, value=yielded), Outcome(1, value=yielded)])])
+        ctl = controller(store, group, relocate_wait_s=30)
+        drained(ctl, "n1")
+        assert ctl.run() == "QUEUED"
+    job = store.get("j1")
+    assert job.preemptions == 1 and job.restarts == 0 and job.relocate is None
+    (failed,) = [e for e in store.events("j1") if e["type"] == "relocation_failed"]
+    assert "could not move live" in failed["message"] and "do not fit" in failed["message"]
+    assert [e["how"] for e in store.events("j1") if e["type"] == "drained_off"] == ["requeue"]
+    assert not [c for c in group.calls if c[0] == "reshape"]
+
+
+def audit_actions(store) -> list[str]:
+    return [json.loads(line)["action"] for line in store.audit_lines()]
