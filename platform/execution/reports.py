@@ -97,10 +97,13 @@ def _resized(store: JobStore, job_id: str, entry: dict[str, Any]) -> None:
         "type": "resize", "from_world_size": entry.get("from_world_size"),
         "to_world_size": entry.get("to_world_size"), "from_replicas": entry.get("from"),
         "to_replicas": entry.get("to"), "cause": entry.get("cause"), "resize_s": took,
-        "path": entry.get("path"),
-        "message": f"resized from {entry.get('from_world_size')} to "
-                   f"{entry.get('to_world_size')} rank(s) ({entry.get('cause')}); first "
-                   f"step at the new size {took:.2f}s after the decision"})
+        "path": entry.get("path"), "moved": entry.get("moved"),
+        "message": (f"moved {entry['moved']} rank(s) to other nodes ({entry.get('cause')}); "
+                    f"first step after the move {took:.2f}s after the decision")
+        if entry.get("moved") else
+        f"resized from {entry.get('from_world_size')} to {entry.get('to_world_size')} "
+        f"rank(s) ({entry.get('cause')}); first step at the new size {took:.2f}s after the "
+        "decision"})
 
 
 _HANDLERS: dict[str, Callable[[JobStore, str, dict[str, Any], int], None]] = {

@@ -16,11 +16,11 @@ replica per node, each node with a folder of its own and no shared disk
   to the exact final loss of a run never killed.
 - The store frozen (SIGSTOP) for 20 s costs checkpoints, not training; a
   checkpoint truncated in the store is skipped on restore.
-- A node lost under a fixed-size job moves that replica to a free node: the job
-  never goes back to the queue, and the survivor keeps its work.
+- A node drained, or lost, under a fixed-size job moves that replica to a free node:
+  the job never goes back to the queue, and the survivor keeps its work.
 
-The node tests run last: the first replaces a node of the cluster, the second
-leaves it a node short.
+The node tests run last: the first replaces a node of the cluster, the drain and the
+loss each leave it a node short (one joins between them).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.own_stack]
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED"}
 JOINED = "node-d"
+SPARE = "node-e"  # joins for the last test when the drain test left two nodes up
 # Logged losses of an elastic run against a fixed-size run: the same samples in every
 # step, but gradients summed in another order (2 replicas x 3 micro-batches against
 # 3 x 2), so float32 rounding differs from step to step. Measured: 2e-8 relative after
@@ -70,7 +71,8 @@ def elastic(tmp_path_factory, store):
     env: dict[str, str | None] = {name: None for name in AWS_VARS_TO_CLEAR}
     env.update(store.admin_env(), KC_CHECKPOINT_URLS=STORE, AWS_CONFIG_FILE=os.devnull,
                AWS_SHARED_CREDENTIALS_FILE=os.devnull)
-    with small_stack(root, "cluster-3x1.yaml", "kcelastic", (JOINED,), extra_env=env) as stack:
+    with small_stack(root, "cluster-3x1.yaml", "kcelastic", (JOINED, SPARE),
+                     extra_env=env) as stack:
         yield stack
 
 
@@ -352,21 +354,19 @@ def test_node_loss_shrinks_and_a_new_node_grows_without_losing_a_sample(elastic)
     assert worst <= LOSS_RTOL, {s: (ours[s], theirs[s]) for s in logged}
 
 
-def test_a_lost_nodes_replica_moves_to_a_free_node_and_the_survivor_keeps_its_work(elastic):
-    """A fixed-size job of two replicas on a cluster of three nodes: the raylet under one
-    replica SIGKILLed, the scheduler places that replica on the free node, and the job
-    re-forms there at its size. It never goes back to the queue, the survivor keeps its
-    process and its step, and nothing is restored from a checkpoint. Runs after the node
-    test (which left three nodes up) and last: it leaves the cluster a node short."""
-    client: Client = elastic.client
-    d = elastic.job_doc(task={"name": "relocated"})
+def two_replicas_and_a_free_node(stack: Stack, name: str) -> tuple[dict, dict, set[str]]:
+    """A fixed-size job of two replicas (peer-memory copies every step) training on two
+    of the three nodes up: the job, where its ranks run, and the free node's name."""
+    client: Client = stack.client
+    d = stack.job_doc(task={"name": name})
     d["training"].update(steps=100_000, seed=3, log_interval=10)
     d["checkpoint"].update(interval_steps=10_000, path=STORE,
                            in_memory={"interval_steps": 1, "replicas": 1,
                                       "max_mb_per_rank": 64})
     d["fault_tolerance"] = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5,
                             "hang_timeout_s": 60}
-    nodes = {n["name"] for n in client.nodes()["nodes"] if n["alive"] and not n["quarantine"]}
+    nodes = {n["name"] for n in client.nodes()["nodes"] if n["alive"] and not n["quarantine"]
+             and not n.get("draining")}
     assert len(nodes) == 3, nodes
     job = client.submit(d)
     running = wait_for(lambda: (j := client.get(job["id"]))["state"] == "RUNNING"
@@ -374,6 +374,69 @@ def test_a_lost_nodes_replica_moves_to_a_free_node_and_the_survivor_keeps_its_wo
     placed = {p["rank"]: p for p in running["placement"]}
     free = nodes - {p["node"] for p in placed.values()}
     assert len(free) == 1 and placed[0]["node"] != placed[1]["node"], placed
+    return job, placed, free
+
+
+def test_a_drained_nodes_replica_moves_live_to_a_free_node(elastic):
+    """The same job with a node drained through Ray's own API (20 s deadline): the replica
+    there moves live to the free node while both train on, in one generation change. No
+    restart, no checkpoint, no preemption, no step redone; the node holds nothing of the
+    job afterwards (its raylet is killed as soon as the job is off it). Runs after the
+    node test and leaves the cluster a node short."""
+    from .test_drain import Operator, raylets_of
+
+    client: Client = elastic.client
+    job, placed, free = two_replicas_and_a_free_node(elastic, "drain-moved")
+    node, node_id = placed[1]["node"], placed[1]["node_id"]
+    operator = Operator(elastic, node_id)
+    try:
+        operator.ready()
+        operator.drain(20)
+        moved = wait_for(lambda: (j := client.get(job["id"]))["state"] == "RUNNING"
+                         and j["resize_log"] and "first_step_at" in j["resize_log"][-1]
+                         and j, 120, "the replica to move off the draining node")
+        for pid in raylets_of(node_id):  # as the drain's deadline would
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: client.get(job["id"])["progress"]["step"]
+                 > moved["progress"]["step"] + 20, 120, "training to go on without the node")
+    finally:
+        operator.close()
+    client.cancel(job["id"])
+    done = elastic.wait_state(job["id"], DONE, timeout=120)
+    assert done["state"] == "CANCELLED", done["message"]
+    entry = moved["resize_log"][-1]
+    print(f"resize entry of the drain's move: {entry}")  # shown with pytest -rP
+    assert (entry["from"], entry["to"], entry["cause"], entry["moved"]) == (2, 2, "drain", 1), entry
+    after = {p["rank"]: p for p in moved["placement"]}
+    assert after[0]["pid"] == placed[0]["pid"] and after[1]["node"] in free, after
+    assert done["restarts"] == 0 and done["preemptions"] == 0, done["restart_log"]
+    events = client.events(job["id"])["events"]
+    states = [e["to"] for e in events if e["type"] == "state"]
+    assert states == ["QUEUED", "PLACING", "RUNNING", "RESIZING", "RUNNING", "CANCELLED"], states
+    kinds = [e["type"] for e in events]
+    assert "drain_checkpoint" not in kinds and "relocation_placed" in kinds
+    off = next(e for e in events if e["type"] == "drained_off")
+    assert off["how"] == "move" and off["nodes"] == [node], off
+    logs = [r["message"] for r in client.logs(job["id"])["logs"]]
+    assert not [m for m in logs if "restored checkpoint" in m or "from peer memory" in m]
+    curve = [p["step"] for p in client.metrics(job["id"]).entries]
+    assert curve == sorted(set(curve)), curve
+
+
+def test_a_lost_nodes_replica_moves_to_a_free_node_and_the_survivor_keeps_its_work(elastic):
+    """A fixed-size job of two replicas on a cluster of three nodes: the raylet under one
+    replica SIGKILLed, the scheduler places that replica on the free node, and the job
+    re-forms there at its size. It never goes back to the queue, the survivor keeps its
+    process and its step, and nothing is restored from a checkpoint. Runs last (a node
+    joins first if the drain test left two up): it leaves the cluster a node short."""
+    client: Client = elastic.client
+    up = [n for n in client.nodes()["nodes"] if n["alive"] and not n["quarantine"]
+          and not n.get("draining")]
+    if len(up) < 3:
+        out = kc("node", "join", "--address", elastic.state["ray_address"], "--name", SPARE,
+                 "--leaf", "leaf-0", "--gpus", "1", "--cpus", "2", env=elastic.env, timeout=300)
+        assert out.returncode == 0, out.stderr
+    job, placed, free = two_replicas_and_a_free_node(elastic, "relocated")
     os.kill(raylet_of(placed[1]["node_id"]), signal.SIGKILL)
 
     moved = wait_for(lambda: (j := client.get(job["id"]))["state"] == "RUNNING"
