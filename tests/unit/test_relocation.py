@@ -27,13 +27,10 @@ from tests.unit.controller_fakes import FakeGroup, Step
 from tests.unit.test_controller import controller, spec_doc
 
 
-@pytest.fixture(autouse=True)
-def _kc_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("KC_HOME", str(tmp_path / "home"))  # the audit file goes there
-
-
 @pytest.fixture
-def store():
+def store(tmp_path, monkeypatch):
+    """A fresh store, and KC_HOME in tmp_path (the audit file goes there)."""
+    monkeypatch.setenv("KC_HOME", str(tmp_path / "home"))
     return MemoryStore(prefix=f"kc-test-{time.monotonic_ns()}:")
 
 

@@ -31,7 +31,6 @@ from kuangchao.platform.scheduling.plugins.decisions import Relocate
 from kuangchao.platform.scheduling.plugins.elastic import grow_nodes
 from kuangchao.platform.scheduling.plugins.snapshot import JobView
 
-
 # A job recovering from a lost node, or running and moving off a draining one.
 RELOCATING = frozenset({JobState.RECOVERING, JobState.RUNNING})
 
