@@ -52,6 +52,8 @@ class FailureView:
     elastic: The job's replica range.
     keeps: Survivors keep their processes and state while a lost replica is
         refilled live (`JobSpec.survivors_keep_work`), elastic or not.
+    unreachable: The failed rank's node was judged lost because it cannot be
+        reached (`network`, `redis`, `agent`), not because its raylet is gone.
     """
 
     kind: str
@@ -65,6 +67,7 @@ class FailureView:
     blocked: frozenset[str] = frozenset()
     elastic: ElasticRange | None = None
     keeps: bool = False
+    unreachable: str | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,12 @@ def _refill(view: FailureView) -> FailureDecision:
     rng = view.elastic
     assert rng is not None and view.rank is not None
     slot = _slot(view, view.rank)
+    if view.kind == "node_lost" and view.unreachable:
+        # Its ranks may live on behind the cut, in the survivors' collectives: nothing
+        # breaks those but the survivors' own teardown.
+        return FailureDecision(Action.REQUEUE, f"a node cut off ({view.unreachable}) may still "
+                                               "hold the survivors' collectives: place the job "
+                                               "again", dead=frozenset({view.rank}))
     if view.kind == "node_lost" and slot is not None:  # lost to the controller, if not yet to Ray
         view = dataclasses.replace(view, lost_nodes=view.lost_nodes | {slot.node_id})
     d = _reshape(view, relocate=True)

@@ -149,7 +149,7 @@ def judge(store: JobStore, job_id: str, failure: Failure, group: Any, spec: Any,
         max_restarts=spec.fault_tolerance.max_restarts, live=live, has_group=group.placed,
         slots=slots, lost_nodes=lost,
         blocked=frozenset(quarantine.active(store.quarantine(), time.time())),
-        elastic=spec.elastic_range, keeps=keeps))
+        elastic=spec.elastic_range, keeps=keeps, unreachable=failure.unreachable))
     gave_up = decision.reason if decision.action is Action.FAIL else None
     if not write_failure(store, job_id, failure, quarantined, gave_up):
         raise GaveUp(failure.message)

@@ -126,6 +126,14 @@ def test_a_fixed_size_job_whose_node_is_lost_is_refilled_on_nodes_the_scheduler_
     assert d.action is Action.RESHAPE and d.relocate == (1,) and d.refill == ()
 
 
+def test_a_node_cut_off_rather_than_gone_sends_the_job_back_to_the_queue():
+    """A cut node's ranks may live on, blocking the survivors in a collective that only
+    their teardown ends: no relocation for a node lost to the network, Redis or its agent."""
+    for why in ("network", "redis", "agent"):
+        d = decide(view(kind="node_lost", keeps=True, elastic=fixed(), unreachable=why))
+        assert d.action is Action.REQUEUE and why in d.reason and d.relocate == ()
+
+
 def test_a_replica_of_several_ranks_moves_whole_off_a_lost_node():
     slots = (slot(0, "a", "ida"), slot(1, "a", "ida"), slot(2, "b", "idb"), slot(3, "b", "idb"))
     d = decide(view(kind="node_lost", rank=0, slots=slots, keeps=True, lost_nodes=frozenset({"ida"}),
