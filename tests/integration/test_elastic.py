@@ -383,7 +383,7 @@ def test_a_drained_nodes_replica_moves_live_to_a_free_node(elastic):
     restart, no checkpoint, no preemption, no step redone; the node holds nothing of the
     job afterwards (its raylet is killed as soon as the job is off it). Runs after the
     node test and leaves the cluster a node short."""
-    from .test_drain import Operator, raylets_of
+    from .test_drain import Operator, raylets_of, story
 
     client: Client = elastic.client
     job, placed, free = two_replicas_and_a_free_node(elastic, "drain-moved")
@@ -392,16 +392,19 @@ def test_a_drained_nodes_replica_moves_live_to_a_free_node(elastic):
     try:
         operator.ready()
         operator.drain(20)
-        moved = wait_for(lambda: (j := client.get(job["id"]))["state"] == "RUNNING"
-                         and j["resize_log"] and "first_step_at" in j["resize_log"][-1]
-                         and j, 120, "the replica to move off the draining node")
+        try:
+            moved = wait_for(lambda: (j := client.get(job["id"]))["state"] == "RUNNING"
+                             and j["resize_log"] and "first_step_at" in j["resize_log"][-1]
+                             and j, 120, "the replica to move off the draining node")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{story(client, job['id'])}") from None
         for pid in raylets_of(node_id):  # as the drain's deadline would
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: client.get(job["id"])["progress"]["step"]
                  > moved["progress"]["step"] + 20, 120, "training to go on without the node")
     finally:
         operator.close()
-    client.cancel(job["id"])
+        client.cancel(job["id"])  # the next test needs its GPUs, whatever happened here
     done = elastic.wait_state(job["id"], DONE, timeout=120)
     assert done["state"] == "CANCELLED", done["message"]
     entry = moved["resize_log"][-1]

@@ -291,9 +291,11 @@ class TrainContext:
                 preempt = float(self.heartbeat.flags.get("preempt", False))
             else:
                 preempt = float(self._asked(lambda s: s.preempt_requested(self.job_id)))
-            if self.live_resize and self.spec.elastic_range.elastic:
-                # Read every step, not with the heartbeat: a resize waits on it. (A job
-                # of one size never resizes; a lost peer breaks its group by itself.)
+            if self.live_resize and (self.spec.elastic_range.elastic
+                                     or self.spec.survivors_keep_work):
+                # Read every step, not with the heartbeat: a resize waits on it. (A job of
+                # one size whose survivors keep their work moves replicas off a draining
+                # node this way; for a lost peer its group breaks by itself.)
                 gen = float(self._asked(lambda s: s.rejoin_requested(self.job_id)))
                 rejoin = gen if gen > self.generation else 0.0
         if self.world_size == 1 or not dist.is_initialized():
