@@ -121,21 +121,12 @@ class ResizeExecutor:
         room, the job finished first, or the move was called off.
         """
         rng = spec.elastic_range
-        answer = relocation.ask(self.store, self.job_id, list(replicas), nodes,
-                                self.relocate_wait_s, planned=True)
-        slots = sorted(answer.slots, key=lambda p: p.rank)
-        if len(slots) != len(replicas) * rng.ranks_per_replica:
-            relocation.withdraw(self.store, self.job_id)
-            self.store.add_event(self.job_id, {
-                "type": "relocation_failed", "nodes": nodes,
-                "message": f"the replica(s) on {', '.join(nodes)} could not move live "
-                           f"({answer.why_not or 'a partial answer'})"})
+        joiners = self._placed_elsewhere(replicas, nodes, rng.ranks_per_replica, planned=True)
+        if joiners is None:
             return False
-        joiners: list[Joiner] = [(slots[i:i + rng.ranks_per_replica], None)
-                                 for i in range(0, len(slots), rng.ranks_per_replica)]
         cur = self.group.world // rng.ranks_per_replica
         self._begin({"to": cur, "from": cur, "cause": cause, "requested_at": time.time()}, m, spec,
-                    moved=len(slots))
+                    moved=len(replicas) * rng.ranks_per_replica)
         try:
             formed = self._run_generation(spec, m, joiners, dead=set(), planned=True)
         except FinishedDuringResize:
@@ -165,7 +156,9 @@ class ResizeExecutor:
         joiners: list[Joiner] = [([by_rank[r] for r in rng.replica_ranks(i)], self.group.pgs[i])
                                  for i in decision.refill]
         if decision.relocate:
-            moved = self._relocated(decision, by_rank, rng)
+            lost = sorted({by_rank[r].node for i in decision.relocate
+                           for r in rng.replica_ranks(i)})
+            moved = self._placed_elsewhere(decision.relocate, lost, rng.ranks_per_replica)
             if moved is None:
                 return False
             joiners += moved
@@ -187,23 +180,23 @@ class ResizeExecutor:
             "relocated": len(decision.relocate) * rng.ranks_per_replica or None})
         return True
 
-    def _relocated(self, decision: FailureDecision, by_rank: dict[int, PlacedRank],
-                   rng: Any) -> list[Joiner] | None:
-        """The relocated replicas as joiners (new placement groups on the slots the
-        scheduler placed), or None, said on the job, when it placed none."""
-        rpr = rng.ranks_per_replica
-        lost = sorted({by_rank[r].node for i in decision.relocate for r in rng.replica_ranks(i)})
-        answer = relocation.ask(self.store, self.job_id, list(decision.relocate), lost,
-                                self.relocate_wait_s)
-        if not answer.slots or len(answer.slots) != len(decision.relocate) * rpr:
-            self.store.add_event(self.job_id, {
-                "type": "relocation_failed", "nodes": lost,
-                "message": f"the replica(s) lost with {', '.join(lost)} were not placed elsewhere "
-                           f"({answer.why_not or 'a partial answer'}): the job goes back to the "
-                           "queue"})
-            relocation.withdraw(self.store, self.job_id)
-            return None
+    def _placed_elsewhere(self, replicas: tuple[int, ...], nodes: list[str], rpr: int,
+                          planned: bool = False) -> list[Joiner] | None:
+        """`replicas` (on `nodes`, lost or draining) as joiners on the slots the scheduler
+        placed them on (relocation.py), each in a new placement group; None, said on the
+        job and the request withdrawn, when it placed none."""
+        answer = relocation.ask(self.store, self.job_id, list(replicas), nodes,
+                                self.relocate_wait_s, planned=planned)
         slots = sorted(answer.slots, key=lambda p: p.rank)
+        if not slots or len(slots) != len(replicas) * rpr:
+            relocation.withdraw(self.store, self.job_id)
+            then = ("the job checkpoints and moves at the next poll" if planned
+                    else "the job goes back to the queue")
+            self.store.add_event(self.job_id, {
+                "type": "relocation_failed", "nodes": nodes,
+                "message": f"the replica(s) on {', '.join(nodes)} could not move live "
+                           f"({answer.why_not or 'a partial answer'}): {then}"})
+            return None
         return [(slots[i:i + rpr], None) for i in range(0, len(slots), rpr)]
 
     # -- the generation change -----------------------------------------------------
