@@ -20,6 +20,8 @@ from kuangchao.platform.jobs import keys
 
 # The probe key outlives a probe that died between its SET and its DEL only this long.
 PROBE_TTL_S = 120
+# Connecting and authenticating, which the probe does not time.
+HANDSHAKE_TIMEOUT_S = 5.0
 
 
 def timed_write(store: Any, job_id: str, node: str, payload: bytes,
@@ -34,13 +36,17 @@ def timed_write(store: Any, job_id: str, node: str, payload: bytes,
     """
     pool = store.r.connection_pool
     conn = pool.connection_class(**pool.connection_kwargs)
-    # Before connecting, so that the socket takes them: no retry, and the send bounded.
+    # Before connecting: no retry, and the handshake (HELLO, AUTH) bounded on its own. It
+    # is not the probe: a timeout of a fraction of a millisecond must not fail it.
     conn.retry = Retry(NoBackoff(), 0)
-    conn.socket_timeout = timeout_s
-    conn.socket_connect_timeout = min(timeout_s, 5.0)
+    conn.socket_timeout = conn.socket_connect_timeout = HANDSHAKE_TIMEOUT_S
     key = keys.link_probe(store.p, job_id, node)
     try:
         conn.connect()
+        conn.socket_timeout = timeout_s
+        sock = getattr(conn, "_sock", None)
+        if sock is not None:  # the write alone is bounded by the probe's timeout
+            sock.settimeout(timeout_s)
         t0 = time.perf_counter()
         try:
             conn.send_command("SET", key, payload, "EX", PROBE_TTL_S)
