@@ -135,7 +135,10 @@ def test_the_probe_gathers_one_rate_per_node_and_names_only_a_slow_one(tmp_path)
     assert sum("node node-b's link measured" in message for _, message in log) >= 2
     # Every turn is a collective the ranks' clocks saw: the node exchange, then one per node
     # and round (a node that seems slow has every node measured a second time).
-    assert [c["result"]["rounds"] for c in (equal, slow, still)] == [1, 2, 2]
+    # Equal delays take one round, or two where a loaded box's jitter made a node seem
+    # slow at the first (measured again, by design); a slow node always takes two.
+    assert equal["result"]["rounds"] in (1, 2)
+    assert [c["result"]["rounds"] for c in (slow, still)] == [2, 2]
     turns = sum(1 + 2 * c["result"]["rounds"] for c in (measured, equal, slow, still))
     assert all(ranks[r][-1]["collectives"] == turns for r in range(world))
 
