@@ -41,10 +41,6 @@ class Answer:
     why_not: str = ""
 
 
-def _slot(doc: dict[str, Any]) -> PlacedRank:
-    return PlacedRank(**{**doc, "gpus": tuple(doc.get("gpus") or ())})
-
-
 def ask(store: Any, job_id: str, replicas: list[int], avoid: list[str],
         wait_s: float = RELOCATE_WAIT_S, clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep, planned: bool = False) -> Answer:
@@ -72,7 +68,7 @@ def ask(store: Any, job_id: str, replicas: list[int], avoid: list[str],
         if req.get("requested_at") != at:
             return Answer(why_not="the request was withdrawn")
         if "placed" in req:
-            return Answer(slots=tuple(_slot(d) for d in req["placed"]))
+            return Answer(slots=tuple(PlacedRank.from_json(d) for d in req["placed"]))
         if "refused" in req:
             withdraw(store, job_id, at)
             return Answer(why_not=str(req["refused"]))

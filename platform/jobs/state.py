@@ -98,6 +98,10 @@ class PlacedRank:
         d["gpus"] = list(self.gpus)
         return d
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PlacedRank:
+        return cls(**{**d, "gpus": tuple(d.get("gpus") or ())})
+
 
 @dataclass(frozen=True)
 class JobRecord:
@@ -162,7 +166,7 @@ class JobRecord:
         d["restart_log"] = tuple(d.get("restart_log") or ())
         d["resize_log"] = tuple(d.get("resize_log") or ())
         d["placement"] = tuple(
-            PlacedRank(**{**p, "gpus": tuple(p.get("gpus") or ())}) for p in d.get("placement") or ()
+            PlacedRank.from_json(p) for p in d.get("placement") or ()
         )
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})

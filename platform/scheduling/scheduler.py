@@ -28,7 +28,7 @@ from kuangchao.platform.scheduling.plugins.decisions import (
 )
 from kuangchao.platform.scheduling.plugins.interface import AdmissionPolicy
 from kuangchao.platform.scheduling.plugins.registry import make_policy
-from kuangchao.platform.scheduling.plugins.relocation import RELOCATING
+from kuangchao.platform.scheduling.plugins.relocation import open_request
 from kuangchao.platform.scheduling.plugins.snapshot import Snapshot
 from kuangchao.platform.scheduling.snapshot_keeper import SnapshotKeeper
 from kuangchao.platform.spec.queues import QueueTable
@@ -52,6 +52,13 @@ def _readmitted(job: JobRecord, replicas: int, world: int) -> tuple[dict, ...]:
     return (*log, {"from": job.replicas, "to": replicas, "from_world_size": job.world_size,
                    "to_world_size": world, "cause": "re-placed", "path": "restart",
                    "requested_at": time.time()})
+
+
+def _placed(slots, first: int = 0) -> tuple[PlacedRank, ...]:
+    """A plan's slots as placement entries, numbered from `first` (past the world for the
+    slots a grow or a relocation adds while the job runs)."""
+    return tuple(PlacedRank(rank=first + s.rank, node=s.node, node_id=s.node_id, leaf=s.leaf,
+                            gpu=s.gpus[0] if s.gpus else None, gpus=s.gpus) for s in slots)
 
 
 class Scheduler:
@@ -131,10 +138,7 @@ class Scheduler:
             log.info("cancel of %s skipped: %s", job_id, exc)
 
     def _admit(self, d: Admit) -> None:
-        placement = tuple(
-            PlacedRank(rank=s.rank, node=s.node, node_id=s.node_id, leaf=s.leaf,
-                       gpu=s.gpus[0] if s.gpus else None, gpus=s.gpus)
-            for s in d.plan.slots)
+        placement = _placed(d.plan.slots)
 
         queued_at = [0.0]  # since it last entered the queue (a requeue starts a new wait)
 
@@ -165,10 +169,7 @@ class Scheduler:
         def ask(j: JobRecord):
             if j.state is not JobState.RUNNING or j.resize is not None:
                 return None
-            added = tuple(
-                PlacedRank(rank=j.world_size + s.rank, node=s.node, node_id=s.node_id, leaf=s.leaf,
-                           gpu=s.gpus[0] if s.gpus else None, gpus=s.gpus)
-                for s in (d.plan.slots if d.plan else ()))
+            added = _placed(d.plan.slots if d.plan else (), first=j.world_size)
             request = {"to": d.to, "from": j.replicas, "cause": d.cause, "for_job": d.for_job,
                        "requested_at": time.time()}
             return dataclasses.replace(j, resize=request, placement=j.placement + added), {
@@ -182,19 +183,14 @@ class Scheduler:
         the new slots join its placement from now on (ranks past its world, as a grow's),
         so that no other job is placed on them; or why not."""
         def answer(j: JobRecord):
-            req = j.relocate
-            if (j.state not in RELOCATING or not isinstance(req, dict)
-                    or float(req.get("requested_at") or 0.0) != d.requested_at
-                    or "placed" in req or "refused" in req):
+            req = open_request(j)
+            if req is None or float(req.get("requested_at") or 0.0) != d.requested_at:
                 return None  # answered already, withdrawn, or a newer request
             if d.plan is None:
                 return dataclasses.replace(j, relocate={**req, "refused": d.reason,
                                                         "answered_at": time.time()}), {
                     "type": "relocation_refused", "message": d.reason}
-            added = tuple(
-                PlacedRank(rank=j.world_size + s.rank, node=s.node, node_id=s.node_id, leaf=s.leaf,
-                           gpu=s.gpus[0] if s.gpus else None, gpus=s.gpus)
-                for s in d.plan.slots)
+            added = _placed(d.plan.slots, first=j.world_size)
             placed = {**req, "placed": [p.to_json() for p in added], "answered_at": time.time()}
             return dataclasses.replace(j, relocate=placed, placement=j.placement + added), {
                 "type": "relocation_placed", "message": d.reason}

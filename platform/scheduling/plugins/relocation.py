@@ -64,11 +64,12 @@ class LostReplicaRelocation:
             return Relocate(job.id, at, "no node of the job's GPU type is left to place on")
         plan = place(nodes, cycle.blocked(), replace(job.shape, dp=count), job.traffic)
         if not isinstance(plan, PlacementPlan):
-            return Relocate(job.id, at, f"{count} lost replica(s) do not fit elsewhere now: "
+            return Relocate(job.id, at, f"{count} replica(s) do not fit elsewhere now: "
                                         f"{plan.reason}")
         where = ", ".join(sorted({s.node for s in plan.slots}))
-        return Relocate(job.id, at, f"{count} replica(s) lost with their node placed on {where}; "
-                                    "the survivors keep their work", plan=plan)
+        return Relocate(job.id, at, f"{count} replica(s) placed on {where}, off "
+                                    f"{', '.join(sorted(avoid)) or 'their node'}; the survivors "
+                                    "keep their work", plan=plan)
 
     def decide(self, running: tuple[JobRecord, ...], cycle: Cycle) -> list[Relocate]:
         """Every open request among the running jobs, each applied to the ledger before
