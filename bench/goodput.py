@@ -56,6 +56,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -65,7 +66,7 @@ from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench` when run as a script
 
-from bench.goodput_chaos import KINDS, Trace, schedule  # noqa: E402
+from bench.goodput_chaos import KINDS, Trace, schedule, step_gaps  # noqa: E402
 from bench.goodput_runs import (  # noqa: E402
     IN_MEMORY,
     OURS_FT,
@@ -157,6 +158,13 @@ def describe(run: Run | None) -> None:
     log(f"{run.system} {run.label}: {json.dumps(run.facts.to_json())}"
         + (f"; redone steps {run.facts.redone_by_step}" if run.facts.redone_by_step else "")
         + (f"; error {run.error}" if run.error else ""))
+    gaps = sorted(step_gaps(run.steps))
+    if gaps:  # where a run's time per step goes beyond its median: the ETTR a fault-free run can reach
+        def q(p: float) -> float:
+            return gaps[min(len(gaps) - 1, int(p * len(gaps)))]
+        mean = sum(gaps) / len(gaps)
+        log(f"{run.system} {run.label}: step time p50 {q(0.5):.4f}s mean {mean:.4f}s p90 {q(0.9):.4f}s "
+            f"p99 {q(0.99):.4f}s max {gaps[-1]:.3f}s (median/mean {q(0.5) / mean:.3f})")
     origin = run.facts.first_t or run.start
     for f in run.injected:
         back = None
@@ -189,6 +197,8 @@ def main() -> None:
                     help="stop after this many faults (default: faults while the job runs)")
     ap.add_argument("--steps", type=int, default=0,
                     help="steps of the chaos job (default: --duration at the measured step time)")
+    ap.add_argument("--keep-trace", default=None, metavar="DIR",
+                    help="copy every process's step lines to DIR (a diagnosis)")
     ap.add_argument("--only", choices=("kc", "rt"), default=None,
                     help="run one system's runs alone (a diagnosis: the lines then say the "
                          "other side is missing)")
@@ -256,6 +266,8 @@ def main() -> None:
         if "rt" in wanted:
             runs["rt_ref"] = safe("rt: fault-free run", lambda: run_job(
                 rt, trace, doc(steps, "goodput-ref"), "reference"), failed)
+        if args.keep_trace:
+            shutil.copytree(folder, args.keep_trace, dirs_exist_ok=True)
     for r in runs.values():
         describe(r)
     lines(runs, settings, args)
