@@ -9,13 +9,15 @@ replicas without touching the others.
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from kuangchao.platform.cluster.registry import nodes_from_ray
 from kuangchao.platform.cluster.topology import gpu_resource
+from kuangchao.platform.errors import RankFailed
 from kuangchao.platform.jobs.state import PlacedRank
 from kuangchao.platform.spec.jobspec import JobSpec
 
@@ -37,7 +39,37 @@ def rank_resources(spec: JobSpec, slot: PlacedRank, pinned: set[str]) -> dict[st
 
 
 def replica_pg(job_id: str, slots: list[PlacedRank], bundles: list[dict[str, float]]) -> Any:
-    """The placement group of one replica, named after its first rank."""
+    """The placement group of one replica, named after its job and first rank.
+
+    Ray refuses a second group of a name that is still alive, and a rank's number is
+    not the group's for life: a replica moved off a drained node joins as rank
+    `world` (and is renumbered), and the next relocation asks for rank `world` again
+    while the first group still lives. A random tail keeps each name unique."""
     selectors = [{"ray.io/node-id": p.node_id} for p in slots]
-    return placement_group(bundles, strategy="PACK", name=f"kc-{job_id}-r{slots[0].rank}",
-                           bundle_label_selector=selectors)
+    name = f"kc-{job_id}-r{slots[0].rank}-{secrets.token_hex(3)}"
+    return placement_group(bundles, strategy="PACK", name=name, bundle_label_selector=selectors)
+
+
+def joiner_pgs(job_id: str, spec: JobSpec, joiners: list[tuple[list[PlacedRank], Any]],
+               pinned: set[str]) -> list[Any]:
+    """A placement group for each joiner that has none (set in `joiners`); returns the
+    new ones.
+
+    Raises:
+        RankFailed: Ray refused one (those made here are removed first): a planned
+            resize is then called off and a loss requeues the job, where an error
+            of Ray's own kind would have failed it.
+    """
+    fresh: list[Any] = []
+    try:
+        for i, (slots, pg) in enumerate(joiners):
+            if pg is None:
+                pg = replica_pg(job_id, slots, [rank_resources(spec, p, pinned) for p in slots])
+                joiners[i] = (slots, pg)
+                fresh.append(pg)
+    except (ray.exceptions.RayError, ValueError) as exc:
+        for pg in fresh:
+            remove_placement_group(pg)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RankFailed(f"a new replica's placement group could not be made: {first}") from None
+    return fresh

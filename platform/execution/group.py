@@ -22,7 +22,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kuangchao.platform.errors import Cancelled, KuangchaoError, RankFailed, WorkerLost
-from kuangchao.platform.execution.bundles import pinned_nodes, rank_resources, replica_pg
+from kuangchao.platform.execution.bundles import joiner_pgs, pinned_nodes, rank_resources, replica_pg
 from kuangchao.platform.execution.grants import Credentials, worker_settings
 from kuangchao.platform.execution.members import GroupSnapshot, Member, Outcome
 from kuangchao.platform.execution.node_agents import NodeAgents, heartbeat_args
@@ -303,12 +303,7 @@ class RayWorkerGroup:
         spec, was = self._spec(), [m.info for m in self.members]
         kept = [order[i] // self.rpr for i in range(0, len(order), self.rpr)]
         pinned = pinned_nodes()
-        fresh = []
-        for i, (slots, pg) in enumerate(joiners):
-            if pg is None:
-                pg = replica_pg(self.job_id, slots, [rank_resources(spec, p, pinned) for p in slots])
-                joiners[i] = (slots, pg)
-                fresh.append(pg)
+        fresh = joiner_pgs(self.job_id, spec, joiners, pinned)
         self.pgs = [self.pgs[i] for i in kept] + [pg for _, pg in joiners]
         slots = [s for group, _ in joiners for s in group]
         self.members = [self.members[r] for r in order] + [

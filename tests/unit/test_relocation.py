@@ -248,3 +248,46 @@ def test_a_drained_job_with_no_room_elsewhere_checkpoints_and_queues_again(store
 
 def audit_actions(store) -> list[str]:
     return [json.loads(line)["action"] for line in store.audit_lines()]
+
+
+def test_a_placement_group_ray_refuses_is_a_rank_failure_and_the_ones_made_are_removed(monkeypatch, tmp_path):
+    # Found by the full goodput run (2026-12-06): a relocation after a
+    # drain's move asked for a group named as one still alive, and Ray's error failed
+    # the job. Names are now unique; any refusal is a RankFailed (the loss requeues).
+    from kuangchao.platform.errors import RankFailed
+    from kuangchao.platform.execution import bundles
+
+    made, removed = [], []
+
+    def fake_pg(job_id, slots, resources):
+        if slots[0].rank == 3:
+            # Ray's own error kind (no cluster: this module may not import ray itself)
+            raise bundles.ray.exceptions.RaySystemError("Failed to create placement group: name exists")
+        made.append(slots[0].rank)
+        return f"pg-{slots[0].rank}"
+
+    monkeypatch.setattr(bundles, "replica_pg", fake_pg)
+    monkeypatch.setattr(bundles, "remove_placement_group", removed.append)
+    spec = validate_spec(spec_doc(tmp_path))
+    slot = [PlacedRank(2, "n2", "id-n2", "leaf-0", gpu=0, gpus=(0,))]
+    keep = ([PlacedRank(5, "n1", "id-n1", "leaf-0", gpu=0, gpus=(0,))], "pg-kept")
+    bad = [PlacedRank(3, "n3", "id-n3", "leaf-0", gpu=0, gpus=(0,))]
+    joiners = [(slot, None), keep, (bad, None)]
+    with pytest.raises(RankFailed, match="placement group could not be made: .*Failed to create"):
+        bundles.joiner_pgs("j1", spec, joiners, pinned=set())
+    assert made == [2] and removed == ["pg-2"]  # the kept group is not the new ones'
+    joiners = [(slot, None), keep]
+    assert bundles.joiner_pgs("j1", spec, joiners, pinned=set()) == ["pg-2"]
+    assert joiners[0] == (slot, "pg-2") and joiners[1] == keep
+
+
+def test_placement_group_names_stay_unique_for_the_same_first_rank(monkeypatch):
+    from kuangchao.platform.execution import bundles
+
+    names = []
+    monkeypatch.setattr(bundles, "placement_group",
+                        lambda b, strategy, name, bundle_label_selector: names.append(name))
+    slots = [PlacedRank(2, "n2", "id-n2", "leaf-0", gpu=0, gpus=(0,))]
+    bundles.replica_pg("j1", slots, [{"CPU": 1}])
+    bundles.replica_pg("j1", slots, [{"CPU": 1}])
+    assert names[0].startswith("kc-j1-r2-") and names[1].startswith("kc-j1-r2-") and names[0] != names[1]
