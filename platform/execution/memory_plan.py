@@ -11,7 +11,8 @@ their bytes reported, and their end with the job.
   replacement, a live generation's joiners) carries `KeeperPlan(keepers, node_of)`:
   every live keeper of the job (those of an earlier run's nodes too: a replacement
   finds the copies kept on surviving nodes) and each rank's node in the membership
-  that runs now. A node that joins the job later gets its keeper then.
+  that runs now. A node that joins the job later gets its keeper then, and so does
+  a node back under its name as a new raylet (its keeper died with the old one).
 - **Reported.** Every `STATS_EVERY_S` of the watch loop, what each keeper holds, as
   the gauge `kc_job_memory_checkpoint_bytes{job,node}` (a keeper that does not answer
   counts 0); a keeper that cannot be reached never fails the job.
@@ -79,6 +80,7 @@ class JobKeepers:
         self.keepers: dict[str, str] = {}  # node -> keeper name
         self.node_name: dict[str, str] = {}  # Ray node id -> kc.io/node name
         self.failed: set[str] = set()  # nodes whose keeper did not start (not asked again)
+        self.started_on: dict[str, str] = {}  # node -> the Ray node id its keeper started on
         self.reported: set[str] = set()
         self._key: str | None = None
         self._next_stats = 0.0
@@ -137,6 +139,7 @@ class JobKeepers:
         started = self.ops.start(self.job_id, missing, self._key,
                                  section.max_mb_per_rank * 1024 * 1024)
         self.keepers.update(started)
+        self.started_on.update({n: missing[n] for n in started})
         lost = sorted(set(missing) - set(started))
         self.failed.update(lost)
         if lost:
@@ -157,11 +160,23 @@ class JobKeepers:
         node_of = {r: self.node_name[info.get("node_id", "")]
                    for r, info in enumerate(self.group.infos)
                    if info.get("node_id", "") in self.node_name}
+        self._forget_restarted({r: info.get("node_id", "") for r, info in enumerate(self.group.infos)})
         try:
             self._ensure(set(node_of.values()), self.section)
         except Exception as exc:  # noqa: BLE001 -- the new node's ranks copy to the others
             log.warning("job %s: no keeper on the new nodes: %s", self.job_id, exc)
         return KeeperPlan(dict(self.keepers), node_of).to_json()
+
+    def _forget_restarted(self, node_ids: Mapping[int, str]) -> None:
+        """Forget the keeper of a node that came back as a new raylet (a drained or
+        killed node returns under its name with a new Ray node id): it died with the
+        old raylet, so `_ensure` starts another for the ranks placed there now."""
+        for node_id in set(node_ids.values()):
+            node = self.node_name.get(node_id)
+            if node is not None and self.started_on.get(node, node_id) != node_id:
+                self.keepers.pop(node, None)
+                self.failed.discard(node)
+                del self.started_on[node]
 
     # -- reported ------------------------------------------------------------------
     def tick(self) -> None:

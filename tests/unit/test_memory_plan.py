@@ -230,3 +230,38 @@ def test_the_schedulers_sweep_kills_the_keepers_of_ended_or_vanished_jobs_only()
     assert sweep_keepers(lambda j: state.get(j, True), names=names, kill=killed.append) == [
         "done", "gone"]
     assert killed == ["done", "gone"]
+
+
+def test_a_node_back_as_a_new_raylet_gets_a_new_keeper_for_the_ranks_placed_there(store, tmp_path):
+    # Found by the full goodput run (2026-12-06): a drained node killed at its deadline
+    # came back under its name, a lost replica was moved onto it, and the plan still
+    # named the keeper that died with the old raylet: that rank's copies had one home.
+    from types import SimpleNamespace
+
+    from kuangchao.platform.spec.jobspec import validate_spec
+
+    job = placed_job(store, "j1", spec_doc(tmp_path, elastic=RESTORES,
+                                           checkpoint={"in_memory": IN_MEMORY}), ["n0", "n1"])
+    group = SimpleNamespace(infos=[{"node_id": "id-n0"}, {"node_id": "id-n1"}], keeper_plan=None)
+    keepers = FakeKeepers()
+    jk = JobKeepers(store, "j1", group, FakeCredentials(), ops=keepers.ops())
+    jk.begin(validate_spec(job.spec), job.placement)
+    assert keepers.starts == [{"n0": "id-n0", "n1": "id-n1"}]
+    assert KeeperPlan.from_json(jk.plan()).node_of == {0: "n0", 1: "n1"}
+    assert len(keepers.starts) == 1  # the same raylets: nothing started again
+
+    # n0 drained: its replica moved to n2. n0 killed at the deadline, back with a new
+    # Ray node id; then n1 lost, its replica placed on n0 again.
+    on_n2 = dataclasses.replace(job.placement[0], node="n2", node_id="id-n2")
+    on_n0 = dataclasses.replace(job.placement[1], node="n0", node_id="id-n0-new")
+    store.update("j1", lambda j: (dataclasses.replace(j, placement=(on_n2, j.placement[1])), None))
+    group.infos = [{"node_id": "id-n2"}, {"node_id": "id-n1"}]
+    jk.plan()
+    assert keepers.starts[-1] == {"n2": "id-n2"}
+    store.update("j1", lambda j: (dataclasses.replace(j, placement=(on_n2, on_n0)), None))
+    group.infos = [{"node_id": "id-n2"}, {"node_id": "id-n0-new"}]
+    plan = KeeperPlan.from_json(jk.plan())
+    assert keepers.starts[-1] == {"n0": "id-n0-new"}
+    assert plan.node_of == {0: "n2", 1: "n0"} and set(plan.keepers) == {"n0", "n1", "n2"}
+    jk.plan()
+    assert len(keepers.starts) == 3  # once per new raylet
