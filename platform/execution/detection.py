@@ -82,7 +82,8 @@ class FailureDetector:
         if first.kind == "expired" and slot is not None:  # silent: it answers no stack request
             fence_failed(self.store, self.job_id, self._failure(first, "expired", "", slot,
                                                                 failed_at), quiet=True)
-        stacks = watch.collect_stacks([v.rank for v in verdicts])
+        stacks = watch.collect_stacks([v.rank for v in verdicts],
+                                      silent=[v.rank for v in verdicts if v.kind == "expired"])
         for rank, text in sorted(stacks.items()):
             self.store.add_event(self.job_id, {"type": "stacks", "rank": rank,
                                                "message": f"stacks of rank {rank}", "text": text})

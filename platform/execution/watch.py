@@ -19,7 +19,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import redis
@@ -155,15 +155,22 @@ class RankWatch:
     def last_beat(self, rank: int) -> Beat | None:
         return self.classifier.last_beat(rank)
 
-    def collect_stacks(self, suspects: list[int]) -> dict[int, str]:
+    def collect_stacks(self, suspects: list[int], silent: Collection[int] = ()) -> dict[int, str]:
         """Every rank's stacks, asked through the heartbeat thread; for ranks
-        that do not answer, what can be seen from outside the process."""
+        that do not answer, what can be seen from outside the process.
+
+        Ranks in `silent` (their beats expired: their heartbeat thread does not run,
+        or cannot reach Redis) are not waited for: the wait ends once the others
+        answered, so a hang's recovery does not wait out STACK_WAIT_S for them."""
         try:
             self.store.request_stacks(self.job_id, self.ranks)
             deadline = time.monotonic() + max(STACK_WAIT_S, 2.5 * self.interval_s)
+            expected = set(self.ranks) - set(silent)
             got: dict[int, str] = {}
-            while time.monotonic() < deadline and len(got) < len(self.ranks):
+            while time.monotonic() < deadline:
                 got = self.store.stacks(self.job_id, self.ranks)
+                if expected <= got.keys():
+                    break
                 time.sleep(0.1)
         except redis.RedisError as exc:
             got = {}

@@ -61,7 +61,7 @@ class FakeWatch:
     def agent_gone(self, rank: int) -> None:
         return None
 
-    def collect_stacks(self, suspects: list[int]) -> dict[int, str]:
+    def collect_stacks(self, suspects: list[int], silent: Any = ()) -> dict[int, str]:
         return {r: f"stacks of {r}" for r in suspects}
 
 
