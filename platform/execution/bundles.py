@@ -22,6 +22,12 @@ from kuangchao.platform.jobs.state import PlacedRank
 from kuangchao.platform.spec.jobspec import JobSpec
 
 
+def first_line(exc: BaseException) -> str:
+    """An error's first line, for a message (its type's name when it has no text)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def pinned_nodes() -> set[str]:
     """Ray node ids whose GPUs carry one `kc_gpu_N` resource each."""
     return {n.node_id for n in nodes_from_ray(ray.nodes()) if n.pinned_gpus}
@@ -70,6 +76,6 @@ def joiner_pgs(job_id: str, spec: JobSpec, joiners: list[tuple[list[PlacedRank],
     except (ray.exceptions.RayError, ValueError) as exc:
         for pg in fresh:
             remove_placement_group(pg)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RankFailed(f"a new replica's placement group could not be made: {first}") from None
+        raise RankFailed(f"a new replica's placement group could not be made: "
+                         f"{first_line(exc)}") from None
     return fresh

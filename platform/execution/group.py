@@ -22,7 +22,13 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kuangchao.platform.errors import Cancelled, KuangchaoError, RankFailed, WorkerLost
-from kuangchao.platform.execution.bundles import joiner_pgs, pinned_nodes, rank_resources, replica_pg
+from kuangchao.platform.execution.bundles import (
+    first_line,
+    joiner_pgs,
+    pinned_nodes,
+    rank_resources,
+    replica_pg,
+)
 from kuangchao.platform.execution.grants import Credentials, worker_settings
 from kuangchao.platform.execution.members import GroupSnapshot, Member, Outcome
 from kuangchao.platform.execution.node_agents import NodeAgents, heartbeat_args
@@ -51,11 +57,6 @@ def error_message(exc: BaseException) -> str:
     if isinstance(exc, ray.exceptions.RayActorError):
         return f"a worker process died: {exc}"
     return f"{type(exc).__name__}: {exc}"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class RayWorkerGroup:
@@ -214,7 +215,7 @@ class RayWorkerGroup:
         try:
             return Outcome(rank, value=ray.get(ref))
         except ray.exceptions.RayActorError as exc:
-            return Outcome(rank, died=_first_line(exc))
+            return Outcome(rank, died=first_line(exc))
         except Exception as exc:
             return Outcome(rank, error=error_message(exc))
 
@@ -229,7 +230,7 @@ class RayWorkerGroup:
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
-                    dead.append((rank, _first_line(exc)))
+                    dead.append((rank, first_line(exc)))
         return dead
 
     # -- replacing a rank in place ---------------------------------------------
@@ -261,7 +262,7 @@ class RayWorkerGroup:
         try:
             ray.get([self.members[r].actor.reset.remote() for r in ranks], timeout=30)
         except ray.exceptions.RayError as exc:
-            raise RankFailed(f"survivors could not leave the process group: {_first_line(exc)}") \
+            raise RankFailed(f"survivors could not leave the process group: {first_line(exc)}") \
                 from None
 
     def start_spares(self, node_ids: set[str]) -> None:
@@ -320,7 +321,7 @@ class RayWorkerGroup:
                 taken += spare is not None
                 m.actor = spare or self._spawn(rank, s.node)
         except ray.exceptions.RayError as exc:
-            raise RankFailed(f"a new rank could not start: {_first_line(exc)}") from None
+            raise RankFailed(f"a new rank could not start: {first_line(exc)}") from None
         infos = self.describe(60.0, range(first, self.world))
         for s, info in zip(slots, infos, strict=True):
             if s.node_id and info["node_id"] != s.node_id:
@@ -376,7 +377,7 @@ class RayWorkerGroup:
             return ray.get(refs)
         except ray.exceptions.RayActorError as exc:
             raise WorkerLost(Failure("died", f"a worker died while the {what} was starting: "
-                                             f"{_first_line(exc)}")) from None
+                                             f"{first_line(exc)}")) from None
         except ray.exceptions.RayError as exc:
             raise RankFailed(error_message(exc)) from None
 

@@ -160,18 +160,18 @@ class JobKeepers:
         node_of = {r: self.node_name[info.get("node_id", "")]
                    for r, info in enumerate(self.group.infos)
                    if info.get("node_id", "") in self.node_name}
-        self._forget_restarted({r: info.get("node_id", "") for r, info in enumerate(self.group.infos)})
+        self._forget_restarted({info.get("node_id", "") for info in self.group.infos})
         try:
             self._ensure(set(node_of.values()), self.section)
         except Exception as exc:  # noqa: BLE001 -- the new node's ranks copy to the others
             log.warning("job %s: no keeper on the new nodes: %s", self.job_id, exc)
         return KeeperPlan(dict(self.keepers), node_of).to_json()
 
-    def _forget_restarted(self, node_ids: Mapping[int, str]) -> None:
+    def _forget_restarted(self, node_ids: set[str]) -> None:
         """Forget the keeper of a node that came back as a new raylet (a drained or
         killed node returns under its name with a new Ray node id): it died with the
         old raylet, so `_ensure` starts another for the ranks placed there now."""
-        for node_id in set(node_ids.values()):
+        for node_id in node_ids:
             node = self.node_name.get(node_id)
             if node is not None and self.started_on.get(node, node_id) != node_id:
                 self.keepers.pop(node, None)
