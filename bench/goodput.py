@@ -87,12 +87,17 @@ from bench.goodput_runs import (  # noqa: E402
     torchft_path,
 )
 from bench.harness import emit, keep_stdout_for_results, local_cluster, log, median  # noqa: E402
+from kuangchao.platform.spec.checkpoint import CheckpointSection  # noqa: E402
 
 BENCH = "goodput"
 NODES, GPUS, CPUS = 3, 1, 2
 QUICK_KINDS = ("kill_rank", "nan")  # once each
 QUICK_INTERVAL_S = 5.0
 QUICK_STEPS = 100
+# kuangchao's disk checkpoints at the spec's default interval: with a peer-memory copy
+# at every step, no recovery path reads the disk (it serves the loss of every copy),
+# so the docs leave it there. Ray Train's checkpoint is its recovery point: --ckpt-every.
+KC_CKPT_DEFAULT = CheckpointSection.model_fields["interval_steps"].default
 TORCHFT_NOTE = (
     "torchft (Ray Train's replica-group recovery, ray/train/v2/torch/torchft_config.py) runs "
     "on CPU/gloo: torchft 0.2.0, installed in a scratch venv beside this one, kept one "
@@ -104,7 +109,7 @@ def settings_lines(args: argparse.Namespace, in_mem: bool, why_not: str,
                    torchft: bool) -> dict[str, Any]:
     import ray
 
-    ours = {**OURS_FT, "checkpoint.interval_steps": args.ckpt_every, "checkpoint.async_save": True,
+    ours = {**OURS_FT, "checkpoint.interval_steps": args.kc_ckpt_every, "checkpoint.async_save": True,
             "checkpoint.in_memory": IN_MEMORY if in_mem else None,
             "trainer": "built-in (model factory bench.goodput_ray:gpt)",
             "KC_QUARANTINE_FAILURES": os.environ.get("KC_QUARANTINE_FAILURES")}
@@ -113,6 +118,11 @@ def settings_lines(args: argparse.Namespace, in_mem: bool, why_not: str,
               "fit_reruns": f"up to {RT_MAX_RERUNS}, same run name (resumes from its newest "
                             "checkpoint) when fit() raises before the run is told to stop"}
     log(f"kuangchao (docs/fault-tolerance.md's fast-recovery settings): {json.dumps(ours)}")
+    log(f"kuangchao's disk checkpoints every {args.kc_ckpt_every} steps"
+        + (" (the spec's default: with peer memory at every step, every recovery path reads "
+           "the copies in memory, and the disk serves only the loss of all of them)"
+           if args.kc_ckpt_every == KC_CKPT_DEFAULT else " (--kc-ckpt-every)")
+        + f"; Ray Train's every {args.ckpt_every} (its recovery point, --ckpt-every)")
     if not in_mem:
         log("kuangchao runs without peer-memory copies: " + (
             why_not if why_not == "--no-in-memory" else
@@ -185,7 +195,10 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=10, help="SIGKILLs for survivor_stall_s")
     ap.add_argument("--seed", type=int, default=28)
     ap.add_argument("--ckpt-every", type=int, default=20,
-                    help="steps between disk checkpoints, both systems")
+                    help="steps between Ray Train's checkpoints (its recovery point)")
+    ap.add_argument("--kc-ckpt-every", type=int, default=KC_CKPT_DEFAULT,
+                    help="steps between kuangchao's disk checkpoints (default: the spec's "
+                         f"default, {KC_CKPT_DEFAULT}; its recovery point is peer memory)")
     ap.add_argument("--ray-mode", choices=("auto", "plain", "torchft"), default="auto",
                     help="Ray Train with torchft replica groups, or whole-group restarts "
                          "(auto: torchft when it can be imported)")
@@ -209,6 +222,7 @@ def main() -> None:
     count = args.faults or 1000  # by default faults keep coming while the job runs
     if args.quick:
         args.interval, args.kills, args.ckpt_every = QUICK_INTERVAL_S, 0, 10
+        args.kc_ckpt_every = min(args.kc_ckpt_every, 10)
         args.steps = args.steps or QUICK_STEPS
         kinds, count = QUICK_KINDS, args.faults or len(QUICK_KINDS)
     in_mem, why_not = in_memory_accepted()
@@ -232,11 +246,11 @@ def main() -> None:
         folder = Path(tempfile.mkdtemp(prefix="trace-", dir=cluster.tmp))
         trace = Trace(folder)
         connect(cluster, folder, ft_path)
-        kc, rt = (Kuangchao(cluster, folder, args.ckpt_every),
+        kc, rt = (Kuangchao(cluster, folder, args.kc_ckpt_every),
                   RayTrain(cluster, folder, args.ckpt_every, torchft=ft_path is not None))
 
         def doc(steps: int, name: str, skip: list[int] | None = None) -> dict[str, Any]:
-            return job_doc(steps, args.ckpt_every, name, in_mem, skip)
+            return job_doc(steps, args.kc_ckpt_every, name, in_mem, skip)  # RT: its loop's own
 
         wanted = ("kc", "rt") if args.only is None else (args.only,)
         if args.kills and "kc" in wanted:

@@ -187,7 +187,7 @@ class JobController:
                 self.job_id, {"placement_s": round(time.time() - last["requeued_at"], 3)})
 
     def _start_spares(self, spec: JobSpec) -> None:
-        """With `spare_workers`, keep one warm process on every node the job uses."""
+        """With `spare_workers`, keep a warm process on every node the job uses (and standbys)."""
         if spec.fault_tolerance.spare_workers:
             self.group.start_spares({p.node_id for p in self.store.get(self.job_id).placement})
 

@@ -266,8 +266,8 @@ class RayWorkerGroup:
                 from None
 
     def start_spares(self, node_ids: set[str]) -> None:
-        """Keep one warm process on every node the job uses (`spare_workers`)."""
-        self.spares.keep(node_ids)
+        """Keep one warm process on every node the job uses (`spare_workers`), and standbys."""
+        self.spares.keep(node_ids, self._spec())
 
     def _take_spare(self, rank: int, slot: PlacedRank | None) -> Any | None:
         """A warm spare on the failed rank's node, made that rank; None when there is none."""
@@ -318,6 +318,9 @@ class RayWorkerGroup:
                 if spares and s.rank < len(was):  # a failed rank's slot: its GPUs, its spare
                     m.info = dict(was[s.rank])
                     spare = self._take_spare(rank, s)
+                elif (m.planned is not None or not m.bundle.get("GPU")) and self.spares.warm_on(s.node_id):
+                    m.info = {"gpu_ids": list(m.planned or ())}  # a standby's node: pinned GPUs
+                    spare = self._take_spare(rank, s)
                 taken += spare is not None
                 m.actor = spare or self._spawn(rank, s.node)
         except ray.exceptions.RayError as exc:
@@ -350,10 +353,9 @@ class RayWorkerGroup:
                 pass
 
     # -- nodes, waits, teardown ------------------------------------------------------
-    @staticmethod
-    def reach(node_id: str, redis: tuple[str, int]) -> NodeReach:
-        """Whether node `node_id` answers Ray, and reaches Redis from there."""
-        return probe_node(node_id, redis)
+    def reach(self, node_id: str, redis: tuple[str, int]) -> NodeReach:
+        """Whether node `node_id` answers Ray, and reaches Redis from there (its spare asks)."""
+        return probe_node(node_id, redis, via=self.spares.warm_on(node_id))
 
     node_lost = staticmethod(node_lost)  # whether a node is gone (reachability.py)
     lost_among = staticmethod(lost_among)  # which of several nodes are gone, in one read

@@ -10,12 +10,23 @@ opens a TCP connection to Redis from there:
   off from the controller's side of the network (or its raylet is gone);
 - it comes back unable to connect: the node is up but cannot reach Redis;
 - it connects: the node's network is fine, and the rank itself is the fault.
+
+A task needs a worker process, and Ray starts one for it: about 2 s on a busy
+node, spent while the job waits. So where the job keeps a warm spare on that
+node (`spare_workers`, spares.py), the spare runs the same connection instead:
+an actor already up answers in milliseconds, and a node cut from the network
+leaves it as silent as it leaves a task. Should the spare itself be gone (its
+process died, not its node), the task runs after all.
 """
 
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
+from typing import Any
+
+from kuangchao.workers.runtime.reach import connect_error
 
 NODE_PROBE_TIMEOUT_S = 8.0
 CONNECT_TIMEOUT_S = 3.0
@@ -43,25 +54,31 @@ class NodeReach:
         return f"node {node} reaches Redis"
 
 
-def connect_error(host: str, port: int) -> str:
-    """Run on the node: the error of a TCP connection to host:port, or ''."""
-    try:
-        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
-            return ""
-    except OSError as exc:
-        return str(exc) or type(exc).__name__
+def probe(node_id: str, redis: tuple[str, int], via: Any = None) -> NodeReach:
+    """Ask node `node_id` whether it can reach Redis (see the module's docstring).
 
-
-def probe(node_id: str, redis: tuple[str, int]) -> NodeReach:
-    """Ask node `node_id` whether it can reach Redis (see the module's docstring)."""
+    `via`: a warm spare's actor on that node, asked first (`SpareActor.reaches`)."""
     import ray
+
+    deadline = time.monotonic() + NODE_PROBE_TIMEOUT_S
+    if via is not None:
+        ref = via.reaches.remote(*redis, CONNECT_TIMEOUT_S)
+        ready, _ = ray.wait([ref], timeout=NODE_PROBE_TIMEOUT_S)
+        if not ready:
+            return NodeReach(False)
+        try:
+            return NodeReach(True, ray.get(ref))
+        except ray.exceptions.RayActorError:  # the spare died, not necessarily its node
+            pass
+        except Exception:  # noqa: BLE001 -- it could not run there: as unanswered
+            return NodeReach(False)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(connect_error).options(
         num_cpus=0, max_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-    ref = task.remote(*redis)
-    ready, _ = ray.wait([ref], timeout=NODE_PROBE_TIMEOUT_S)
+    ref = task.remote(*redis, CONNECT_TIMEOUT_S)
+    ready, _ = ray.wait([ref], timeout=max(0.0, deadline - time.monotonic()))
     if not ready:
         ray.cancel(ref, force=True)
         return NodeReach(False)

@@ -4,9 +4,9 @@ for that replica.
 
 The exchange runs on the job record, as a grow's does the other way round:
 
-1. The controller writes `relocate: {replicas, avoid, requested_at}` on its
-   job (RECOVERING after a loss, RUNNING for a drain's planned move) and wakes the
-   scheduler.
+1. The controller writes `relocate: {replicas, avoid, requested_at}` (and
+   `prefer`: the nodes holding its standby spares) on its job (RECOVERING after a
+   loss, RUNNING for a drain's planned move) and wakes the scheduler.
 2. The scheduler's next cycle answers it first (platform/scheduling/plugins/relocation.py):
    `placed` (the new slots, added to the job's placement with ranks past its world,
    so that no other job is placed on them) or `refused` (why).
@@ -43,10 +43,12 @@ class Answer:
 
 def ask(store: Any, job_id: str, replicas: list[int], avoid: list[str],
         wait_s: float = RELOCATE_WAIT_S, clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep, planned: bool = False) -> Answer:
+        sleep: Callable[[float], None] = time.sleep, planned: bool = False,
+        prefer: list[str] | None = None) -> Answer:
     """Ask the scheduler to place `replicas` (by index) off the nodes in `avoid`; wait
     for its answer at most `wait_s`. `planned`: a drain's move of a RUNNING job, else
-    the job is RECOVERING from a loss."""
+    the job is RECOVERING from a loss. `prefer`: nodes to place on first where the
+    replicas fit (those holding the job's standby spares, standby.py)."""
     state = JobState.RUNNING if planned else JobState.RECOVERING
     at = round(time.time(), 6)
     message = (f"asking the scheduler to place {len(replicas)} replica(s) "
@@ -55,8 +57,10 @@ def ask(store: Any, job_id: str, replicas: list[int], avoid: list[str],
     def put(j: JobRecord):
         if j.state is not state or j.relocate:
             return None
-        return dataclasses.replace(j, relocate={"replicas": list(replicas), "avoid": list(avoid),
-                                                "requested_at": at}), {
+        req = {"replicas": list(replicas), "avoid": list(avoid), "requested_at": at}
+        if prefer:
+            req["prefer"] = [n for n in prefer if n not in avoid]
+        return dataclasses.replace(j, relocate=req), {
             "type": "relocation_requested", "message": message}
 
     if store.update(job_id, put) is None:

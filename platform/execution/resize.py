@@ -186,7 +186,8 @@ class ResizeExecutor:
         placed them on (relocation.py), each in a new placement group; None, said on the
         job and the request withdrawn, when it placed none."""
         answer = relocation.ask(self.store, self.job_id, list(replicas), nodes,
-                                self.relocate_wait_s, planned=planned)
+                                self.relocate_wait_s, planned=planned,
+                                prefer=self.group.spares.standby_names())
         slots = sorted(answer.slots, key=lambda p: p.rank)
         if not slots or len(slots) != len(replicas) * rpr:
             relocation.withdraw(self.store, self.job_id)
@@ -354,7 +355,10 @@ class ResizeExecutor:
             self.store.annotate_resize(self.job_id, {"formed_s": round(formed_s, 3)})
         self.store.clear_rejoin(self.job_id)
         self.store.wake_scheduler(self.job_id)  # GPUs a shrink freed are someone's now
-        self.group.ensure_agents(self.store.get(self.job_id).placement)  # on nodes it grew to
+        placement = self.store.get(self.job_id).placement
+        self.group.ensure_agents(placement)  # on nodes it grew to
+        if resizing and spec.fault_tolerance.spare_workers:  # a refill's: the controller's
+            self.group.start_spares({p.node_id for p in placement})  # where it runs now
         self.formation.watch_ranks(infos)
 
     def _drop_request(self, message: str) -> None:

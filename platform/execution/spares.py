@@ -2,7 +2,9 @@
 
 A spare has imported everything a rank needs but holds no rank; when a rank on
 its node fails, the spare adopts that rank (its token, GPUs and heartbeat)
-instead of a fresh actor starting from nothing (`spare_workers`).
+instead of a fresh actor starting from nothing (`spare_workers`). Standby
+spares (`standby_spares`, standby.py) wait the same way on nodes the job does
+not use, for a replica relocated there.
 """
 
 from __future__ import annotations
@@ -12,10 +14,15 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+import redis
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from kuangchao.platform.cluster.quarantine import active, holds
+from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.execution.grants import worker_settings
+from kuangchao.platform.execution.standby import names_of, standby_nodes
 from kuangchao.platform.settings import Settings
+from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.workers.runtime.rank_actor import SpareActor
 
 SPARE_WAIT_S = 60.0
@@ -30,8 +37,17 @@ class SparePool:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.by_node: dict[str, Any] = {}
+        self._ready_refs: dict[str, tuple[Any, Any]] = {}  # node id -> (spare, its ready ref)
+        self.standby: set[str] = set()  # Ray node ids of the standby spares' nodes
         self._store: Any = None
         self._view: tuple[float, dict[str, dict[str, Any]]] | None = None
+
+    def _job_store(self) -> Any:
+        if self._store is None and self.settings.redis_url:
+            from kuangchao.platform.jobs.store import JobStore
+
+            self._store = JobStore.from_url(self.settings.redis_url, self.settings.redis_prefix)
+        return self._store
 
     def hardware(self, node: str) -> dict[str, Any] | None:
         """This node's entry of `node_hardware_view` with the operator's overrides, read from the job store.
@@ -39,21 +55,67 @@ class SparePool:
         The node view is read once and kept for VIEW_TTL_S: a job's ranks start in one
         burst, and one `ray.nodes()` plus two Redis reads per rank would grow start-up
         with the job's size."""
-        if self._store is None and self.settings.redis_url:
-            from kuangchao.platform.jobs.store import JobStore
-
-            self._store = JobStore.from_url(self.settings.redis_url, self.settings.redis_prefix)
+        store = self._job_store()
         now = time.monotonic()
         if self._view is None or now - self._view[0] > VIEW_TTL_S:
-            self._view = (now, node_hardware_view(self._store))
+            self._view = (now, node_hardware_view(store))
         return self._view[1].get(node)
 
-    def keep(self, node_ids: set[str]) -> None:
-        """Start a spare on each of these nodes that has none."""
-        for node_id in node_ids - set(self.by_node):
+    def keep(self, node_ids: set[str], spec: JobSpec | None = None) -> None:
+        """A spare on each of these nodes (the job's) and, for a job whose survivors keep
+        their work, on `standby_spares` nodes it does not use (standby.py); the spares of
+        any other node are retired (a node the job left, one no longer eligible)."""
+        standby = spec.fault_tolerance.standby_spares if spec and spec.survivors_keep_work else 0
+        wanted = set(node_ids) | (self._standby_choice(node_ids, standby, spec.parallel.gpus_per_rank)
+                                  if spec and standby else set())
+        for node_id in set(self.by_node) - wanted:
+            kill_actor(self.by_node.pop(node_id))
+        for node_id in wanted - set(self.by_node):
             self.by_node[node_id] = ray.remote(SpareActor).options(
                 num_cpus=0, max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+        self.standby = wanted - set(node_ids)
+
+    def _standby_choice(self, used: set[str], count: int, gpus: int) -> set[str]:
+        """standby.py's choice over the scheduler's published node view and quarantine."""
+        view = self.node_view()
+        store = self._job_store()
+        try:
+            held = active(store.quarantine(), time.time()) if store is not None else {}
+        except redis.RedisError:  # no view of the quarantine: no standby this time
+            return set(self.standby & set(self.by_node))
+        types = {n.gpu_type for n in view if n.node_id in used}
+        return standby_nodes(view, used, self.standby, count, gpus,
+                             types.pop() if len(types) == 1 else None,
+                             {n.name for n in view if holds(held, n)})
+
+    def node_view(self) -> list[NodeInfo]:
+        """The scheduler's last published node view (draining marked); empty without one."""
+        store = self._job_store()
+        try:
+            doc = store.info("nodes") if store is not None else None
+        except redis.RedisError:
+            return []
+        return [NodeInfo.from_json(d) for d in (doc or {}).get("nodes", [])]
+
+    def standby_names(self) -> list[str]:
+        """The names of the nodes holding a standby spare (a relocation places there first)."""
+        return names_of(self.node_view(), self.standby & set(self.by_node)) if self.standby else []
+
+    def warm_on(self, node_id: str | None) -> Any | None:
+        """The spare on `node_id` if it is up (started, nothing queued before a call), else None."""
+        spare = self.by_node.get(node_id or "")
+        if spare is None:
+            return None
+        ready, _ = ray.wait([self._ready(node_id, spare)], timeout=0)
+        return spare if ready else None
+
+    def _ready(self, node_id: str, spare: Any) -> Any:
+        ref = self._ready_refs.get(node_id)
+        if ref is None or ref[0] is not spare:
+            ref = (spare, spare.__ray_ready__.remote())
+            self._ready_refs[node_id] = ref
+        return ref[1]
 
     def take(self, node_id: str, grant: Callable[[], dict[str, Any]], rank: dict[str, Any]) -> Any:
         """The spare on `node_id`, made the rank `rank` describes; None when there is none.
@@ -84,7 +146,7 @@ class SparePool:
     def close(self) -> None:
         for spare in self.by_node.values():
             kill_actor(spare)
-        self.by_node = {}
+        self.by_node, self.standby = {}, set()
 
 
 def kill_actor(actor: Any) -> None:

@@ -89,6 +89,9 @@ class FaultToleranceSection(_Section):
     stop_grace_s: float = Field(10.0, ge=0, le=600)
     # Keep one warm process per node of the job, to take over a failed rank at once.
     spare_workers: bool = False
+    # With spare_workers, also keep one on this many nodes the job does not use, for a
+    # replica moved off a lost or draining node (jobs whose survivors keep their work).
+    standby_spares: int = Field(0, ge=0, le=8)
     # One agent per node relays the node's heartbeats in one Redis record
     # (docs/fault-tolerance.md): `auto` starts them for jobs of 64 ranks or more.
     node_agents: Literal["auto", "on", "off"] = "auto"
@@ -242,6 +245,10 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
             f"{ft.heartbeat_timeout_s} must be at least twice fault_tolerance.heartbeat_interval_s "
             f"({ft.heartbeat_interval_s}), so that one late beat is not taken for a death",
         ))
+    if ft.standby_spares and not ft.spare_workers:
+        errs.append(("fault_tolerance.standby_spares", "standby spares are warm spares kept on "
+                     "nodes the job does not use; set fault_tolerance.spare_workers: true as well, "
+                     "or standby_spares: 0"))
     if ft.hang_timeout_s <= ft.heartbeat_timeout_s:
         errs.append((
             "fault_tolerance.hang_timeout_s",

@@ -30,6 +30,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -354,9 +355,10 @@ def test_node_loss_shrinks_and_a_new_node_grows_without_losing_a_sample(elastic)
     assert worst <= LOSS_RTOL, {s: (ours[s], theirs[s]) for s in logged}
 
 
-def two_replicas_and_a_free_node(stack: Stack, name: str) -> tuple[dict, dict, set[str]]:
+def two_replicas_and_a_free_node(stack: Stack, name: str, **ft: Any) -> tuple[dict, dict, set[str]]:
     """A fixed-size job of two replicas (peer-memory copies every step) training on two
-    of the three nodes up: the job, where its ranks run, and the free node's name."""
+    of the three nodes up: the job, where its ranks run, and the free node's name.
+    `ft`: more fault_tolerance settings."""
     client: Client = stack.client
     d = stack.job_doc(task={"name": name})
     d["training"].update(steps=100_000, seed=3, log_interval=10)
@@ -364,7 +366,7 @@ def two_replicas_and_a_free_node(stack: Stack, name: str) -> tuple[dict, dict, s
                            in_memory={"interval_steps": 1, "replicas": 1,
                                       "max_mb_per_rank": 64})
     d["fault_tolerance"] = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5,
-                            "hang_timeout_s": 60}
+                            "hang_timeout_s": 60, **ft}
     nodes = {n["name"] for n in client.nodes()["nodes"] if n["alive"] and not n["quarantine"]
              and not n.get("draining")}
     assert len(nodes) == 3, nodes
@@ -439,7 +441,11 @@ def test_a_lost_nodes_replica_moves_to_a_free_node_and_the_survivor_keeps_its_wo
         out = kc("node", "join", "--address", elastic.state["ray_address"], "--name", SPARE,
                  "--leaf", "leaf-0", "--gpus", "1", "--cpus", "2", env=elastic.env, timeout=300)
         assert out.returncode == 0, out.stderr
-    job, placed, free = two_replicas_and_a_free_node(elastic, "relocated")
+    # With a warm spare on every node of the job, and a standby one on the free node.
+    job, placed, free = two_replicas_and_a_free_node(elastic, "relocated", spare_workers=True,
+                                                     standby_spares=1)
+    standby = next(n["node_id"] for n in client.nodes()["nodes"] if n["name"] in free)
+    wait_for(lambda: warm_spares(elastic, standby), 300, "the standby spare on the free node")
     os.kill(raylet_of(placed[1]["node_id"]), signal.SIGKILL)
 
     moved = wait_for(lambda: (j := client.get(job["id"]))["state"] == "RUNNING"
@@ -452,6 +458,7 @@ def test_a_lost_nodes_replica_moves_to_a_free_node_and_the_survivor_keeps_its_wo
     entry = moved["restart_log"][0]
     print(f"restart entry of the relocation: {entry}")  # shown with pytest -rP
     assert entry["path"] == "live" and entry["relocated"] == 1, entry
+    assert entry["spare"] is True, entry  # the standby took the relocated rank
     assert entry["kind"] in ("node_lost", "died", "expired") and entry["node"] == placed[1]["node"]
     after = {p["rank"]: p for p in moved["placement"]}
     assert after[0]["pid"] == placed[0]["pid"] and after[0]["node"] == placed[0]["node"]
@@ -468,3 +475,12 @@ def test_a_lost_nodes_replica_moves_to_a_free_node_and_the_survivor_keeps_its_wo
     assert not [m for m in logs if "restored checkpoint" in m or "from peer memory" in m]
     curve = [p["step"] for p in client.metrics(job["id"]).entries]
     assert curve == sorted(set(curve)), curve
+
+
+def warm_spares(stack: Stack, node_id: str) -> int:
+    """How many warm spares (their actor started: torch and the trainer imported) are up on a node."""
+    from ray.util.state import list_actors
+
+    alive = list_actors(address=stack.state["dashboard_url"], limit=1000, filters=[
+        ("class_name", "=", "SpareActor"), ("state", "=", "ALIVE")])
+    return sum(a.node_id == node_id for a in alive)

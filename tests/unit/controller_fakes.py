@@ -81,6 +81,16 @@ class FakeCredentials:
         self.retired += 1
 
 
+class FakeSpares:
+    """The spare pool's face to a relocation: the nodes holding standby spares."""
+
+    def __init__(self) -> None:
+        self.standby: list[str] = []
+
+    def standby_names(self) -> list[str]:
+        return list(self.standby)
+
+
 class FakeGroup:
     """A worker group whose ranks follow a script. `calls` records what the controller did."""
 
@@ -103,6 +113,7 @@ class FakeGroup:
         self.next_pid = 1000
         self.keeper_plan: Callable[[], Any] = lambda: None
         self.plans: list[tuple[tuple[int, ...], Any]] = []  # what each `run` carried
+        self.spares = FakeSpares()
 
     def ensure_agents(self, placement: Any) -> None:
         self.agent_nodes = sorted({p.node for p in placement})

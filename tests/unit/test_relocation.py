@@ -291,3 +291,52 @@ def test_placement_group_names_stay_unique_for_the_same_first_rank(monkeypatch):
     bundles.replica_pg("j1", slots, [{"CPU": 1}])
     bundles.replica_pg("j1", slots, [{"CPU": 1}])
     assert names[0].startswith("kc-j1-r2-") and names[1].startswith("kc-j1-r2-") and names[0] != names[1]
+
+
+# -- standby spares --------------------------------------------------------------------------
+
+def test_the_scheduler_places_a_relocated_replica_on_a_preferred_node_where_it_fits(store):
+    cluster = (node("n0"), node("n1"), node("n2"), node("n3"), node("n4"))
+    scheduler = Scheduler(store, lambda: cluster, lambda _: None)
+
+    def lose_preferring(job_id: str, avoid: str, prefer: list[str]) -> None:
+        lose(store, job_id, [0 if avoid == "n2" else 1], [avoid])
+        store.update(job_id, lambda j: (dataclasses.replace(
+            j, relocate={**j.relocate, "prefer": prefer}), None))
+
+    job_id = running(store, "a", ["n0", "n1"])
+    # n3 holds the job's standby spare: placed there, not on n2 (the solver's first).
+    lose_preferring(job_id, "n1", ["n3"])
+    scheduler.step()
+    assert [p["node"] for p in store.get(job_id).relocate["placed"]] == ["n3"]
+    # A preferred node with no room (the first job's slot holds its GPU now) leaves the
+    # choice to the solver, which finds the free node.
+    other = running(store, "b", ["n2"])
+    lose_preferring(other, "n2", ["n3"])
+    scheduler.step()
+    assert [p["node"] for p in store.get(other).relocate["placed"]] == ["n4"]
+
+
+def test_ask_names_the_preferred_nodes_but_never_an_avoided_one(store):
+    job_id = running(store, "a", ["n0", "n1"])
+    store.update(job_id, lambda j: recover(j, "node lost", {"kind": "node_lost"}))
+    seen: list[dict] = []
+
+    def peek(_s: float) -> None:
+        seen.append(dict(store.get(job_id).relocate or {}))
+
+    ticks = iter(range(100))
+    relocation.ask(store, job_id, [1], ["n1"], wait_s=2, clock=lambda: next(ticks), sleep=peek,
+                   prefer=["n1", "n3"])
+    assert seen and seen[0]["prefer"] == ["n3"]
+
+
+def test_a_lost_node_relocation_prefers_the_standby_spares_node(store, tmp_path):
+    """The controller's request carries the group's standby nodes; the scheduler places there."""
+    placed(store, tmp_path, ["n0", "n1"])
+    with scheduling(store, (node("n0"), node("n1"), node("n2"), node("n3"))):
+        group = FakeGroup(tmp_path / "ckpt" / "j1", [Step([Outcome(1, died="raylet gone")])],
+                          lost_nodes={"id-n1"})
+        group.spares.standby = ["n3"]
+        assert controller(store, group, relocate_wait_s=30).run() == "SUCCEEDED"
+    assert [p.node for p in store.get("j1").placement] == ["n0", "n3"]

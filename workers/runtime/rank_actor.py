@@ -51,3 +51,10 @@ class SpareActor(RankActor):
 
     def adopt(self, *args: Any, **kwargs: Any) -> int:
         return self.worker.adopt(*args, **kwargs)
+
+    def reaches(self, host: str, port: int, timeout_s: float) -> str:
+        """The controller's node probe, run by a process already up on the node:
+        the error of a TCP connection from here to host:port, or '' (reachability.py)."""
+        from kuangchao.workers.runtime.reach import connect_error
+
+        return connect_error(host, port, timeout_s)

@@ -28,17 +28,27 @@ def gcs_target(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def connect_error(host: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> str:
+    """The error of one TCP connection to host:port, or '' when it connected.
+
+    Also what the controller's node probe runs on a node whose ranks went silent
+    (platform/execution/reachability.py)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return ""
+    except OSError as exc:
+        return str(exc) or type(exc).__name__
+
+
 def unreachable(targets: dict[str, tuple[str, int]],
                 timeout_s: float = CONNECT_TIMEOUT_S) -> dict[str, str]:
     """Which of `targets` (what -> host, port) refuse or ignore a TCP connection,
     with the error each gave."""
     out = {}
     for what, (host, port) in targets.items():
-        try:
-            with socket.create_connection((host, port), timeout=timeout_s):
-                pass
-        except OSError as exc:
-            out[what] = f"{host}:{port}: {exc or type(exc).__name__}"
+        error = connect_error(host, port, timeout_s)
+        if error:
+            out[what] = f"{host}:{port}: {error}"
     return out
 
 

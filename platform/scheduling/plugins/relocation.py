@@ -15,6 +15,8 @@ the survivors' state (platform/execution/resize.py). This plugin answers the ask
 - **Where.** The replicas are placed by the same solver as any job, as one
   unit of the job's shape, on its own GPU type (grow_nodes), never on a node
   the controller saw lost (`avoid`: Ray may still list it alive for seconds).
+  Nodes the request `prefer`s (where the job keeps standby spares) are tried
+  first; when the replicas do not fit there, any node is.
 - **Refused** when nothing fits: the controller then sends the job back to the queue
   as before, where it waits for GPUs like any other.
 """
@@ -62,7 +64,14 @@ class LostReplicaRelocation:
         nodes = tuple(n for n in grow_nodes(job, cycle) if n.name not in avoid)
         if not nodes:
             return Relocate(job.id, at, "no node of the job's GPU type is left to place on")
-        plan = place(nodes, cycle.blocked(), replace(job.shape, dp=count), job.traffic)
+        shape = replace(job.shape, dp=count)
+        # The nodes holding the job's standby spares first (platform/execution/standby.py):
+        # a warm process there adopts the new rank, instead of one starting from nothing.
+        prefer = set(req.get("prefer") or ()) - avoid
+        plan = place(tuple(n for n in nodes if n.name in prefer), cycle.blocked(), shape,
+                     job.traffic) if prefer else None
+        if not isinstance(plan, PlacementPlan):
+            plan = place(nodes, cycle.blocked(), shape, job.traffic)
         if not isinstance(plan, PlacementPlan):
             return Relocate(job.id, at, f"{count} replica(s) do not fit elsewhere now: "
                                         f"{plan.reason}")
