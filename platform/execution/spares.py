@@ -71,9 +71,10 @@ class SparePool:
         for node_id in set(self.by_node) - wanted:
             kill_actor(self.by_node.pop(node_id))
         for node_id in wanted - set(self.by_node):
-            self.by_node[node_id] = ray.remote(SpareActor).options(
+            spare = self.by_node[node_id] = ray.remote(SpareActor).options(
                 num_cpus=0, max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+            self._ready(node_id, spare)  # asked now, so that warm_on knows without waiting
         self.standby = wanted - set(node_ids)
 
     def _standby_choice(self, used: set[str], count: int, gpus: int) -> set[str]:
@@ -103,7 +104,10 @@ class SparePool:
         return names_of(self.node_view(), self.standby & set(self.by_node)) if self.standby else []
 
     def warm_on(self, node_id: str | None) -> Any | None:
-        """The spare on `node_id` if it is up (started, nothing queued before a call), else None."""
+        """The spare on `node_id` if it is up (started, nothing queued before a call), else None.
+
+        Answers at once from the readiness asked when the spare started; a spare that
+        failed to start counts as up here, and its first call says otherwise."""
         spare = self.by_node.get(node_id or "")
         if spare is None:
             return None

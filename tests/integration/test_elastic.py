@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from typing import Any
 import pytest
 
 from kuangchao.api.sdk.client import ApiError, Client
+from kuangchao.platform.runtime.ray_connect import ray_token_env
 from tests.s3server import AWS_VARS_TO_CLEAR, S3Server
 
 from .conftest import Stack, kc, raylet_of, small_stack, wait_for
@@ -478,9 +481,14 @@ def test_a_lost_nodes_replica_moves_to_a_free_node_and_the_survivor_keeps_its_wo
 
 
 def warm_spares(stack: Stack, node_id: str) -> int:
-    """How many warm spares (their actor started: torch and the trainer imported) are up on a node."""
-    from ray.util.state import list_actors
-
-    alive = list_actors(address=stack.state["dashboard_url"], limit=1000, filters=[
-        ("class_name", "=", "SpareActor"), ("state", "=", "ALIVE")])
-    return sum(a.node_id == node_id for a in alive)
+    """How many warm spares (their actor started: torch and the trainer imported) are up on
+    a node, by Ray's state API with the stack's token (in a process of its own: Ray keeps
+    the first token a process presents, and other stacks of this session have their own)."""
+    code = ("import json, sys; from ray.util.state import list_actors; print(json.dumps([a.node_id "
+            "for a in list_actors(address=sys.argv[1], limit=1000, filters=[('class_name', '=', "
+            "'SpareActor'), ('state', '=', 'ALIVE')])]))")
+    out = subprocess.run([sys.executable, "-c", code, stack.state["dashboard_url"]],
+                         env={**stack.env, **ray_token_env(stack.state)}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]).count(node_id)
