@@ -12,6 +12,7 @@ worker group and the in-memory store.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import traceback
@@ -241,15 +242,14 @@ class JobController:
                     self.resizer.on_request(spec)
                 self.drain.check(spec, finishing=bool(results))  # off a draining node
                 self.keepers.tick()
+                self.group.spares.tick(spec)  # standby spares on nodes that came back or freed up
             except redis.RedisError:
                 pass  # Redis away: the heartbeat watch holds its verdicts; training goes on
             if preempt_deadline is not None and time.monotonic() > preempt_deadline:
                 raise Preempted(f"preempted; workers did not checkpoint within {PREEMPT_GRACE_S:.0f}s "
                                 "and were stopped")
-        try:  # the reports of the last steps
-            apply_reports(self.store, self.job_id, spec.fault_tolerance.max_restarts)
-        except redis.RedisError:
-            pass  # bookkeeping: the job's outcome does not wait on it
+        with contextlib.suppress(redis.RedisError):  # bookkeeping: the outcome does not wait on it
+            apply_reports(self.store, self.job_id, spec.fault_tolerance.max_restarts)  # the last steps'
         out = [results[i] for i in range(self.group.world)]
         if out and isinstance(out[0], dict) and out[0].get("preempted"):
             raise Preempted(self.drain.yielded(out[0]) or

@@ -29,6 +29,7 @@ SPARE_WAIT_S = 60.0
 
 
 VIEW_TTL_S = 5.0
+STANDBY_CHECK_S = 5.0  # how often a running job chooses its standby nodes again
 
 
 class SparePool:
@@ -38,7 +39,9 @@ class SparePool:
         self.settings = settings
         self.by_node: dict[str, Any] = {}
         self._ready_refs: dict[str, tuple[Any, Any]] = {}  # node id -> (spare, its ready ref)
+        self.own: set[str] = set()  # Ray node ids of the job's nodes, as keep() was last told
         self.standby: set[str] = set()  # Ray node ids of the standby spares' nodes
+        self._checked = 0.0  # when tick() last chose them
         self._store: Any = None
         self._view: tuple[float, dict[str, dict[str, Any]]] | None = None
 
@@ -75,7 +78,18 @@ class SparePool:
                 num_cpus=0, max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
             self._ready(node_id, spare)  # asked now, so that warm_on knows without waiting
-        self.standby = wanted - set(node_ids)
+        self.own, self.standby = set(node_ids), wanted - set(node_ids)
+
+    def tick(self, spec: JobSpec) -> None:
+        """Every STANDBY_CHECK_S while the job runs: choose the standby nodes again (a node
+        back or freed up since the last recovery may take one; one no longer eligible
+        gives its spare up). Nothing without standby spares."""
+        now = time.monotonic()
+        if (not spec.fault_tolerance.standby_spares or not self.by_node
+                or now - self._checked < STANDBY_CHECK_S):
+            return
+        self._checked = now
+        self.keep(self.own, spec)
 
     def _standby_choice(self, used: set[str], count: int, gpus: int) -> set[str]:
         """standby.py's choice over the scheduler's published node view and quarantine."""
@@ -86,7 +100,7 @@ class SparePool:
         except redis.RedisError:  # no view of the quarantine: no standby this time
             return set(self.standby & set(self.by_node))
         types = {n.gpu_type for n in view if n.node_id in used}
-        return standby_nodes(view, used, self.standby, count, gpus,
+        return standby_nodes(view, used, set(self.by_node), count, gpus,  # a warm one stays
                              types.pop() if len(types) == 1 else None,
                              {n.name for n in view if holds(held, n)})
 
@@ -150,7 +164,7 @@ class SparePool:
     def close(self) -> None:
         for spare in self.by_node.values():
             kill_actor(spare)
-        self.by_node, self.standby = {}, set()
+        self.by_node, self.own, self.standby = {}, set(), set()
 
 
 def kill_actor(actor: Any) -> None:

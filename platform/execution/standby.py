@@ -33,7 +33,8 @@ def standby_nodes(nodes: Iterable[NodeInfo], used: set[str], held: set[str], cou
     Args:
         nodes: The node view (with `draining` marked).
         used: Ray node ids of the nodes the job runs on (their spares are the job's own).
-        held: Ray node ids of the nodes that hold a standby spare now (kept if eligible).
+        held: Ray node ids of the nodes that hold a spare now (kept if eligible: a spare
+            of a node the job left becomes a standby without a restart).
         count: How many standby nodes the job asks for.
         gpus: GPUs one replica needs on one node.
         gpu_type: The GPU type of the job's nodes (None: any).

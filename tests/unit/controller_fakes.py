@@ -90,6 +90,9 @@ class FakeSpares:
     def standby_names(self) -> list[str]:
         return list(self.standby)
 
+    def tick(self, spec: Any) -> None:
+        self.ticks = getattr(self, "ticks", 0) + 1
+
 
 class FakeGroup:
     """A worker group whose ranks follow a script. `calls` records what the controller did."""

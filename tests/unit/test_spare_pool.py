@@ -1,0 +1,109 @@
+"""The spare pool's bookkeeping (platform/execution/spares.py): which nodes hold a spare
+after each keep() and tick(), with Ray's actor calls replaced by a recording fake and
+the node view and quarantine in an in-memory store."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kuangchao.platform.cluster.topology import NodeInfo
+from kuangchao.platform.execution import spares
+from kuangchao.platform.jobs.memory import MemoryStore
+from kuangchao.platform.spec.jobspec import validate_spec
+from tests.unit.test_controller import SETTINGS
+
+
+class FakeActor:
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.__ray_ready__ = self  # `.remote()` below gives the readiness ref
+
+    def remote(self) -> str:
+        return f"ready-{self.node_id}"
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    started: list[str] = []
+    killed: list[str] = []
+
+    class Remote:
+        def options(self, scheduling_strategy, **_):
+            self.node_id = scheduling_strategy.node_id
+            return self
+
+        def remote(self):
+            started.append(self.node_id)
+            return FakeActor(self.node_id)
+
+    monkeypatch.setattr(spares.ray, "remote", lambda _cls: Remote())
+    monkeypatch.setattr(spares, "NodeAffinitySchedulingStrategy",
+                        lambda node_id, soft: SimpleNamespace(node_id=node_id))
+    monkeypatch.setattr(spares, "kill_actor", lambda a: killed.append(a.node_id))
+    store = MemoryStore(prefix=f"kc-test-{time.monotonic_ns()}:")
+    p = spares.SparePool(SETTINGS)
+    p._store = store
+    p.started, p.killed = started, killed
+    return p
+
+
+def view(store, *nodes: NodeInfo) -> None:
+    store.set_info("nodes", {"nodes": [n.to_json() for n in nodes]})
+
+
+def node(name: str, **kw) -> NodeInfo:
+    return NodeInfo(name=name, gpus=1, islands=((0,),), leaf="leaf-0", node_id=f"id-{name}",
+                    pinned_gpus=True, gpu_type="h100-80gb", **kw)
+
+
+def spec(standby: int = 1, dp: int = 2):
+    return validate_spec({"task": {"name": "t"}, "parallel": {"data_parallel_size": dp,
+                                                                "micro_batch_size": 1},
+                          "fault_tolerance": {"spare_workers": True, "standby_spares": standby}})
+
+
+def test_keep_starts_the_job_s_spares_and_a_standby_and_retires_what_is_left_out(pool):
+    view(pool._store, node("a"), node("b"), node("c"), node("d", draining=True), node("e"))
+    pool.keep({"id-a", "id-b"}, spec())
+    assert set(pool.by_node) == {"id-a", "id-b", "id-c"} and pool.standby == {"id-c"}
+    assert pool.standby_names() == ["c"]
+    pool.keep({"id-a", "id-b"}, spec())  # again: nothing restarted
+    assert sorted(pool.started) == ["id-a", "id-b", "id-c"] and pool.killed == []
+    # b's replica moved to c (b lost, say), whose standby adopted it (taken off the pool):
+    # c gets a spare of the job's own, and b's warm spare stands by in its place.
+    pool.by_node.pop("id-c")
+    pool.keep({"id-a", "id-c"}, spec())
+    assert pool.standby == {"id-b"} and pool.killed == []
+    assert set(pool.by_node) == {"id-a", "id-b", "id-c"} and pool.started.count("id-c") == 2
+    # Then b drains: its spare goes, and the next eligible node stands by.
+    view(pool._store, node("a"), node("b", draining=True), node("c"), node("e"))
+    pool.keep({"id-a", "id-c"}, spec())
+    assert pool.killed == ["id-b"] and pool.standby == {"id-e"}
+
+
+def test_no_standby_for_a_job_whose_survivors_do_not_keep_their_work(pool):
+    view(pool._store, node("a"), node("b"), node("c"))
+    hybrid = validate_spec({"task": {"name": "t"}, "parallel": {
+        "data_parallel_size": 1, "tensor_parallel_size": 2, "micro_batch_size": 1},
+        "model": {"n_heads": 4}, "fault_tolerance": {"spare_workers": True, "standby_spares": 1}})
+    pool.keep({"id-a", "id-b"}, hybrid)
+    assert pool.standby == set() and set(pool.by_node) == {"id-a", "id-b"}
+
+
+def test_tick_gives_a_node_that_came_back_a_standby_and_a_quarantined_one_none(pool, monkeypatch):
+    view(pool._store, node("a"), node("b"), node("c", alive=False))
+    pool.keep({"id-a", "id-b"}, spec())
+    assert pool.standby == set()
+    pool.tick(spec())  # too soon after the last check: nothing read
+    view(pool._store, node("a"), node("b"), node("c"))
+    monkeypatch.setattr(spares, "STANDBY_CHECK_S", 0.0)
+    pool.tick(spec())
+    assert pool.standby == {"id-c"} and pool.started[-1] == "id-c"
+    pool._store.quarantine_node("c", {"since": time.time(), "until": time.time() + 600,
+                                      "failures": 3, "reason": "flaky"})
+    pool.tick(spec())
+    assert pool.standby == set() and pool.killed == ["id-c"]
+    assert set(pool.by_node) == {"id-a", "id-b"}  # the job's own spares untouched
