@@ -73,6 +73,7 @@ class SparePool:
                                   if spec and standby else set())
         for node_id in set(self.by_node) - wanted:
             kill_actor(self.by_node.pop(node_id))
+            self._ready_refs.pop(node_id, None)
         for node_id in wanted - set(self.by_node):
             spare = self.by_node[node_id] = ray.remote(SpareActor).options(
                 num_cpus=0, max_restarts=0,
@@ -93,23 +94,26 @@ class SparePool:
 
     def _standby_choice(self, used: set[str], count: int, gpus: int) -> set[str]:
         """standby.py's choice over the scheduler's published node view and quarantine."""
-        view = self.node_view()
         store = self._job_store()
         try:
+            view = self.node_view(strict=True)
             held = active(store.quarantine(), time.time()) if store is not None else {}
-        except redis.RedisError:  # no view of the quarantine: no standby this time
+        except redis.RedisError:  # Redis away a moment: the standbys stay as they are
             return set(self.standby & set(self.by_node))
         types = {n.gpu_type for n in view if n.node_id in used}
         return standby_nodes(view, used, set(self.by_node), count, gpus,  # a warm one stays
                              types.pop() if len(types) == 1 else None,
                              {n.name for n in view if holds(held, n)})
 
-    def node_view(self) -> list[NodeInfo]:
-        """The scheduler's last published node view (draining marked); empty without one."""
+    def node_view(self, strict: bool = False) -> list[NodeInfo]:
+        """The scheduler's last published node view (draining marked); empty without one
+        (or with Redis away, unless `strict`: then its error is raised)."""
         store = self._job_store()
         try:
             doc = store.info("nodes") if store is not None else None
         except redis.RedisError:
+            if strict:
+                raise
             return []
         return [NodeInfo.from_json(d) for d in (doc or {}).get("nodes", [])]
 
@@ -142,6 +146,7 @@ class SparePool:
         hardware (`node_hardware_view`); `grant` fetches the rank's fresh credentials.
         """
         spare = self.by_node.pop(node_id, None)
+        self._ready_refs.pop(node_id, None)
         if spare is None:
             return None
         # A spare still warming up is further along than a fresh actor would be.
@@ -164,7 +169,7 @@ class SparePool:
     def close(self) -> None:
         for spare in self.by_node.values():
             kill_actor(spare)
-        self.by_node, self.own, self.standby = {}, set(), set()
+        self.by_node, self.own, self.standby, self._ready_refs = {}, set(), set(), {}
 
 
 def kill_actor(actor: Any) -> None:

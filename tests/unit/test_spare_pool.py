@@ -107,3 +107,19 @@ def test_tick_gives_a_node_that_came_back_a_standby_and_a_quarantined_one_none(p
     pool.tick(spec())
     assert pool.standby == set() and pool.killed == ["id-c"]
     assert set(pool.by_node) == {"id-a", "id-b"}  # the job's own spares untouched
+
+
+def test_redis_away_a_moment_leaves_the_standbys_as_they_are(pool, monkeypatch):
+    import redis
+
+    view(pool._store, node("a"), node("b"), node("c"))
+    pool.keep({"id-a", "id-b"}, spec())
+    assert pool.standby == {"id-c"}
+
+    def away(*_a, **_k):
+        raise redis.ConnectionError("Redis is restarting")
+
+    monkeypatch.setattr(pool._store, "info", away)
+    pool.keep({"id-a", "id-b"}, spec())
+    assert pool.standby == {"id-c"} and pool.killed == []
+    assert pool.standby_names() == []  # no view to name it by: the relocation prefers nothing
