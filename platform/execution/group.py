@@ -318,8 +318,8 @@ class RayWorkerGroup:
                 if spares and s.rank < len(was):  # a failed rank's slot: its GPUs, its spare
                     m.info = dict(was[s.rank])
                     spare = self._take_spare(rank, s)
-                elif (m.planned is not None or not m.bundle.get("GPU")) and self.spares.warm_on(s.node_id):
-                    m.info = {"gpu_ids": list(m.planned or ())}  # a standby's node: pinned GPUs
+                elif (m.planned is not None or not m.bundle.get("GPU")) and s.node_id in self.spares.by_node:
+                    m.info = {"gpu_ids": list(m.planned or ())}  # a standby's (warm or warming)
                     spare = self._take_spare(rank, s)
                 taken += spare is not None
                 m.actor = spare or self._spawn(rank, s.node)
