@@ -110,14 +110,12 @@ def test_tick_gives_a_node_that_came_back_a_standby_and_a_quarantined_one_none(p
 
 
 def test_redis_away_a_moment_leaves_the_standbys_as_they_are(pool, monkeypatch):
-    import redis
-
     view(pool._store, node("a"), node("b"), node("c"))
     pool.keep({"id-a", "id-b"}, spec())
     assert pool.standby == {"id-c"}
 
     def away(*_a, **_k):
-        raise redis.ConnectionError("Redis is restarting")
+        raise spares.redis.ConnectionError("Redis is restarting")  # the error the pool catches
 
     monkeypatch.setattr(pool._store, "info", away)
     pool.keep({"id-a", "id-b"}, spec())
