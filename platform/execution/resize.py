@@ -357,8 +357,9 @@ class ResizeExecutor:
         self.store.wake_scheduler(self.job_id)  # GPUs a shrink freed are someone's now
         placement = self.store.get(self.job_id).placement
         self.group.ensure_agents(placement)  # on nodes it grew to
-        if resizing and spec.fault_tolerance.spare_workers:  # a refill's: the controller's
-            self.group.start_spares({p.node_id for p in placement})  # where it runs now
+        # Spares where the job runs now (a move or a resize); after a refill the controller does it.
+        if resizing and spec.fault_tolerance.spare_workers:
+            self.group.start_spares({p.node_id for p in placement})
         self.formation.watch_ranks(infos)
 
     def _drop_request(self, message: str) -> None:

@@ -299,20 +299,20 @@ def test_the_scheduler_places_a_relocated_replica_on_a_preferred_node_where_it_f
     cluster = (node("n0"), node("n1"), node("n2"), node("n3"), node("n4"))
     scheduler = Scheduler(store, lambda: cluster, lambda _: None)
 
-    def lose_preferring(job_id: str, avoid: str, prefer: list[str]) -> None:
-        lose(store, job_id, [0 if avoid == "n2" else 1], [avoid])
+    def lose_preferring(job_id: str, replica: int, avoid: str, prefer: list[str]) -> None:
+        lose(store, job_id, [replica], [avoid])
         store.update(job_id, lambda j: (dataclasses.replace(
             j, relocate={**j.relocate, "prefer": prefer}), None))
 
     job_id = running(store, "a", ["n0", "n1"])
     # n3 holds the job's standby spare: placed there, not on n2 (the solver's first).
-    lose_preferring(job_id, "n1", ["n3"])
+    lose_preferring(job_id, 1, "n1", ["n3"])
     scheduler.step()
     assert [p["node"] for p in store.get(job_id).relocate["placed"]] == ["n3"]
     # A preferred node with no room (the first job's slot holds its GPU now) leaves the
     # choice to the solver, which finds the free node.
     other = running(store, "b", ["n2"])
-    lose_preferring(other, "n2", ["n3"])
+    lose_preferring(other, 0, "n2", ["n3"])
     scheduler.step()
     assert [p["node"] for p in store.get(other).relocate["placed"]] == ["n4"]
 
