@@ -194,6 +194,11 @@ class System:
         """After the run: the final loss and whatever the system recorded."""
         raise NotImplementedError
 
+    def settled(self) -> bool:
+        """Whether the job is back at full strength after a recovery, beyond training
+        again (the kill series waits for it before the next kill)."""
+        return True
+
 
 class Kuangchao(System):
     name = "kc"
@@ -221,6 +226,11 @@ class Kuangchao(System):
 
         with contextlib.suppress(Exception):
             jobs.cancel(self.store, self.job_id)
+
+    def settled(self) -> bool:
+        """Every warm spare of the job up, the one started behind the spare a recovery
+        used included (the job JSON's `spares`)."""
+        return all(s.get("state") == "warm" for s in self.store.get(self.job_id).spares)
 
     def finish(self, run: Run, bg: Background) -> None:
         from kuangchao.platform.control import operations as jobs
@@ -383,7 +393,13 @@ def run_job(system: System, trace: Trace, doc: dict[str, Any], label: str,
 def kill_series(system: System, trace: Trace, doc: dict[str, Any], label: str, kills: int,
                 victim: int = 1, gap_steps: int = 8) -> Run:
     """SIGKILL rank `victim` `kills` times, each once the process now holding it has
-    completed `gap_steps` steps; then end the run."""
+    completed `gap_steps` steps and the system is back at full strength (`settled`:
+    kuangchao's warm spares all up again); then end the run.
+
+    Each kill stands for one failure of the chaos run's kind, which come a minute
+    apart: by then a system has long recovered whatever the last one used. Killing
+    sooner (8 steps are about 3 s here, a spare's warm-up beside two training ranks
+    4 to 6 s) measured a new spare's start-up instead of the recovery."""
     import signal
 
     start = time.time()
@@ -398,11 +414,14 @@ def kill_series(system: System, trace: Trace, doc: dict[str, Any], label: str, k
                 if not mine:
                     return None
                 pid = mine[-1].pid
-                return mine[-1] if sum(s.pid == pid for s in mine) >= gap_steps else None
-            held = wait_until(ready, WAIT_S, f"rank {victim} to train {gap_steps} steps", bg.alive,
-                              poll_s=0.05)
+                if sum(s.pid == pid for s in mine) < gap_steps or not system.settled():
+                    return None
+                return mine[-1]
+            held = wait_until(ready, WAIT_S, f"rank {victim} to train {gap_steps} steps, "
+                              f"{system.name} settled", bg.alive, poll_s=0.05)
             if held is None:
-                raise TimeoutError(f"rank {victim} did not train {gap_steps} steps within {WAIT_S:.0f}s")
+                raise TimeoutError(f"rank {victim} did not train {gap_steps} steps, or {system.name} "
+                                   f"did not settle, within {WAIT_S:.0f}s")
             t = time.time()
             with contextlib.suppress(ProcessLookupError):
                 os.kill(held.pid, signal.SIGKILL)

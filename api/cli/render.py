@@ -102,6 +102,10 @@ def print_job(job: dict[str, Any]) -> None:
         rows.append(("step time", f"measured {_secs(job['measured_step_s'])} s/step"))
     if job.get("goodput"):
         rows.append(("goodput", goodput_line(job["goodput"])))
+    if job.get("spares"):
+        rows.append(("spares", ", ".join(
+            f"{s.get('node')} {s.get('state')}" + (" (standby)" if s.get("standby") else "")
+            for s in job["spares"])))
     if job.get("waiting_for"):
         rows.append(("waiting for", job["waiting_for"]))
     if job.get("message"):

@@ -77,7 +77,7 @@ class RayWorkerGroup:
         self.members: list[Member] = []
         self.pgs: list[Any] = []  # one per data-parallel replica
         self.rpr = 1  # ranks per replica
-        self.spares = SparePool(settings)
+        self.spares = SparePool(settings, job_id)
         self.agents = NodeAgents(job_id, settings.redis_prefix)
         self.job_redis_url: str | None = None  # the job's own Redis user, for its agents
         self.kv: Any = None  # the rendezvous store of every generation

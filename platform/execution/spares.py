@@ -9,6 +9,8 @@ not use, for a replica relocated there.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kuangchao.platform.cluster.quarantine import active, holds
 from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.execution.grants import worker_settings
-from kuangchao.platform.execution.standby import names_of, standby_nodes
+from kuangchao.platform.execution.standby import names_of, spare_entries, standby_nodes
 from kuangchao.platform.settings import Settings
 from kuangchao.platform.spec.jobspec import JobSpec
 from kuangchao.workers.runtime.rank_actor import SpareActor
@@ -35,8 +37,8 @@ STANDBY_CHECK_S = 5.0  # how often a running job chooses its standby nodes again
 class SparePool:
     """The warm spares of one job, by Ray node id."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+    def __init__(self, settings: Settings, job_id: str = "") -> None:
+        self.settings, self.job_id = settings, job_id
         self.by_node: dict[str, Any] = {}
         self._ready_refs: dict[str, tuple[Any, Any]] = {}  # node id -> (spare, its ready ref)
         self.own: set[str] = set()  # Ray node ids of the job's nodes, as keep() was last told
@@ -44,6 +46,8 @@ class SparePool:
         self._checked = 0.0  # when tick() last chose them
         self._store: Any = None
         self._view: tuple[float, dict[str, dict[str, Any]]] | None = None
+        self._published: tuple[dict[str, Any], ...] = ()  # the job record's `spares`
+        self._seen: Any = None  # the states and standbys `_published` was made from
 
     def _job_store(self) -> Any:
         if self._store is None and self.settings.redis_url:
@@ -82,15 +86,53 @@ class SparePool:
         self.own, self.standby = set(node_ids), wanted - set(node_ids)
 
     def tick(self, spec: JobSpec) -> None:
-        """Every STANDBY_CHECK_S while the job runs: choose the standby nodes again (a node
-        back or freed up since the last recovery may take one; one no longer eligible
-        gives its spare up). Nothing without standby spares."""
+        """At each poll while the job runs: the job record's `spares` brought up to date
+        (a spare that came up, or one behind a spare just used), and, every
+        STANDBY_CHECK_S, the standby nodes chosen again (a node back or freed up since
+        the last recovery may take one; one no longer eligible gives its spare up)."""
         now = time.monotonic()
-        if (not spec.fault_tolerance.standby_spares or not self.by_node
-                or now - self._checked < STANDBY_CHECK_S):
+        if (spec.fault_tolerance.standby_spares and self.by_node
+                and now - self._checked >= STANDBY_CHECK_S):
+            self._checked = now
+            self.keep(self.own, spec)
+        self.publish()
+
+    def states(self) -> dict[str, str]:
+        """Each spare's Ray node id -> `warm` (up), `warming` or `failed` (it did not
+        start), asked without waiting."""
+        refs = {node_id: self._ready(node_id, spare) for node_id, spare in self.by_node.items()}
+        if not refs:
+            return {}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=0)
+        done, out = set(ready), {}
+        for node_id, ref in refs.items():
+            out[node_id] = "warming"
+            if ref in done:
+                try:
+                    ray.get(ref, timeout=0)
+                    out[node_id] = "warm"
+                except ray.exceptions.RayError:
+                    out[node_id] = "failed"
+        return out
+
+    def publish(self, entries: tuple[dict[str, Any], ...] | None = None) -> None:
+        """Write the spares' states to the job record's `spares` when they changed
+        (`entries`: these instead, () to clear them)."""
+        store = self._job_store()
+        if store is None or not self.job_id:
             return
-        self._checked = now
-        self.keep(self.own, spec)
+        seen = None
+        if entries is None:
+            states = self.states()
+            seen = (frozenset(states.items()), frozenset(self.standby))
+            if seen == self._seen:  # nothing changed: no Redis read or write
+                return
+            names = {n.node_id: n.name for n in self.node_view()} if states else {}
+            entries = spare_entries(states, self.standby, names)
+        if entries != self._published:
+            store.update(self.job_id, lambda j: None if j.spares == entries else (
+                dataclasses.replace(j, spares=entries), None))
+        self._published, self._seen = entries, seen
 
     def _standby_choice(self, used: set[str], count: int, gpus: int) -> set[str]:
         """standby.py's choice over the scheduler's published node view and quarantine."""
@@ -170,6 +212,8 @@ class SparePool:
         for spare in self.by_node.values():
             kill_actor(spare)
         self.by_node, self.own, self.standby, self._ready_refs = {}, set(), set(), {}
+        with contextlib.suppress(Exception):  # bookkeeping: the job may be gone already
+            self.publish(())
 
 
 def kill_actor(actor: Any) -> None:

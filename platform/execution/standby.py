@@ -16,12 +16,15 @@ job's own leaf switches come first (the placement solver's preference too),
 then by name. A node that stays eligible keeps its spare: choosing again must
 not restart a warm process for nothing.
 
+`spare_entries` is what the job JSON's `spares` shows of every spare, own or standby.
+
 Pure logic: no Ray, Redis or torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from kuangchao.platform.cluster.topology import NodeInfo
 
@@ -55,3 +58,18 @@ def standby_nodes(nodes: Iterable[NodeInfo], used: set[str], held: set[str], cou
 def names_of(nodes: Iterable[NodeInfo], node_ids: set[str]) -> list[str]:
     """The names of the nodes with these Ray node ids, sorted (what a relocation prefers)."""
     return sorted(n.name for n in nodes if n.node_id in node_ids)
+
+
+def spare_entries(states: dict[str, str], standby: set[str],
+                  names: dict[str, str]) -> tuple[dict[str, Any], ...]:
+    """The job JSON's `spares`: one `{node, state, standby}` per spare, the job's own
+    nodes first, then by name.
+
+    Args:
+        states: Ray node id -> `warm`, `warming` or `failed` (SparePool.states).
+        standby: Ray node ids of the standby spares.
+        names: Ray node id -> node name (a node missing: the id's first 12 characters).
+    """
+    entries = [{"node": names.get(node_id) or node_id[:12], "state": state,
+                "standby": node_id in standby} for node_id, state in states.items()]
+    return tuple(sorted(entries, key=lambda e: (e["standby"], e["node"])))

@@ -147,6 +147,9 @@ class JobRecord:
     # `parallel: auto`: the planner's chosen layout and its predicted cost
     # (platform/planning/autoplan.py); None for a hand-written layout.
     plan: dict[str, Any] | None = None
+    # `spare_workers`: the job's warm spares, one entry per node ({"node", "state":
+    # warm | warming | failed, "standby"}), as its controller last saw them (spares.py).
+    spares: tuple[dict[str, Any], ...] = ()
     version: int = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -157,6 +160,7 @@ class JobRecord:
         d["state"] = self.state.value
         d["placement"] = [p.to_json() for p in self.placement]
         d["restart_log"], d["resize_log"] = list(self.restart_log), list(self.resize_log)
+        d["spares"] = list(self.spares)
         return d
 
     @classmethod
@@ -165,6 +169,7 @@ class JobRecord:
         d["state"] = JobState(d["state"])
         d["restart_log"] = tuple(d.get("restart_log") or ())
         d["resize_log"] = tuple(d.get("resize_log") or ())
+        d["spares"] = tuple(d.get("spares") or ())
         d["placement"] = tuple(
             PlacedRank.from_json(p) for p in d.get("placement") or ()
         )

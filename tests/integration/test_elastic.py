@@ -28,8 +28,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,6 @@ from typing import Any
 import pytest
 
 from kuangchao.api.sdk.client import ApiError, Client
-from kuangchao.platform.runtime.ray_connect import ray_token_env
 from tests.s3server import AWS_VARS_TO_CLEAR, S3Server
 
 from .conftest import Stack, kc, raylet_of, small_stack, wait_for
@@ -447,8 +444,12 @@ def test_a_lost_nodes_replica_moves_to_a_free_node_and_the_survivor_keeps_its_wo
     # With a warm spare on every node of the job, and a standby one on the free node.
     job, placed, free = two_replicas_and_a_free_node(elastic, "relocated", spare_workers=True,
                                                      standby_spares=1)
-    standby = next(n["node_id"] for n in client.nodes()["nodes"] if n["name"] in free)
-    wait_for(lambda: warm_spares(elastic, standby), 300, "the standby spare on the free node")
+    # The job JSON's `spares`: every spare up, the job's own and the standby on the free node.
+    ready = wait_for(lambda: (j := client.get(job["id"]))["spares"]
+                     and all(s["state"] == "warm" for s in j["spares"]) and j["spares"],
+                     300, "the job's warm spares, the standby on the free node among them")
+    assert {(s["node"], s["standby"]) for s in ready} == (
+        {(p["node"], False) for p in placed.values()} | {(n, True) for n in free}), ready
     os.kill(raylet_of(placed[1]["node_id"]), signal.SIGKILL)
 
     moved = wait_for(lambda: (j := client.get(job["id"]))["state"] == "RUNNING"
@@ -478,19 +479,3 @@ def test_a_lost_nodes_replica_moves_to_a_free_node_and_the_survivor_keeps_its_wo
     assert not [m for m in logs if "restored checkpoint" in m or "from peer memory" in m]
     curve = [p["step"] for p in client.metrics(job["id"]).entries]
     assert curve == sorted(set(curve)), curve
-
-
-def warm_spares(stack: Stack, node_id: str) -> int:
-    """How many warm spares (their actor started: torch and the trainer imported) are up on
-    a node, by Ray's state API with the stack's token (in a process of its own: Ray keeps
-    the first token a process presents, and other stacks of this session have their own)."""
-    code = ("import json, sys; from ray.util.state import list_actors; print(json.dumps([a.node_id "
-            "for a in list_actors(address=sys.argv[1], limit=1000, filters=[('class_name', '=', "
-            "'SpareActor'), ('state', '=', 'ALIVE')])]))")
-    out = subprocess.run([sys.executable, "-c", code, stack.state["dashboard_url"]],
-                         env={**stack.env, **ray_token_env(stack.state)}, capture_output=True,
-                         text=True, timeout=120)
-    if out.returncode != 0:  # the dashboard busy a moment: asked again at the next poll
-        print(f"the state API did not answer: {out.stderr[-2000:]}")  # shown if the wait fails
-        return 0
-    return json.loads(out.stdout.strip().splitlines()[-1]).count(node_id)

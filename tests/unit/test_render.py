@@ -30,6 +30,16 @@ def test_status_of_an_elastic_job_shows_its_size_samples_and_resizes(capsys):
     assert "resize       2 -> 3 replicas (grow, live): in progress" in out
 
 
+def test_status_names_each_warm_spare_and_its_state(capsys):
+    from kuangchao.api.cli.render import print_job
+
+    print_job({"id": "s", "name": "s", "state": "RUNNING", "world_size": 2, "restarts": 1,
+               "progress": {"step": 3},
+               "spares": [{"node": "n1", "state": "warm", "standby": False},
+                          {"node": "n3", "state": "warming", "standby": True}]})
+    assert "spares       n1 warm, n3 warming (standby)" in capsys.readouterr().out
+
+
 def test_job_output_reaches_the_terminal_escaped_not_obeyed(capsys):
     from kuangchao.api.cli.render import print_events, print_log_lines
 

@@ -12,6 +12,7 @@ import pytest
 from kuangchao.platform.cluster.topology import NodeInfo
 from kuangchao.platform.execution import spares
 from kuangchao.platform.jobs.memory import MemoryStore
+from kuangchao.platform.jobs.state import JobRecord
 from kuangchao.platform.spec.jobspec import validate_spec
 from tests.unit.test_controller import SETTINGS
 
@@ -121,3 +122,43 @@ def test_redis_away_a_moment_leaves_the_standbys_as_they_are(pool, monkeypatch):
     pool.keep({"id-a", "id-b"}, spec())
     assert pool.standby == {"id-c"} and pool.killed == []
     assert pool.standby_names() == []  # no view to name it by: the relocation prefers nothing
+
+
+def test_the_job_record_shows_each_spare_warm_warming_or_failed(pool, monkeypatch):
+    """`spares` on the job JSON: written when a spare's state changes, not at every poll,
+    and cleared when the pool closes."""
+    up: set[str] = set()
+    failed: set[str] = set()
+
+    def wait(refs, num_returns, timeout):
+        assert timeout == 0  # asked without waiting, at each poll of the controller
+        return [r for r in refs if r in up | failed], [r for r in refs if r not in up | failed]
+
+    def get(ref, timeout=None):
+        if ref in failed:
+            raise spares.ray.exceptions.RayError("the spare's process did not start")
+
+    monkeypatch.setattr(spares.ray, "wait", wait)
+    monkeypatch.setattr(spares.ray, "get", get)
+    store = pool._store
+    store.create(JobRecord(id="job-1", name="t", spec={}))
+    pool.job_id = "job-1"
+    view(store, node("a"), node("b"), node("c"))
+    pool.keep({"id-a", "id-b"}, spec())
+    pool.tick(spec())
+    assert store.get("job-1").spares == (
+        {"node": "a", "state": "warming", "standby": False},
+        {"node": "b", "state": "warming", "standby": False},
+        {"node": "c", "state": "warming", "standby": True})
+    up.update({"ready-id-a", "ready-id-b"})
+    failed.add("ready-id-c")
+    pool.tick(spec())
+    assert [(e["node"], e["state"]) for e in store.get("job-1").spares] == [
+        ("a", "warm"), ("b", "warm"), ("c", "failed")]
+    version = store.get("job-1").version
+    reads = []
+    monkeypatch.setattr(store, "info", lambda name: reads.append(name))
+    pool.tick(spec())  # nothing changed: neither the node view read nor the record written
+    assert store.get("job-1").version == version and reads == []
+    pool.close()
+    assert store.get("job-1").spares == ()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kuangchao.platform.cluster.topology import NodeInfo
-from kuangchao.platform.execution.standby import names_of, standby_nodes
+from kuangchao.platform.execution.standby import names_of, spare_entries, standby_nodes
 from kuangchao.platform.spec.jobspec import SpecError, validate_spec
 
 
@@ -49,3 +49,11 @@ def test_standby_spares_need_spare_workers():
         raise AssertionError("standby_spares without spare_workers was accepted")
     spec = validate_spec({**base, "fault_tolerance": {"standby_spares": 1, "spare_workers": True}})
     assert spec.fault_tolerance.standby_spares == 1
+
+
+def test_spare_entries_name_each_spare_and_list_the_job_s_own_first():
+    entries = spare_entries({"id-b": "warm", "id-c": "warming", "0123456789abcdef": "failed"},
+                            standby={"id-c"}, names={"id-b": "b", "id-c": "c"})
+    assert entries == ({"node": "0123456789ab", "state": "failed", "standby": False},
+                       {"node": "b", "state": "warm", "standby": False},
+                       {"node": "c", "state": "warming", "standby": True})

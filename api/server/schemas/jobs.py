@@ -25,6 +25,15 @@ class PlacementPublic(Public):
     gpus: list[int]
 
 
+class SparePublic(Public):
+    """One warm spare of a job (platform/execution/spares.py)."""
+
+    node: str
+    state: Literal["warm", "warming", "failed"] = Field(
+        description="warm: ready to adopt a rank; warming: still importing; failed: it did not start")
+    standby: bool = Field(description="on a node the job does not use (`standby_spares`)")
+
+
 class RoutingPublic(Public):
     """A mixture of experts' routing at the last logged step (platform/observability/routing.py)."""
 
@@ -153,6 +162,8 @@ class JobPublic(Public):
     state_since: Number | None
     # The planner's chosen layout and predicted cost (platform/planning/autoplan.py).
     plan: dict[str, Any] | None
+    spares: list[SparePublic] = Field(default_factory=list, description="with "
+                                      "`fault_tolerance.spare_workers`: the job's warm spares")
     progress: ProgressPublic
     min_replicas: int
     max_replicas: int
