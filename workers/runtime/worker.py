@@ -41,7 +41,7 @@ from kuangchao.workers.runtime.heartbeat import Heartbeat
 from kuangchao.workers.runtime.joblog import capture_output
 from kuangchao.workers.runtime.liveness import log_sink, start_heartbeat
 from kuangchao.workers.runtime.telemetry import WorkerTelemetry
-from kuangchao.workers.runtime.warm_up import exercise
+from kuangchao.workers.runtime.warm_up import settle_heap, warm
 
 _GPU_RESOURCE = re.compile(rf"^{GPU_RESOURCE_PREFIX}(\d+)(_group_.*)?$")
 
@@ -262,6 +262,7 @@ class TrainWorker:
                 ctx = self._context(spec)
                 ctx.keepers = keepers
                 fn = resolve_entrypoint(spec.entrypoint)
+                settle_heap()  # the imports made, the train function's own included
                 if spec.entrypoint is None:
                     result = fn(ctx)
                 else:
@@ -371,8 +372,7 @@ class SpareWorker(TrainWorker):
     """
 
     def __init__(self) -> None:  # noqa: D107 -- the rank comes later, with `adopt`
-        importlib.import_module(BUILTIN_TRAINER.partition(":")[0])
-        exercise()
+        warm(BUILTIN_TRAINER.partition(":")[0])
         self.gpu_ids: list[int] = []
 
     def adopt(self, job_id: str, rank: int, world_size: int, settings: Settings,
