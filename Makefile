@@ -73,8 +73,9 @@ bench-quick: install tools
 	KC_BENCH_QUICK=all $(PY) -m pytest -q tests/bench
 
 # The tiers, each on its own; `make test` runs them all and is CI's gate.
+# One pytest worker per core (pytest-xdist): the pure tests share nothing but the CPU.
 unit: install
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -n auto tests/unit
 
 process: install
 	$(PY) -m pytest -q tests/process

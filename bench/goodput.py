@@ -19,7 +19,9 @@ bench/goodput_runs.py the two systems and their settings.
   steps_redone        steps trained twice in the chaos run (rank 0's completions of
                       a step beyond its first). Target: ours 0.
   survivor_stall_s    median over --kills (10) SIGKILLs of rank 1 in a run of their
-                      own: how long the surviving rank stalled, for both systems the
+                      own, each once the job is back at full strength (8 steps
+                      trained by rank 1's new process and, for kuangchao, every warm
+                      spare up again): how long the surviving rank stalled, for both systems the
                       longest gap between a surviving rank's consecutive steps around
                       the kill, minus a normal step (kuangchao's own restart entry
                       figure, which starts at the failure's declaration and so leaves

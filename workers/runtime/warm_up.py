@@ -31,7 +31,9 @@ import threading
 import torch
 import torch.nn.functional as F  # noqa: N812 -- torch's own convention
 
-SPARE_NICENESS = 10  # below the ranks' priority (Linux niceness: 0 to 19)
+# Steps of niceness below the ranks' priority, capped at 19, the lowest: Ray starts its
+# workers at 15, so on a Ray node the warm-up runs at 19 (CPU weight 15 against 36).
+SPARE_NICENESS = 10
 
 
 def warm(module: str, niceness: int = SPARE_NICENESS) -> None:

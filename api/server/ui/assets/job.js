@@ -104,6 +104,9 @@ export function mount(main, ctx, {id}) {
       ["Owner", job.owner], ["Priority", job.priority], ["World size", job.world_size],
       ["GPUs", job.gpus], ["Restarts", job.restarts], ["Preemptions", job.preemptions],
       ["Queue position", job.queue_position], ["Waiting for", job.waiting_for],
+      // With spare_workers: each warm spare's node and state (warm, warming, failed).
+      ["Warm spares", (job.spares || []).map((s) => `${s.node} ${s.state}`
+        + (s.standby ? " (standby)" : "")).join(", ")],
       ["Created", fmtTime(job.created_at)], ["Started", fmtTime(job.started_at)],
       ["Finished", fmtTime(job.finished_at)], ["Message", job.message],
     ]));
