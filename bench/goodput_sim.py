@@ -126,7 +126,7 @@ class Inputs:
     first_step_s: float = 6.638  # overhead.py time_to_first_step_ratio (ours)
     mttr_s: float = MEASURED_MTTR_S  # recovery.py mttr_s: SIGKILL -> first step, in place
     crash_detect_s: float = 0.117  # recovery.py crash_detect_ms p99: inside mttr_s
-    survivor_stall_s: float = 1.931  # goodput.py survivor_stall_s (median of 10 kills), 2026-12-05
+    survivor_stall_s: float = 0.436  # goodput.py survivor_stall_s (median of 10 kills), 2026-12-06
     measured_world: int = MEASURED_WORLD
     restart_s_per_doubling: float = RESTART_S_PER_DOUBLING  # anchored to FT-HSDP's 10 min
 
