@@ -398,8 +398,9 @@ def kill_series(system: System, trace: Trace, doc: dict[str, Any], label: str, k
 
     Each kill stands for one failure of the chaos run's kind, which come a minute
     apart: by then a system has long recovered whatever the last one used. Killing
-    sooner (8 steps are about 3 s here, a spare's warm-up beside two training ranks
-    4 to 6 s) measured a new spare's start-up instead of the recovery."""
+    sooner (8 steps are 3 to 4 s here; the spare behind the one a kill used was up 8
+    to 10 s after it, beside two training ranks on 2 cores) measured that spare's
+    start-up instead of the recovery."""
     import signal
 
     start = time.time()
