@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import importlib
 import os
+import sys
 import threading
 
 import torch
@@ -42,7 +43,7 @@ def warm(module: str, niceness: int = SPARE_NICENESS) -> None:
     errors: list[BaseException] = []
 
     def run() -> None:
-        if niceness > 0:
+        if niceness > 0 and sys.platform == "linux":  # elsewhere PRIO_PROCESS takes a pid only
             try:
                 tid = threading.get_native_id()
                 os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
