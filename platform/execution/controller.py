@@ -241,8 +241,8 @@ class JobController:
                 if not results and self.store.resize_requested(self.job_id):
                     self.resizer.on_request(spec)
                 self.drain.check(spec, finishing=bool(results))  # off a draining node
-                self.keepers.tick()
                 self.group.spares.tick(spec)  # standby spares on nodes that came back or freed up
+                self.keepers.tick(self.group.spares.standby_nodes())  # and keepers there ahead
             except redis.RedisError:
                 pass  # Redis away: the heartbeat watch holds its verdicts; training goes on
             if preempt_deadline is not None and time.monotonic() > preempt_deadline:

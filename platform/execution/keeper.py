@@ -131,9 +131,10 @@ class Keeper:
 
 def start_keepers(job_id: str, nodes: Mapping[str, str], public_key: str | bytes, max_bytes: int,
                   namespace: str = RAY_NAMESPACE,
-                  timeout_s: float = START_TIMEOUT_S) -> dict[str, str]:
+                  timeout_s: float = START_TIMEOUT_S, wait: bool = True) -> dict[str, str]:
     """Start (or find) the job's keeper on each node; returns node -> actor name, the
-    map a rank's `KeeperPlan` carries.
+    map a rank's `KeeperPlan` carries (with `wait` False: {}, once each is asked to
+    start; its start goes on in Ray, and a later call finds it by name).
 
     Args:
         nodes: kc.io/node name -> Ray node id of each node the job's ranks run on.
@@ -159,6 +160,8 @@ def start_keepers(job_id: str, nodes: Mapping[str, str], public_key: str | bytes
         except Exception as exc:  # noqa: BLE001 -- the job runs on without this node's keeper
             log.warning("job %s: no peer-memory keeper on %s: %s", job_id, node, exc)
     names: dict[str, str] = {}
+    if not wait:
+        return names
     refs = {actor.stats.remote(): node for node, actor in started.items()}
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
     for ref in ready:

@@ -13,6 +13,11 @@ their bytes reported, and their end with the job.
   finds the copies kept on surviving nodes) and each rank's node in the membership
   that runs now. A node that joins the job later gets its keeper then, and so does
   a node back under its name as a new raylet (its keeper died with the old one).
+- **Standing by.** A node that holds one of the job's standby spares (spares.py)
+  gets its keeper ahead, started without waiting: a replica relocated there finds
+  it up when the next generation's plan asks for it, where starting it then (a new
+  Ray worker process) held the survivors about a second on a busy node. An idle
+  keeper holds no copy; it ends with the job's others.
 - **Reported.** Every `STATS_EVERY_S` of the watch loop, what each keeper holds, as
   the gauge `kc_job_memory_checkpoint_bytes{job,node}` (a keeper that does not answer
   counts 0); a keeper that cannot be reached never fails the job.
@@ -45,7 +50,7 @@ STATS_EVERY_S = 10.0
 class KeeperOps:
     """How keepers are reached: platform/execution/keeper.py's functions by default."""
 
-    start: Callable[..., dict[str, str]]  # (job, {node: ray node id}, public key, max bytes)
+    start: Callable[..., dict[str, str]]  # (job, {node: ray node id}, public key, max bytes[, wait])
     live: Callable[[str], list[str]]  # job -> names of its live keepers
     kill: Callable[[str], int]  # job -> how many were killed
     stats: Callable[[Mapping[str, str]], dict[str, dict[str, Any]]]  # node -> name
@@ -82,6 +87,7 @@ class JobKeepers:
         self.failed: set[str] = set()  # nodes whose keeper did not start (not asked again)
         self.started_on: dict[str, str] = {}  # node -> the Ray node id its keeper started on
         self.reported: set[str] = set()
+        self.standing: dict[str, str] = {}  # node -> the Ray node id a keeper was asked to start on
         self._key: str | None = None
         self._next_stats = 0.0
         group.keeper_plan = self.plan
@@ -147,6 +153,26 @@ class JobKeepers:
                         f"no peer-memory keeper on {', '.join(lost)} (it did not start): the "
                         "ranks there keep their copies on other nodes only", nodes=lost)
 
+    def stand_by(self, nodes: Mapping[str, str]) -> None:
+        """Ask for a keeper, without waiting, on each of these nodes (name -> Ray node
+        id: those of the job's standby spares) that has none yet; a node back as a new
+        raylet is asked again."""
+        if self.section is None:
+            return
+        new = {n: i for n, i in nodes.items()
+               if n not in self.keepers and n not in self.failed and self.standing.get(n) != i}
+        if not new:
+            return
+        self.standing.update(new)
+        try:
+            if self._key is None:
+                self._key = self.credentials.public_key()
+            self.ops.start(self.job_id, new, self._key, self.section.max_mb_per_rank * 1024 * 1024,
+                           wait=False)
+        except Exception as exc:  # noqa: BLE001 -- the plan starts it, waiting, if it must
+            log.warning("job %s: no keeper started ahead on %s: %s", self.job_id,
+                        ", ".join(sorted(new)), exc)
+
     # -- the plan ------------------------------------------------------------------
     def plan(self) -> dict[str, Any] | None:
         """What every rank's `run` carries now: the job's keepers and each rank's node in
@@ -179,8 +205,11 @@ class JobKeepers:
                 del self.started_on[node]
 
     # -- reported ------------------------------------------------------------------
-    def tick(self) -> None:
-        """From the watch loop: the keepers' bytes into the gauge, every STATS_EVERY_S."""
+    def tick(self, standby: Mapping[str, str] | None = None) -> None:
+        """From the watch loop: keepers ahead on the `standby` nodes (name -> Ray node
+        id), and the keepers' bytes into the gauge, every STATS_EVERY_S."""
+        if standby:
+            self.stand_by(standby)
         if self.section is None or self.clock() < self._next_stats:
             return
         self._next_stats = self.clock() + STATS_EVERY_S

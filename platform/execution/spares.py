@@ -43,6 +43,7 @@ class SparePool:
         self._ready_refs: dict[str, tuple[Any, Any]] = {}  # node id -> (spare, its ready ref)
         self.own: set[str] = set()  # Ray node ids of the job's nodes, as keep() was last told
         self.standby: set[str] = set()  # Ray node ids of the standby spares' nodes
+        self._standby_named: dict[str, str] = {}  # their names -> those ids
         self._checked = 0.0  # when tick() last chose them
         self._store: Any = None
         self._view: tuple[float, dict[str, dict[str, Any]]] | None = None
@@ -83,7 +84,10 @@ class SparePool:
                 num_cpus=0, max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
             self._ready(node_id, spare)  # asked now, so that warm_on knows without waiting
-        self.own, self.standby = set(node_ids), wanted - set(node_ids)
+        before, self.own, self.standby = self.standby, set(node_ids), wanted - set(node_ids)
+        if self.standby != before:  # their names, read once for each new choice
+            self._standby_named = {n.name: n.node_id for n in self.node_view()
+                                   if n.node_id in self.standby}
 
     def tick(self, spec: JobSpec) -> None:
         """At each poll while the job runs: the job record's `spares` brought up to date
@@ -163,6 +167,11 @@ class SparePool:
         """The names of the nodes holding a standby spare (a relocation places there first)."""
         return names_of(self.node_view(), self.standby & set(self.by_node)) if self.standby else []
 
+    def standby_nodes(self) -> dict[str, str]:
+        """The nodes chosen for standby spares, name -> Ray node id (their peer-memory
+        keepers start ahead, memory_plan.py)."""
+        return dict(self._standby_named)
+
     def warm_on(self, node_id: str | None) -> Any | None:
         """The spare on `node_id` if it is up (started, nothing queued before a call), else None.
 
@@ -212,6 +221,7 @@ class SparePool:
         for spare in self.by_node.values():
             kill_actor(spare)
         self.by_node, self.own, self.standby, self._ready_refs = {}, set(), set(), {}
+        self._standby_named = {}
         with contextlib.suppress(Exception):  # bookkeeping: the job may be gone already
             self.publish(())
 

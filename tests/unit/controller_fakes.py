@@ -86,9 +86,13 @@ class FakeSpares:
 
     def __init__(self) -> None:
         self.standby: list[str] = []
+        self.ids: dict[str, str] = {}  # name -> Ray node id, where a test names them
 
     def standby_names(self) -> list[str]:
         return list(self.standby)
+
+    def standby_nodes(self) -> dict[str, str]:
+        return {n: self.ids.get(n, f"id-{n}") for n in self.standby}
 
     def tick(self, spec: Any) -> None:
         self.ticks = getattr(self, "ticks", 0) + 1

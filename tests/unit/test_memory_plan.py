@@ -29,6 +29,7 @@ class FakeKeepers:
     def __init__(self, down: set[str] = frozenset(), live: dict[str, str] | None = None) -> None:
         self.down, self.live_names = set(down), dict(live or {})  # name -> job
         self.starts: list[dict[str, str]] = []
+        self.waited: list[bool] = []
         self.keys: list[Any] = []
         self.killed: list[str] = []
         self.bytes: dict[str, int] = {}
@@ -37,12 +38,14 @@ class FakeKeepers:
     def ops(self) -> KeeperOps:
         return KeeperOps(self.start, self.live, self.kill, self.stats)
 
-    def start(self, job_id: str, nodes: dict[str, str], key: Any, max_bytes: int) -> dict[str, str]:
+    def start(self, job_id: str, nodes: dict[str, str], key: Any, max_bytes: int,
+              wait: bool = True) -> dict[str, str]:
         self.starts.append(dict(nodes))
+        self.waited.append(wait)
         self.keys.append((key, max_bytes))
         up = {n: keeper_name(job_id, n) for n in nodes if n not in self.down}
         self.live_names.update(dict.fromkeys(up.values(), job_id))
-        return up
+        return up if wait else {}
 
     def live(self, job_id: str) -> list[str]:
         return sorted(n for n, j in self.live_names.items() if j == job_id)
@@ -135,6 +138,32 @@ def test_joiners_of_a_live_grow_get_the_new_membership_and_keepers_on_their_node
     assert joiners == (2, 3) and grown is not None
     assert grown.node_of == {0: "n0", 1: "n1", 2: "n2", 3: "n3"}
     assert set(grown.keepers) == {"n0", "n1", "n2", "n3"}
+
+
+def test_a_standby_spares_node_gets_its_keeper_ahead_once_without_waiting(store, tmp_path):
+    placed_job(store, "j1", spec_doc(tmp_path, elastic=ELASTIC,
+                                     checkpoint={"in_memory": IN_MEMORY}), ["n0", "n1"])
+    grow = Step(action=lambda: ask_resize(store, "j1", 4, "grow", ["n2", "n3"]))
+    group = FakeGroup(tmp_path / "ckpt" / "j1", [Step(), Step(), grow])
+    group.spares.standby = ["n2"]
+    keepers = FakeKeepers()
+    assert wired(store, group, keepers).run() == "SUCCEEDED"
+    # At the start, waiting; then n2 ahead, asked once over every poll since, not waited on;
+    # the grow onto n2 then finds it by name (Ray's get_if_exists) and waits for its answer.
+    assert keepers.starts == [{"n0": "id-n0", "n1": "id-n1"}, {"n2": "id-n2"},
+                              {"n2": "id-n2", "n3": "id-n3"}]
+    assert keepers.waited == [True, False, True]
+    (_, grown) = plans(group)[-1]
+    assert grown is not None and set(grown.keepers) == {"n0", "n1", "n2", "n3"}
+
+
+def test_without_in_memory_no_keeper_stands_by(store, tmp_path):
+    placed_job(store, "j1", spec_doc(tmp_path, elastic=ELASTIC), ["n0", "n1"])
+    group = FakeGroup(tmp_path / "ckpt" / "j1", [Step(), Step()])
+    group.spares.standby = ["n2"]
+    keepers = FakeKeepers()
+    assert wired(store, group, keepers).run() == "SUCCEEDED"
+    assert keepers.starts == []
 
 
 def test_a_requeued_job_finds_its_earlier_keepers_and_keeps_them_while_queued(store, tmp_path):

@@ -4,6 +4,7 @@ known only when the spare adopts a rank) and its own priority where it was."""
 
 import gc
 import os
+import sys
 import threading
 
 import pytest
@@ -26,21 +27,61 @@ def test_the_warm_up_step_keeps_the_random_state_and_never_starts_cuda(monkeypat
     assert torch.equal(torch.rand(3), expected)
 
 
-def test_the_warm_up_runs_below_the_caller_s_priority_and_raises_its_errors(monkeypatch):
+def _priority():
+    """This thread's scheduling policy and niceness."""
+    tid = threading.get_native_id()
+    return os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, tid)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority is Linux's")
+def test_the_warm_up_imports_and_exercises_at_idle_priority_and_raises_its_errors(monkeypatch,
+                                                                                 tmp_path):
     seen = []
 
     def exercise():
-        tid = threading.get_native_id()
-        seen.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, tid)))
+        seen.append((threading.current_thread().name, "kc_warm_probe" in sys.modules,
+                     os.sched_getscheduler(0)))
 
     monkeypatch.setattr(warm_up, "exercise", exercise)
     monkeypatch.setattr(warm_up, "settle_heap", lambda: seen.append("settled"))
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    warm_up.warm("json", niceness=3)
-    assert seen == [("kc-spare-warm-up", min(19, mine + 3)), "settled"]
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the thread's only
+    monkeypatch.syspath_prepend(str(_probe_module(tmp_path)))
+    mine = _priority()
+    assert warm_up.warm(("kc_warm_probe",), niceness=3) == "idle"
+    assert seen == [("kc-spare-warm-up", True, os.SCHED_IDLE), "settled"]
+    # The import itself ran in the idle thread, not in the caller's.
+    assert sys.modules["kc_warm_probe"].POLICY == os.SCHED_IDLE
+    assert _priority() == mine  # the thread's only: the rank the spare becomes keeps its own
     with pytest.raises(ModuleNotFoundError, match="kc_no_such_trainer"):
-        warm_up.warm("kc_no_such_trainer", niceness=3)
+        warm_up.warm(("kc_no_such_trainer",), niceness=3)
+    del sys.modules["kc_warm_probe"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority is Linux's")
+def test_without_sched_idle_the_warm_up_drops_its_niceness(monkeypatch):
+    def refused(*_a):
+        raise PermissionError("no SCHED_IDLE here")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    seen = []
+    monkeypatch.setattr(warm_up, "exercise", lambda: seen.append(_priority()))
+    monkeypatch.setattr(warm_up, "settle_heap", lambda: None)
+    mine = _priority()
+    assert warm_up.warm(("json",), niceness=3) == "nice+3"
+    assert seen == [(mine[0], min(19, mine[1] + 3))]
+    assert _priority() == mine
+
+
+def test_the_spare_imports_the_worker_and_the_built_in_trainer():
+    from kuangchao.workers.runtime.worker import BUILTIN_TRAINER
+
+    assert warm_up.SPARE_MODULES[0] == "kuangchao.workers.runtime.worker"
+    assert BUILTIN_TRAINER.partition(":")[0] in warm_up.SPARE_MODULES
+
+
+def _probe_module(folder):
+    """A module that records, as it is imported, the policy of the thread importing it."""
+    (folder / "kc_warm_probe.py").write_text("import os\nPOLICY = os.sched_getscheduler(0)\n")
+    return folder
 
 
 def test_settle_heap_takes_what_lives_out_of_the_collector_s_sight():

@@ -45,6 +45,11 @@ class SpareActor(RankActor):
     waits to `adopt` a failed rank on its node."""
 
     def __init__(self) -> None:  # noqa: D107 -- the rank comes later, with `adopt`
+        from kuangchao.workers.runtime.warm_up import warm
+
+        # torch, the worker and the trainer, imported and exercised at background
+        # priority: importing them here in Ray's thread would take the ranks' CPU.
+        warm()
         from kuangchao.workers.runtime.worker import SpareWorker
 
         self.worker = SpareWorker()

@@ -1,24 +1,35 @@
-"""The first-call costs a warm spare pays while it waits, so that the rank it adopts does not.
+"""The start-up a warm spare pays while it waits, so that the rank it adopts does not,
+and at a priority that leaves the node's CPUs to the ranks that train.
 
-Importing torch and the trainer is most of what a new rank costs, not all of it.
-The first optimizer a process makes imports `torch._dynamo` (about 200 modules:
+Importing torch, the worker and the trainer is most of what a new rank costs, not all
+of it. The first optimizer a process makes imports `torch._dynamo` (about 200 modules:
 0.56 s on an idle 2-core node, 0.73 s beside two training ranks, measured on
 2026-12-06 with torch 2.13), and the first backward pass, gradient clip and
 optimizer step run code paths of their own for the first time. A spare that had
 only imported paid all of that after adopting a rank, while the survivors waited
 for it in their first all-reduce.
 
-`warm` imports the trainer and runs `exercise`, one training step of a tiny CPU
-model with each optimizer the trainer makes, in a thread of lower CPU priority
-(`SPARE_NICENESS`), and then `settle_heap`. A spare warms up beside the ranks that
-train, most of all right after a recovery used the last one; on a busy node the
-lower priority leaves them the CPU. In the goodput kill series (2 ranks, 2 cores,
-10 kills each way, 2026-12-06) the steps in the 15 s after each kill took 0.368 s
-on average against 0.390 s at the ranks' priority, and the spare was up 8.4 s
-after the kill against 9.4 s (median). It never touches CUDA: the GPUs a spare will use are known only
-when it adopts a rank, and CUDA_VISIBLE_DEVICES must be set before CUDA starts.
-The global random state is left as it was, though every rank seeds or receives
-its own before it trains.
+`warm` imports `SPARE_MODULES` and runs `exercise`, one training step of a tiny CPU
+model with each optimizer the trainer makes, in a thread of background priority, and
+then `settle_heap`. The spare's actor (rank_actor.py) names no torch at import, so
+the imports too run in that thread, not at the ranks' priority in the thread Ray
+built the actor in. A spare warms up beside the ranks that train, most of all right
+after a recovery used the last one, and on a node whose CPUs they keep busy (data
+loading, a host-side optimizer, or two ranks on two cores here) every CPU second it
+takes is theirs. On Linux the thread runs as `SCHED_IDLE`: it gets the CPU time no
+one else wants. Elsewhere, or where that is refused, its niceness drops by
+`SPARE_NICENESS` (capped at 19; Ray starts its workers at 15). A spare still warming
+when a rank fails gets the CPU its stalled peers leave, and the controller waits for
+it (spares.py). On Linux a thread has its own policy and priority, so the rank the
+spare becomes keeps Ray's. In the goodput chaos run (2 ranks on 2 cores, 7 rank kills
+30 s apart, 2026-12-06) the steps in the 10 s after each kill ran 0.99 s over their
+median in all, against 2.6 s with the imports at the ranks' priority and the
+exercise at niceness 19, and the 40 s before the first kill (three spares warming)
+9.3 s over against 3.8 s; the run's ETTR went from 0.894 to 0.928.
+
+It never touches CUDA: the GPUs a spare will use are known only when it adopts a
+rank, and CUDA_VISIBLE_DEVICES must be set before CUDA starts. The global random
+state is left as it was, though every rank seeds or receives its own before it trains.
 """
 
 from __future__ import annotations
@@ -28,29 +39,47 @@ import importlib
 import os
 import sys
 import threading
+from collections.abc import Sequence
 
-import torch
-import torch.nn.functional as F  # noqa: N812 -- torch's own convention
-
-# Steps of niceness below the ranks' priority, capped at 19, the lowest: Ray starts its
-# workers at 15, so on a Ray node the warm-up runs at 19 (CPU weight 15 against 36).
+# What a spare imports before it waits: torch comes with the worker. The trainer is
+# the built-in one (worker.py's BUILTIN_TRAINER; a test keeps the two the same).
+SPARE_MODULES = ("kuangchao.workers.runtime.worker", "kuangchao.workers.trainer.loop")
+# Where SCHED_IDLE is not to be had: steps of niceness below the ranks' priority, capped
+# at 19, the lowest (on a Ray node, 19: CPU weight 15 against the ranks' 36).
 SPARE_NICENESS = 10
 
 
-def warm(module: str, niceness: int = SPARE_NICENESS) -> None:
-    """Import `module` and `exercise`, in a thread `niceness` steps below this one's CPU
-    priority (on Linux a thread has its own), and wait for it; its errors are raised here."""
+def background_priority(niceness: int = SPARE_NICENESS) -> str:
+    """Put the calling thread at background priority: `idle` (Linux's SCHED_IDLE), else
+    `niceness` steps lower (`nice+N`), else `unchanged`. Says which it got."""
+    if sys.platform != "linux":  # elsewhere PRIO_PROCESS takes a pid only, and names the process
+        return "unchanged"
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+        return "idle"
+    except (AttributeError, OSError):
+        pass
+    if niceness <= 0:
+        return "unchanged"
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
+        return f"nice+{niceness}"
+    except OSError:
+        return "unchanged"
+
+
+def warm(modules: Sequence[str] = SPARE_MODULES, niceness: int = SPARE_NICENESS) -> str:
+    """Import `modules` and `exercise`, in a thread at background priority, and wait
+    for it; its errors are raised here. Returns the priority it ran at."""
     errors: list[BaseException] = []
+    got: list[str] = []
 
     def run() -> None:
-        if niceness > 0 and sys.platform == "linux":  # elsewhere PRIO_PROCESS takes a pid only
-            try:
-                tid = threading.get_native_id()
-                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
-            except OSError:
-                pass
+        got.append(background_priority(niceness))
         try:
-            importlib.import_module(module)
+            for module in modules:
+                importlib.import_module(module)
             exercise()
         except BaseException as exc:  # noqa: BLE001 -- raised again in the caller's thread
             errors.append(exc)
@@ -61,6 +90,7 @@ def warm(module: str, niceness: int = SPARE_NICENESS) -> None:
     if errors:
         raise errors[0]
     settle_heap()
+    return got[0]
 
 
 def settle_heap() -> None:
@@ -81,6 +111,9 @@ def settle_heap() -> None:
 
 def exercise() -> None:
     """One tiny training step on CPU with AdamW and with SGD (the trainer's optimizers)."""
+    import torch  # here, not at the top: the spare's actor imports this module before torch
+    import torch.nn.functional as F  # noqa: N812 -- torch's own convention
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         vocab, width = 16, 8

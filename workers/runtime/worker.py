@@ -41,7 +41,7 @@ from kuangchao.workers.runtime.heartbeat import Heartbeat
 from kuangchao.workers.runtime.joblog import capture_output
 from kuangchao.workers.runtime.liveness import log_sink, start_heartbeat
 from kuangchao.workers.runtime.telemetry import WorkerTelemetry
-from kuangchao.workers.runtime.warm_up import settle_heap, warm
+from kuangchao.workers.runtime.warm_up import settle_heap
 
 _GPU_RESOURCE = re.compile(rf"^{GPU_RESOURCE_PREFIX}(\d+)(_group_.*)?$")
 
@@ -364,15 +364,15 @@ class TrainWorker:
 class SpareWorker(TrainWorker):
     """A warm process on a node of a job, waiting to take over a failed rank there.
 
-    It has already imported torch and the trainer, which is most of what a new
-    rank costs to start, and run one tiny training step to pay the first-call
-    costs after them (warm_up.py). It holds no Ray resources of its own: when it adopts
+    Its actor (rank_actor.py's `SpareActor`) has already imported torch and the
+    trainer, which is most of what a new rank costs to start, and run one tiny
+    training step to pay the first-call costs after them, at background priority
+    (warm_up.py). It holds no Ray resources of its own: when it adopts
     a rank it uses the GPUs the job's placement group still reserves for that
     rank's bundle, so the cluster's accounting stays whole.
     """
 
     def __init__(self) -> None:  # noqa: D107 -- the rank comes later, with `adopt`
-        warm(BUILTIN_TRAINER.partition(":")[0])
         self.gpu_ids: list[int] = []
 
     def adopt(self, job_id: str, rank: int, world_size: int, settings: Settings,
