@@ -24,7 +24,7 @@ it (spares.py). On Linux a thread has its own policy and priority, so the rank t
 spare becomes keeps Ray's. In the goodput chaos run (2 ranks on 2 cores, 7 rank kills
 30 s apart, 2026-12-06) the steps in the 10 s after each kill ran 0.99 s over their
 median in all, against 2.6 s with the imports at the ranks' priority and the
-exercise at niceness 19, and the 40 s before the first kill (three spares warming)
+exercise at niceness 19, and the 30 s before the first kill (three spares warming)
 9.3 s over against 3.8 s; the run's ETTR went from 0.894 to 0.928.
 
 It never touches CUDA: the GPUs a spare will use are known only when it adopts a
