@@ -130,6 +130,10 @@ def settings_lines(args: argparse.Namespace, in_mem: bool, why_not: str,
             why_not if why_not == "--no-in-memory" else
             f"checkpoint.in_memory is not accepted by this checkout's spec ({why_not})"))
     log(f"Ray Train baseline: {json.dumps(theirs)}")
+    log("detection budget: a silent rank or worker is failed after "
+        f"{OURS_FT['heartbeat_timeout_s']:g} s on both sides; kuangchao's peer_wait_timeout_s "
+        f"({OURS_FT['peer_wait_timeout_s']:g} s) fails a silent rank sooner when every other "
+        "rank waits on it without progress, a rule Ray Train has no counterpart of")
     if torchft:
         log(TORCHFT_NOTE + "; torchft is importable here, so the baseline uses it (a failed "
             "replica group is replaced while the other goes on; Ray Train turns its drain "

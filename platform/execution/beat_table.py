@@ -17,7 +17,9 @@ classifier.py runs its cases against both):
 - `expired`: nothing fresh for `heartbeat_timeout_s`;
 - `hung`: this scan's beat is `hang_timeout_s` past its progress, outside
   the untimed phases;
-- after a failed read, verdicts wait `heartbeat_timeout_s + grace_s`.
+- after a failed read, verdicts wait `heartbeat_timeout_s + grace_s`;
+- with `peer_wait_s`, a rank silent that long is `expired` early when every
+  other rank beats and has made no progress for as long, in a timed phase.
 A rank not named in an update keeps this scan what it had the last: its
 record did not change.
 """
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kuangchao.platform.execution.heartbeat import UNTIMED_PHASES, Verdict
+from kuangchao.platform.execution.heartbeat import UNTIMED_PHASES, Verdict, peer_wait
 from kuangchao.platform.jobs.fences import member
 from kuangchao.platform.protocol.heartbeat import Beat
 from kuangchao.platform.protocol.node_beat import phase_bytes, phase_name
@@ -59,10 +61,11 @@ class BeatTable:
 
     def __init__(self, ranks: Sequence[int], heartbeat_timeout_s: float, hang_timeout_s: float,
                  grace_s: float = 0.0, pids: Mapping[int, int] | None = None,
-                 nodes: Sequence[str] = ()) -> None:
+                 nodes: Sequence[str] = (), peer_wait_s: float | None = None) -> None:
         self.ranks = list(ranks)
         self.heartbeat_timeout_s, self.hang_timeout_s, self.grace_s = (
             heartbeat_timeout_s, hang_timeout_s, grace_s)
+        self.peer_wait_s = peer_wait_s
         self.pids = dict(pids or {})
         self.fenced: frozenset[str] = frozenset()
         self.nodes: list[str] = []
@@ -196,6 +199,29 @@ class BeatTable:
             assert beat is not None
             if beat.phase not in UNTIMED_PHASES:
                 out.append(Verdict(rank, "hung", beat.stalled_s, beat))
+        if self.peer_wait_s is not None:
+            judged = np.zeros(len(self.ranks), bool)
+            judged[np.asarray([self._pos[v.rank] for v in out], np.int64)] = True
+            out += self._waited_on(now, wall, judged)
+        return out
+
+    def _waited_on(self, now: float, wall: float, judged: np.ndarray) -> list[Verdict]:
+        """`Classifier._waited_on` over the columns: the ranks silent for `peer_wait_s`
+        (and not judged yet), when every other rank not judged has waited as long."""
+        assert self.peer_wait_s is not None
+        quiet = ~judged & ((now - self.fresh_at) > self.peer_wait_s)
+        if not quiet.any():
+            return []
+        live = np.flatnonzero(~judged & ~quiet)
+        waited = peer_wait((self._beat(int(i)) if self.present[i] else None for i in live),
+                           self.peer_wait_s)  # stops at the first rank that steps
+        if waited is None:
+            return []
+        out = []
+        for i in np.flatnonzero(quiet).tolist():
+            last = self._beat(i)
+            since = wall - last.ts if last else now - float(self.fresh_at[i])
+            out.append(Verdict(self.ranks[i], "expired", max(0.0, since), last, waited))
         return out
 
     def _beat(self, i: int) -> Beat | None:

@@ -74,7 +74,8 @@ class Formation:
             self.store, self.job_id, list(range(len(infos))), ft.heartbeat_timeout_s,
             ft.hang_timeout_s, ft.heartbeat_interval_s,
             hosts={r: RankHost(i["pid"], i["ip"], i["host"]) for r, i in enumerate(infos)},
-            nodes=self.nodes_of_ranks(len(infos)) if agents_wanted(self.spec) else None)
+            nodes=self.nodes_of_ranks(len(infos)) if agents_wanted(self.spec) else None,
+            peer_wait_s=ft.peer_wait_timeout_s)
 
     def nodes_of_ranks(self, world: int) -> dict[int, str]:
         """Rank -> the node it was placed on: where its node agent's record is read."""

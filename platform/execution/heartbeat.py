@@ -22,7 +22,7 @@ lease, workers/fence.py, is what keeps a stale one from sending them.)
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kuangchao.platform.jobs.fences import member
@@ -48,6 +48,9 @@ class Verdict:
     kind: str
     detected_after_s: float
     last: Beat | None
+    # Set when the rank was failed early, silent while every other rank waited on it
+    # (`peer_wait_s`): the shortest time they had gone without progress.
+    peers_waited_s: float | None = None
 
     def describe(self, timeout_s: float) -> str:
         where = f" on {self.last.node} (pid {self.last.pid})" if self.last else ""
@@ -57,8 +60,10 @@ class Verdict:
                     f"at step {self.last.step} in phase {self.last.phase}")
         if self.last is None:
             return f"rank {self.rank} sent no heartbeat within {timeout_s:.0f}s of starting"
+        waited = ("" if self.peers_waited_s is None else
+                  f" while every other rank waited on it ({self.peers_waited_s:.1f}s without progress)")
         return (f"rank {self.rank}{where} stopped heartbeating {self.detected_after_s:.1f}s ago "
-                f"(last at step {self.last.step}, phase {self.last.phase})")
+                f"(last at step {self.last.step}, phase {self.last.phase}){waited}")
 
 
 @dataclass
@@ -74,6 +79,11 @@ class Classifier:
     Times passed in are the controller's own monotonic clock for freshness
     and wall time for `detected_after_s`, so the verdicts do not depend on
     the workers' clocks agreeing with the controller's.
+
+    With `peer_wait_s` (the spec's `peer_wait_timeout_s`), a rank silent that long
+    is failed before `heartbeat_timeout_s` when every other rank beats and has made
+    no progress for as long, in a timed phase: they wait on it in a collective. A
+    rank that is merely slow to beat leaves its peers stepping (`peer_wait`).
     """
 
     ranks: Sequence[int]
@@ -82,6 +92,7 @@ class Classifier:
     grace_s: float = 0.0
     pids: dict[int, int] = field(default_factory=dict)  # rank -> the pid placed there
     fenced: frozenset[str] = frozenset()  # fenced processes, `pid@node`
+    peer_wait_s: float | None = None
     _seen: dict[int, _Seen] = field(default_factory=dict)
     _hold_until: float = 0.0
     started: bool = False
@@ -105,9 +116,9 @@ class Classifier:
         wall = time.time() if wall is None else wall
         held = now < self._hold_until
         pids, fenced = self.pids, self.fenced
-        timeout_s, hang_s = self.heartbeat_timeout_s, self.hang_timeout_s
+        timeout_s, hang_s, quiet_s = self.heartbeat_timeout_s, self.hang_timeout_s, self.peer_wait_s
         all_seen, get = self._seen, beats.get
-        out = []
+        out, quiet, live = [], [], {}
         # One pass over every rank each poll (131,072 of them at the largest scale
         # bench/heartbeats.py runs): the common cases cost a few comparisons each.
         for rank in self.ranks:
@@ -131,6 +142,27 @@ class Classifier:
             elif (beat is not None and beat.ts - beat.progress_ts > hang_s
                   and beat.phase not in UNTIMED_PHASES):
                 out.append(Verdict(rank, "hung", beat.stalled_s, beat))
+            elif quiet_s is not None and now - seen.fresh_at > quiet_s:
+                quiet.append(rank)
+            elif quiet_s is not None:
+                live[rank] = beat
+        if quiet and not held:
+            out += self._waited_on(quiet, live, now, wall)
+        return out
+
+    def _waited_on(self, quiet: list[int], live: dict[int, Beat | None], now: float,
+                   wall: float) -> list[Verdict]:
+        """The quiet ranks as failed, when every rank still beating (`live`, none judged
+        failed) has waited `peer_wait_s` without progress, outside the untimed phases."""
+        assert self.peer_wait_s is not None
+        waited = peer_wait(live.values(), self.peer_wait_s)
+        if waited is None:
+            return []
+        out = []
+        for rank in quiet:
+            seen = self._seen[rank]
+            since = wall - seen.beat.ts if seen.beat else now - seen.fresh_at
+            out.append(Verdict(rank, "expired", max(0.0, since), seen.beat, waited))
         return out
 
     def _stale(self, rank: int, beat: Beat) -> bool:
@@ -142,3 +174,15 @@ class Classifier:
     def last_beat(self, rank: int) -> Beat | None:
         seen = self._seen.get(rank)
         return seen.beat if seen else None
+
+
+def peer_wait(beats: Iterable[Beat | None], wait_s: float) -> float | None:
+    """How long the least stalled of these beats (every live rank's) has gone without
+    progress, when each has for `wait_s` in a timed phase; else None (one of them
+    steps, starts or has finished, or there is none)."""
+    least = None
+    for beat in beats:
+        if beat is None or beat.phase in UNTIMED_PHASES or beat.ts - beat.progress_ts < wait_s:
+            return None
+        least = beat.stalled_s if least is None else min(least, beat.stalled_s)
+    return least

@@ -76,7 +76,7 @@ class RankWatch:
         store: The job store (its Redis client does the reads).
         job_id: The job.
         ranks: The ranks to watch.
-        heartbeat_timeout_s, hang_timeout_s, interval_s: From the job's spec.
+        heartbeat_timeout_s, hang_timeout_s, interval_s, peer_wait_s: From the job's spec.
         hosts: Per rank, where its process runs (for stack dumps from outside).
         nodes: Per rank, its node, when the job runs node agents: their records are
             read then, and the ranks they cover are judged from them (relayed.py).
@@ -86,7 +86,8 @@ class RankWatch:
     def __init__(self, store: JobStore, job_id: str, ranks: list[int], heartbeat_timeout_s: float,
                  hang_timeout_s: float, interval_s: float,
                  hosts: dict[int, RankHost] | None = None, nodes: dict[int, str] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 peer_wait_s: float | None = None) -> None:
         self.store, self.job_id, self.ranks = store, job_id, list(ranks)
         self.interval_s = interval_s
         self.hosts = hosts or {}
@@ -97,9 +98,10 @@ class RankWatch:
         # With agents, the columnar classifier: the scan that covers 131,072 ranks.
         self.classifier: Classifier | BeatTable = (
             BeatTable(self.ranks, heartbeat_timeout_s, hang_timeout_s, grace_s=2 * interval_s,
-                      pids=pids, nodes=self.relay.nodes) if self.relay is not None else
+                      pids=pids, nodes=self.relay.nodes, peer_wait_s=peer_wait_s)
+            if self.relay is not None else
             Classifier(self.ranks, heartbeat_timeout_s, hang_timeout_s, grace_s=2 * interval_s,
-                       pids=pids))
+                       pids=pids, peer_wait_s=peer_wait_s))
         self.classifier.start(clock())
         self.store_down_since: float | None = None
         self._parsed: dict[int, tuple[str, Beat | None]] = {}

@@ -82,6 +82,8 @@ class FaultToleranceSection(_Section):
     heartbeat_interval_s: float = Field(1.0, gt=0, le=60)
     heartbeat_timeout_s: float = Field(10.0, gt=0, le=600)
     hang_timeout_s: float = Field(300.0, gt=0)
+    # A rank silent this long while every other rank waits on it is failed (off: null).
+    peer_wait_timeout_s: float | None = Field(None, gt=0, le=600)
     # A step whose gradient norm exceeds this many times the running median is rolled back.
     grad_norm_spike_factor: float = Field(10.0, gt=1)
     grad_norm_window: int = Field(20, ge=3, le=10_000)
@@ -245,6 +247,11 @@ def _cross_field_errors(spec: JobSpec) -> list[tuple[str, str]]:
             f"{ft.heartbeat_timeout_s} must be at least twice fault_tolerance.heartbeat_interval_s "
             f"({ft.heartbeat_interval_s}), so that one late beat is not taken for a death",
         ))
+    pw = ft.peer_wait_timeout_s
+    if pw is not None and not 3 * ft.heartbeat_interval_s <= pw < ft.heartbeat_timeout_s:
+        errs.append(("fault_tolerance.peer_wait_timeout_s", f"{pw} must be at least three "
+                     f"heartbeat intervals ({3 * ft.heartbeat_interval_s:g}) and below "
+                     f"heartbeat_timeout_s ({ft.heartbeat_timeout_s:g}), or null"))
     if ft.standby_spares and not ft.spare_workers:
         errs.append(("fault_tolerance.standby_spares", "standby spares are warm spares kept on "
                      "nodes the job does not use; set fault_tolerance.spare_workers: true as well, "

@@ -165,9 +165,12 @@ def test_stopped_worker_is_detected_as_hung_and_replaced(stack):
     d = spec(stack, "ft-stopped")
     d["training"]["steps"] = 200
     # With a warm spare: it also answers the node probe (is the node still on the network?)
-    # that a stopped rank's silence sets off, where a task would need a new process.
-    d["fault_tolerance"] = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5,
-                            "hang_timeout_s": 20, "spare_workers": True}
+    # that a stopped rank's silence sets off, where a task would need a new process. The
+    # survivor waits on the stopped rank, so `peer_wait_timeout_s` fails it well before
+    # the heartbeat timeout (set long here, so that only that rule can have failed it).
+    d["fault_tolerance"] = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 15,
+                            "peer_wait_timeout_s": 2, "hang_timeout_s": 20,
+                            "spare_workers": True}
     job = stack.client.submit(d)
     seen, rank1 = running_rank(stack, job["id"], rank=1, min_step=60)
     before = seen["restarts"]  # 0 unless something outside this test restarted it
@@ -184,6 +187,8 @@ def test_stopped_worker_is_detected_as_hung_and_replaced(stack):
     # The probe found the node on the network: a rank's fault, not a lost node's.
     assert entry["rank"] == 1 and entry["kind"] in ("expired", "hung"), entry
     assert "stopped" in entry["cause"] and entry.get("unreachable") is None, entry
+    assert "while every other rank waited on it" in entry["cause"], entry
+    assert entry["kind"] == "expired" and entry["detected_after_s"] < 15, entry
     bound = 20 + 2 * 0.5  # hang_timeout_s plus two heartbeat intervals
     assert entry["detected_after_s"] <= bound
     assert entry["failed_at"] - stopped_at <= bound

@@ -46,7 +46,7 @@ class FakeWatch:
     """The heartbeat watch: hands out the verdicts the group's script queued."""
 
     def __init__(self, group: FakeGroup, ranks: list[int], *_: Any, hosts: Any = None,
-                 nodes: Any = None) -> None:
+                 nodes: Any = None, peer_wait_s: float | None = None) -> None:
         self.group, self.ranks, self.hosts = group, ranks, hosts or {}
         self.classifier = type("Classifier", (), {"heartbeat_timeout_s": 10.0})()
         group.watches.append(self)

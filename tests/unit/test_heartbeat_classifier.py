@@ -129,6 +129,78 @@ def test_a_hung_rank_that_also_stops_beating_is_reported_expired():
     assert [v.kind for v in c.observe({0: None}, now=11.5, wall=WALL0 + 110.5)] == ["expired"]
 
 
+# -- peer_wait_s: a silent rank its peers wait on ----------------------------------------
+
+def waiting_peers(ranks=(0, 1), peer_wait_s=2.0) -> Classifier:
+    c = Classifier(list(ranks), heartbeat_timeout_s=TIMEOUT, hang_timeout_s=HANG,
+                   peer_wait_s=peer_wait_s)
+    c.start(0.0)
+    return c
+
+
+def scan(t, silent, waiting=(0,), last=None, phase="forward", stepping=False):
+    """Every 0.5 s: the `waiting` ranks beat, stuck at step 5 since t=0 (or `stepping`);
+    the `silent` ones left their beat at t=0 (still stored: its key has not expired)."""
+    out = {r: last or beat(r, seq=1, ts=WALL0) for r in silent}
+    for r in waiting:
+        out[r] = beat(r, seq=int(t * 2) + 1, ts=WALL0 + t, phase=phase,
+                      progress_ts=WALL0 + t if stepping else WALL0,
+                      step=5 + int(t * 4) if stepping else 5)
+    return out
+
+
+def test_a_silent_rank_its_peers_wait_on_is_failed_before_the_timeout():
+    c = waiting_peers()
+    for t in (0.0, 0.5, 1.0, 1.5, 2.0):  # silent 2 s: not more than peer_wait_s yet
+        assert c.observe(scan(t, silent=[1]), now=t, wall=WALL0 + t) == []
+    [v] = c.observe(scan(2.5, silent=[1]), now=2.5, wall=WALL0 + 2.5)
+    assert v.rank == 1 and v.kind == "expired" and v.detected_after_s == pytest.approx(2.5)
+    assert v.peers_waited_s == pytest.approx(2.5)
+    assert "while every other rank waited on it (2.5s without progress)" in v.describe(TIMEOUT)
+
+
+def test_a_silent_rank_whose_peers_still_step_waits_for_the_full_timeout():
+    c = waiting_peers()
+    for t in [x / 2 for x in range(0, 21)]:  # 0 .. 10 s
+        assert c.observe(scan(t, silent=[1], stepping=True), now=t, wall=WALL0 + t) == []
+    [v] = c.observe(scan(10.5, silent=[1], stepping=True), now=10.5, wall=WALL0 + 10.5)
+    assert v.rank == 1 and v.kind == "expired" and v.peers_waited_s is None
+
+
+@pytest.mark.parametrize("phase", ["init", "done"])
+def test_peers_in_an_untimed_phase_confirm_nothing(phase):
+    c = waiting_peers()
+    for t in (0.5, 2.5, 5.0, 9.5):
+        assert c.observe(scan(t, silent=[1], phase=phase), now=t, wall=WALL0 + t) == []
+
+
+def test_without_peer_wait_a_silent_rank_waits_for_the_timeout_and_alone_too():
+    off, alone = waiting_peers(peer_wait_s=None), waiting_peers(ranks=(1,))
+    for t in (0.0, 2.5, 5.0, 9.5):
+        assert off.observe(scan(t, silent=[1]), now=t, wall=WALL0 + t) == []
+        assert alone.observe(scan(t, silent=[1], waiting=()), now=t, wall=WALL0 + t) == []
+
+
+def test_every_silent_rank_is_failed_when_the_rest_wait_and_none_when_one_steps():
+    c = waiting_peers(ranks=(0, 1, 2, 3))
+    assert c.observe(scan(0.0, silent=[1, 3], waiting=(0, 2)), now=0.0, wall=WALL0) == []
+    got = c.observe(scan(2.5, silent=[1, 3], waiting=(0, 2)), now=2.5, wall=WALL0 + 2.5)
+    assert sorted(v.rank for v in got) == [1, 3]
+    mixed = waiting_peers(ranks=(0, 1, 2))
+    for t in (0.0, 2.5, 5.0):
+        beats = {**scan(t, silent=[1], waiting=(0,)), **scan(t, silent=[], waiting=(2,), stepping=True)}
+        assert mixed.observe(beats, now=t, wall=WALL0 + t) == []
+
+
+def test_a_peer_whose_beat_is_missing_this_scan_confirms_nothing():
+    c = waiting_peers(ranks=(0, 1, 2))
+    for t in (0.0, 1.0, 2.0):
+        assert c.observe(scan(t, silent=[1], waiting=(0, 2)), now=t, wall=WALL0 + t) == []
+    beats = scan(2.5, silent=[1], waiting=(0, 2))
+    beats[2] = None  # its key gone a moment (it is still fresh: it beat at t=2)
+    assert c.observe(beats, now=2.5, wall=WALL0 + 2.5) == []
+
+
 def test_store_failure_holds_verdicts_for_the_grace_period_then_they_resume():
     c = classifier(ranks=(0, 1, 2), grace_s=5.0)
     live = lambda t: {0: beat(0, seq=int(t * 10), ts=WALL0 + t)}  # noqa: E731

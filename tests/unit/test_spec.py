@@ -174,3 +174,16 @@ def test_api_bodies_a_job_record_cannot_hold_are_refused_with_the_field():
             parse_spec_text(body)
         path, msg = info.value.errors[0]
         assert path == field and says in msg, (body[:40], path, msg)
+
+
+@pytest.mark.parametrize("wait, ok", [(1.5, True), (4.9, True), (1.4, False), (5.0, False),
+                                      (None, True)])
+def test_peer_wait_timeout_lies_between_three_beats_and_the_heartbeat_timeout(wait, ok):
+    doc = {"fault_tolerance": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 5,
+                               "peer_wait_timeout_s": wait}}
+    if ok:
+        assert validate_spec(doc).fault_tolerance.peer_wait_timeout_s == wait
+        return
+    message = errors_of(doc)["fault_tolerance.peer_wait_timeout_s"]
+    assert message == (f"{wait} must be at least three heartbeat intervals (1.5) and below "
+                       "heartbeat_timeout_s (5), or null")
