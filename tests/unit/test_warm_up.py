@@ -57,6 +57,32 @@ def test_the_warm_up_imports_and_exercises_at_idle_priority_and_raises_its_error
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority is Linux's")
+def test_a_warm_up_still_idle_after_its_idle_time_goes_on_at_the_lowest_niceness(monkeypatch):
+    went_on = threading.Event()
+    seen = []
+
+    def exercise():
+        seen.append(_priority())  # at SCHED_IDLE
+        assert went_on.wait(10), "the warm-up was not moved out of SCHED_IDLE"
+        seen.append(_priority())
+
+    def out_of_idle(tid, niceness):
+        got = real(tid, niceness)
+        went_on.set()
+        return got
+
+    real = warm_up.out_of_idle
+    monkeypatch.setattr(warm_up, "out_of_idle", out_of_idle)
+    monkeypatch.setattr(warm_up, "exercise", exercise)
+    monkeypatch.setattr(warm_up, "settle_heap", lambda: None)
+    mine = _priority()
+    assert warm_up.warm(("json",), niceness=3, idle_for_s=0.2) == "idle, then nice+3"
+    assert seen[0][0] == os.SCHED_IDLE
+    assert seen[1] == (os.SCHED_OTHER, min(19, mine[1] + 3))
+    assert _priority() == mine
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority is Linux's")
 def test_without_sched_idle_the_warm_up_drops_its_niceness(monkeypatch):
     def refused(*_a):
         raise PermissionError("no SCHED_IDLE here")

@@ -17,7 +17,8 @@ built the actor in. A spare warms up beside the ranks that train, most of all ri
 after a recovery used the last one, and on a node whose CPUs they keep busy (data
 loading, a host-side optimizer, or two ranks on two cores here) every CPU second it
 takes is theirs. On Linux the thread runs as `SCHED_IDLE`: it gets the CPU time no
-one else wants. Elsewhere, or where that is refused, its niceness drops by
+one else wants, for `IDLE_FOR_S` at most (a node with no idle CPU would never warm
+it); then, and elsewhere or where that is refused, its niceness drops by
 `SPARE_NICENESS` (capped at 19; Ray starts its workers at 15). A spare still warming
 when a rank fails gets the CPU its stalled peers leave, and the controller waits for
 it (spares.py). On Linux a thread has its own policy and priority, so the rank the
@@ -47,6 +48,11 @@ SPARE_MODULES = ("kuangchao.workers.runtime.worker", "kuangchao.workers.trainer.
 # Where SCHED_IDLE is not to be had: steps of niceness below the ranks' priority, capped
 # at 19, the lowest (on a Ray node, 19: CPU weight 15 against the ranks' 36).
 SPARE_NICENESS = 10
+# How long a warm-up runs at SCHED_IDLE before it goes on at the niceness above instead:
+# on a node with no idle CPU at all (data loaders busy on every core) an idle thread
+# gets almost none, and the spare would never be warm. Warming took 8-12 s here beside
+# two training ranks on two cores.
+IDLE_FOR_S = 30.0
 
 
 def background_priority(niceness: int = SPARE_NICENESS) -> str:
@@ -69,13 +75,33 @@ def background_priority(niceness: int = SPARE_NICENESS) -> str:
         return "unchanged"
 
 
-def warm(modules: Sequence[str] = SPARE_MODULES, niceness: int = SPARE_NICENESS) -> str:
+def out_of_idle(tid: int, niceness: int) -> str:
+    """Move thread `tid` from SCHED_IDLE to the normal policy, `niceness` steps below the
+    calling thread; says what it got."""
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:  # not allowed here (RLIMIT_NICE): it stays idle
+        return "idle"
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, base + niceness))
+    except OSError:
+        return "idle, then unchanged"
+    return f"idle, then nice+{niceness}"
+
+
+def warm(modules: Sequence[str] = SPARE_MODULES, niceness: int = SPARE_NICENESS,
+         idle_for_s: float = IDLE_FOR_S) -> str:
     """Import `modules` and `exercise`, in a thread at background priority, and wait
-    for it; its errors are raised here. Returns the priority it ran at."""
+    for it; its errors are raised here. A warm-up still running at SCHED_IDLE after
+    `idle_for_s` goes on `niceness` steps below this thread. Returns the priority it
+    ran at."""
     errors: list[BaseException] = []
     got: list[str] = []
+    tids: list[int] = []
 
     def run() -> None:
+        tids.append(threading.get_native_id())
         got.append(background_priority(niceness))
         try:
             for module in modules:
@@ -86,6 +112,9 @@ def warm(modules: Sequence[str] = SPARE_MODULES, niceness: int = SPARE_NICENESS)
 
     thread = threading.Thread(target=run, name="kc-spare-warm-up", daemon=True)
     thread.start()
+    thread.join(idle_for_s)
+    if thread.is_alive() and got == ["idle"]:
+        got[0] = out_of_idle(tids[0], niceness)
     thread.join()
     if errors:
         raise errors[0]
