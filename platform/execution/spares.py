@@ -85,7 +85,8 @@ class SparePool:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
             self._ready(node_id, spare)  # asked now, so that warm_on knows without waiting
         before, self.own, self.standby = self.standby, set(node_ids), wanted - set(node_ids)
-        if self.standby != before:  # their names, read once for each new choice
+        if self.standby != before or len(self._standby_named) != len(self.standby):
+            # Their names: read once for each new choice, and again while a read left one out.
             self._standby_named = {n.name: n.node_id for n in self.node_view()
                                    if n.node_id in self.standby}
 

@@ -70,7 +70,7 @@ def test_keep_starts_the_job_s_spares_and_a_standby_and_retires_what_is_left_out
     view(pool._store, node("a"), node("b"), node("c"), node("d", draining=True), node("e"))
     pool.keep({"id-a", "id-b"}, spec())
     assert set(pool.by_node) == {"id-a", "id-b", "id-c"} and pool.standby == {"id-c"}
-    assert pool.standby_names() == ["c"]
+    assert pool.standby_names() == ["c"] and pool.standby_nodes() == {"c": "id-c"}
     pool.keep({"id-a", "id-b"}, spec())  # again: nothing restarted
     assert sorted(pool.started) == ["id-a", "id-b", "id-c"] and pool.killed == []
     # b's replica moved to c (b lost, say), whose standby adopted it (taken off the pool):
@@ -83,6 +83,9 @@ def test_keep_starts_the_job_s_spares_and_a_standby_and_retires_what_is_left_out
     view(pool._store, node("a"), node("b", draining=True), node("c"), node("e"))
     pool.keep({"id-a", "id-c"}, spec())
     assert pool.killed == ["id-b"] and pool.standby == {"id-e"}
+    assert pool.standby_nodes() == {"e": "id-e"}  # where the job's keeper starts ahead
+    pool.close()
+    assert pool.standby_nodes() == {}
 
 
 def test_no_standby_for_a_job_whose_survivors_do_not_keep_their_work(pool):
@@ -122,6 +125,23 @@ def test_redis_away_a_moment_leaves_the_standbys_as_they_are(pool, monkeypatch):
     pool.keep({"id-a", "id-b"}, spec())
     assert pool.standby == {"id-c"} and pool.killed == []
     assert pool.standby_names() == []  # no view to name it by: the relocation prefers nothing
+
+
+def test_standby_names_missed_in_a_redis_blip_are_read_at_the_next_choice(pool, monkeypatch):
+    view(pool._store, node("a"), node("b"), node("c"))
+    real, calls = pool._store.info, []
+
+    def blip(*a, **k):  # the choice's read goes through; the names' read, just after, does not
+        calls.append(a)
+        if len(calls) == 2:
+            raise spares.redis.ConnectionError("Redis is restarting")
+        return real(*a, **k)
+
+    monkeypatch.setattr(pool._store, "info", blip)
+    pool.keep({"id-a", "id-b"}, spec())
+    assert pool.standby == {"id-c"} and pool.standby_nodes() == {}
+    pool.keep({"id-a", "id-b"}, spec())  # the same choice: its names read again
+    assert pool.standby_nodes() == {"c": "id-c"}
 
 
 def test_the_job_record_shows_each_spare_warm_warming_or_failed(pool, monkeypatch):
