@@ -118,7 +118,7 @@ class Classifier:
         pids, fenced = self.pids, self.fenced
         timeout_s, hang_s, quiet_s = self.heartbeat_timeout_s, self.hang_timeout_s, self.peer_wait_s
         all_seen, get = self._seen, beats.get
-        out, quiet, live = [], [], {}
+        out, quiet = [], []
         # One pass over every rank each poll (131,072 of them at the largest scale
         # bench/heartbeats.py runs): the common cases cost a few comparisons each.
         for rank in self.ranks:
@@ -144,18 +144,20 @@ class Classifier:
                 out.append(Verdict(rank, "hung", beat.stalled_s, beat))
             elif quiet_s is not None and now - seen.fresh_at > quiet_s:
                 quiet.append(rank)
-            elif quiet_s is not None:
-                live[rank] = beat
         if quiet and not held:
-            out += self._waited_on(quiet, live, now, wall)
+            out += self._waited_on(quiet, {v.rank for v in out}, beats, now, wall)
         return out
 
-    def _waited_on(self, quiet: list[int], live: dict[int, Beat | None], now: float,
-                   wall: float) -> list[Verdict]:
-        """The quiet ranks as failed, when every rank still beating (`live`, none judged
-        failed) has waited `peer_wait_s` without progress, outside the untimed phases."""
+    def _waited_on(self, quiet: list[int], judged: set[int], beats: dict[int, Beat | None],
+                   now: float, wall: float) -> list[Verdict]:
+        """The quiet ranks as failed, when every other rank not `judged` has this scan's
+        beat (its own process's) and has waited `peer_wait_s` without progress, outside
+        the untimed phases. A second pass, run only while a rank is quiet."""
         assert self.peer_wait_s is not None
-        waited = peer_wait(live.values(), self.peer_wait_s)
+        skip = judged.union(quiet)
+        live = (b if b is not None and not self._stale(r, b) else None
+                for r in self.ranks if r not in skip for b in (beats.get(r),))
+        waited = peer_wait(live, self.peer_wait_s)  # stops at the first rank that steps
         if waited is None:
             return []
         out = []
