@@ -14,7 +14,9 @@ which system runs: both are driven, and measured, the same way.
   (bench/goodput_ray.py); `drain` asks Ray's GCS to drain the rank's node with a
   20 s deadline (the call `ray drain-node` makes), kills the raylet at the
   deadline if it is still there (on a real cluster the cloud would) and brings
-  the node back 30 s after it went. A fault whose rank no live process holds
+  the node back 30 s after it went. A node that comes back starts as on a machine
+  of its own: Ray's start-up of it runs at the lowest priority, the actors it then
+  runs at the normal one (bench/node_start.py). A fault whose rank no live process holds
   (the system is still recovering from the previous one) waits for one, up to
   WAIT_RANK_S, and records the delay.
 * `Trace`, `analyse`: the per-step trace lines of every process
@@ -38,6 +40,7 @@ from typing import Any
 
 from bench.goodput_ray import NAN_FILE
 from bench.harness import BenchCluster, log
+from bench.node_start import NodeStart
 from bench.recovery_common import release
 from bench.resize_common import add_node, kill_node, leaf_nodes, node_of_pid
 
@@ -265,8 +268,10 @@ class Chaos:
         while any(n["NodeID"] == node_id for n in leaf_nodes()) and time.monotonic() < end:
             time.sleep(0.5)  # Ray has not declared it dead yet
         with self._node_lock:  # raylet starts race for local ports: one at a time
+            start = NodeStart()  # its start-up as on a machine of its own (node_start.py)
             try:
-                new_id, joined = add_node(self.cluster, name, self.cpus, self.gpus)
+                new_id, joined = add_node(self.cluster, name, self.cpus, self.gpus,
+                                          prefix=start.begin())
                 log(f"  node {name} back as {new_id[:8]}")
             except Exception as exc:
                 log(f"  node {name} could not come back: {type(exc).__name__}: {exc}")

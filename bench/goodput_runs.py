@@ -34,7 +34,7 @@ from bench.goodput_chaos import (
     survivor_stall,
 )
 from bench.goodput_ray import DIR_ENV
-from bench.harness import REPO_ROOT, BenchCluster, _env, log, tiny_spec
+from bench.harness import REPO_ROOT, BenchCluster, _env, log, tiny_spec, wait_for_quiet
 from bench.recovery_common import Background, wait_until
 from bench.recovery_kc import _find_job, _store
 from kuangchao.platform.spec.jobspec import validate_spec
@@ -68,6 +68,11 @@ RT_MAX_RERUNS = 5
 RT_PREEMPT_EVERY = 5  # steps between the loop's get_preemption_info() calls (a barrier)
 RT_WORKER = {"CPU": 1, "kc_gpu_0": 1}  # one worker per worker node (1 GPU each), none on the head
 WAIT_S = 300.0  # longest wait for any one thing before a run is declared stuck
+# Before each run, the machine quiet again (bench/report.py's wait_for_quiet, as the other
+# benches do between runs): the processes of the run before it (its ranks, spares and
+# keepers, a node that came back) exit or settle after it ends, and on one machine standing
+# for four nodes their teardown would be billed to the next run's first minute.
+QUIET_WAIT_S = 60.0
 MODEL_FACTORY = "bench.goodput_ray:gpt"
 
 
@@ -261,6 +266,10 @@ class Kuangchao(System):
         peer = sum("from peer memory" in str(ln.get("message", ""))
                    for ln in self.store.logs(self.job_id))
         log(f"kuangchao {run.label}: restores from peer memory (log lines): {peer}")
+        # The job's events beside the step trace: the bench's Redis prefix goes with the
+        # cluster, and `--keep-trace` keeps this folder for a diagnosis of the run.
+        (self.folder / f"events-{run.label}-{self.job_id}.json").write_text(
+            json.dumps(self.store.events(self.job_id), default=str))
 
 
 class RayTrain(System):
@@ -374,6 +383,7 @@ def run_job(system: System, trace: Trace, doc: dict[str, Any], label: str,
             plan: list[Fault] | None = None, cpus: int = 2, gpus: int = 1,
             join_s: float = 3600.0) -> Run:
     """Run the job to its end, under the fault schedule `plan` when given."""
+    wait_for_quiet(timeout_s=QUIET_WAIT_S)
     start = time.time()
     run = Run(system.name, label, start, total=doc["training"]["steps"])
     bg = system.start(doc, label)
@@ -405,6 +415,7 @@ def kill_series(system: System, trace: Trace, doc: dict[str, Any], label: str, k
     start-up instead of the recovery."""
     import signal
 
+    wait_for_quiet(timeout_s=QUIET_WAIT_S)
     start = time.time()
     run = Run(system.name, label, start, total=doc["training"]["steps"])
     bg = system.start(doc, label)

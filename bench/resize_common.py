@@ -133,7 +133,7 @@ def retire_node(node_id: str, timeout_s: float = 60.0) -> float:
 
 
 def add_node(cluster: BenchCluster, name: str, cpus: int, gpus: int, leaf: str = LEAF,
-             timeout_s: float = 120.0) -> tuple[str, float]:
+             timeout_s: float = 120.0, prefix: tuple[str, ...] = ()) -> tuple[str, float]:
     """Start one more raylet like `ray_nodes.start_ray` starts each node.
 
     Uses `ray_nodes.ray_start` itself, so the new raylet gets the same
@@ -144,6 +144,7 @@ def add_node(cluster: BenchCluster, name: str, cpus: int, gpus: int, leaf: str =
 
     Call it from the process that runs `local_cluster` (it reads KC_HOME) and
     never concurrently with another raylet start (they race for local ports).
+    `prefix` runs `ray start` under a command (bench/node_start.py's `nice`).
 
     Returns:
         (node id, `time.time()` when `ray.nodes()` first showed it alive).
@@ -158,7 +159,7 @@ def add_node(cluster: BenchCluster, name: str, cpus: int, gpus: int, leaf: str =
     proc = ray_nodes.ray_start([f"--address={state['ray_address']}", f"--num-cpus={cpus}",
                                 f"--num-gpus={gpus}", f"--labels={labels}",
                                 f"--resources={pinned}"],
-                               ray_nodes.ray_env(state), f"ray-{name}.log")
+                               ray_nodes.ray_env(state), f"ray-{name}.log", prefix=prefix)
     # Poll while `ray start` runs: the raylet registers (and schedulers may see
     # it) about a second before the `ray start` process gets round to exiting.
     deadline = time.monotonic() + timeout_s
