@@ -159,6 +159,9 @@ class JobKeepers:
         raylet is asked again."""
         if self.section is None:
             return
+        for n, i in nodes.items():  # a node back as a new raylet: its keeper died with the old
+            self.node_name.setdefault(i, n)
+        self._forget_restarted(set(nodes.values()))
         new = {n: i for n, i in nodes.items()
                if n not in self.keepers and n not in self.failed and self.standing.get(n) != i}
         if not new:

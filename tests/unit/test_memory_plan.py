@@ -294,3 +294,39 @@ def test_a_node_back_as_a_new_raylet_gets_a_new_keeper_for_the_ranks_placed_ther
     assert plan.node_of == {0: "n2", 1: "n0"} and set(plan.keepers) == {"n0", "n1", "n2"}
     jk.plan()
     assert len(keepers.starts) == 3  # once per new raylet
+
+
+def test_a_standby_node_back_as_a_new_raylet_gets_its_keeper_ahead_again(store, tmp_path):
+    # Found by the chaos run of 2026-12-06 17:10: a drained node came back under its name
+    # and held the standby spare, but the keeper that died with its old raylet still stood
+    # in the plan, so none was started ahead; the lost replica placed there 10 s later
+    # then waited for a keeper to start inside its generation.
+    from types import SimpleNamespace
+
+    from kuangchao.platform.spec.jobspec import validate_spec
+
+    job = placed_job(store, "j1", spec_doc(tmp_path, elastic=RESTORES,
+                                           checkpoint={"in_memory": IN_MEMORY}), ["n0", "n1"])
+    group = SimpleNamespace(infos=[{"node_id": "id-n0"}, {"node_id": "id-n1"}], keeper_plan=None)
+    keepers = FakeKeepers()
+    jk = JobKeepers(store, "j1", group, FakeCredentials(), ops=keepers.ops())
+    jk.begin(validate_spec(job.spec), job.placement)
+    # n0 drained: its replica moved to n2; n0 gone, then back with a new Ray node id,
+    # and chosen for the standby spare.
+    on_n2 = dataclasses.replace(job.placement[0], node="n2", node_id="id-n2")
+    store.update("j1", lambda j: (dataclasses.replace(j, placement=(on_n2, j.placement[1])), None))
+    group.infos = [{"node_id": "id-n2"}, {"node_id": "id-n1"}]
+    jk.plan()
+    jk.stand_by({"n0": "id-n0"})  # the old raylet, still standing: it has its keeper
+    assert len(keepers.starts) == 2
+    jk.stand_by({"n0": "id-n0-new"})
+    assert keepers.starts[-1] == {"n0": "id-n0-new"} and keepers.waited[-1] is False
+    jk.stand_by({"n0": "id-n0-new"})
+    assert len(keepers.starts) == 3  # asked once for the new raylet
+    # n1 lost: its replica placed on n0, whose keeper the generation finds by name.
+    on_n0 = dataclasses.replace(job.placement[1], node="n0", node_id="id-n0-new")
+    store.update("j1", lambda j: (dataclasses.replace(j, placement=(on_n2, on_n0)), None))
+    group.infos = [{"node_id": "id-n2"}, {"node_id": "id-n0-new"}]
+    plan = KeeperPlan.from_json(jk.plan())
+    assert keepers.starts[-1] == {"n0": "id-n0-new"} and keepers.waited[-1] is True
+    assert plan.node_of == {0: "n2", 1: "n0"} and "n0" in plan.keepers
