@@ -261,10 +261,9 @@ def test_the_schedulers_sweep_kills_the_keepers_of_ended_or_vanished_jobs_only()
     assert killed == ["done", "gone"]
 
 
-def test_a_node_back_as_a_new_raylet_gets_a_new_keeper_for_the_ranks_placed_there(store, tmp_path):
-    # Found by the full goodput run (2026-12-06): a drained node killed at its deadline
-    # came back under its name, a lost replica was moved onto it, and the plan still
-    # named the keeper that died with the old raylet: that rank's copies had one home.
+def _moved_off_n0(store, tmp_path):
+    """A job on n0 and n1 with peer memory; n0 drained, its replica moved live to n2.
+    Returns the keepers, the job's JobKeepers, the group, and the two placements."""
     from types import SimpleNamespace
 
     from kuangchao.platform.spec.jobspec import validate_spec
@@ -278,18 +277,28 @@ def test_a_node_back_as_a_new_raylet_gets_a_new_keeper_for_the_ranks_placed_ther
     assert keepers.starts == [{"n0": "id-n0", "n1": "id-n1"}]
     assert KeeperPlan.from_json(jk.plan()).node_of == {0: "n0", 1: "n1"}
     assert len(keepers.starts) == 1  # the same raylets: nothing started again
-
-    # n0 drained: its replica moved to n2. n0 killed at the deadline, back with a new
-    # Ray node id; then n1 lost, its replica placed on n0 again.
     on_n2 = dataclasses.replace(job.placement[0], node="n2", node_id="id-n2")
-    on_n0 = dataclasses.replace(job.placement[1], node="n0", node_id="id-n0-new")
     store.update("j1", lambda j: (dataclasses.replace(j, placement=(on_n2, j.placement[1])), None))
     group.infos = [{"node_id": "id-n2"}, {"node_id": "id-n1"}]
     jk.plan()
     assert keepers.starts[-1] == {"n2": "id-n2"}
+    return keepers, jk, group, on_n2, job.placement[1]
+
+
+def _lost_n1_onto_new_n0(store, jk, group, on_n2, on_n1) -> KeeperPlan:
+    """n1 lost; its replica placed on n0, back as a new raylet (`id-n0-new`)."""
+    on_n0 = dataclasses.replace(on_n1, node="n0", node_id="id-n0-new")
     store.update("j1", lambda j: (dataclasses.replace(j, placement=(on_n2, on_n0)), None))
     group.infos = [{"node_id": "id-n2"}, {"node_id": "id-n0-new"}]
-    plan = KeeperPlan.from_json(jk.plan())
+    return KeeperPlan.from_json(jk.plan())
+
+
+def test_a_node_back_as_a_new_raylet_gets_a_new_keeper_for_the_ranks_placed_there(store, tmp_path):
+    # Found by the full goodput run (2026-12-06): a drained node killed at its deadline
+    # came back under its name, a lost replica was moved onto it, and the plan still
+    # named the keeper that died with the old raylet: that rank's copies had one home.
+    keepers, jk, group, on_n2, on_n1 = _moved_off_n0(store, tmp_path)
+    plan = _lost_n1_onto_new_n0(store, jk, group, on_n2, on_n1)
     assert keepers.starts[-1] == {"n0": "id-n0-new"}
     assert plan.node_of == {0: "n2", 1: "n0"} and set(plan.keepers) == {"n0", "n1", "n2"}
     jk.plan()
@@ -297,36 +306,18 @@ def test_a_node_back_as_a_new_raylet_gets_a_new_keeper_for_the_ranks_placed_ther
 
 
 def test_a_standby_node_back_as_a_new_raylet_gets_its_keeper_ahead_again(store, tmp_path):
-    # Found by the chaos run of 2026-12-06 17:10: a drained node came back under its name
+    # Found by the chaos run of 2026-12-06 17:22: a drained node came back under its name
     # and held the standby spare, but the keeper that died with its old raylet still stood
     # in the plan, so none was started ahead; the lost replica placed there 10 s later
     # then waited for a keeper to start inside its generation.
-    from types import SimpleNamespace
-
-    from kuangchao.platform.spec.jobspec import validate_spec
-
-    job = placed_job(store, "j1", spec_doc(tmp_path, elastic=RESTORES,
-                                           checkpoint={"in_memory": IN_MEMORY}), ["n0", "n1"])
-    group = SimpleNamespace(infos=[{"node_id": "id-n0"}, {"node_id": "id-n1"}], keeper_plan=None)
-    keepers = FakeKeepers()
-    jk = JobKeepers(store, "j1", group, FakeCredentials(), ops=keepers.ops())
-    jk.begin(validate_spec(job.spec), job.placement)
-    # n0 drained: its replica moved to n2; n0 gone, then back with a new Ray node id,
-    # and chosen for the standby spare.
-    on_n2 = dataclasses.replace(job.placement[0], node="n2", node_id="id-n2")
-    store.update("j1", lambda j: (dataclasses.replace(j, placement=(on_n2, j.placement[1])), None))
-    group.infos = [{"node_id": "id-n2"}, {"node_id": "id-n1"}]
-    jk.plan()
+    keepers, jk, group, on_n2, on_n1 = _moved_off_n0(store, tmp_path)
     jk.stand_by({"n0": "id-n0"})  # the old raylet, still standing: it has its keeper
     assert len(keepers.starts) == 2
-    jk.stand_by({"n0": "id-n0-new"})
+    jk.stand_by({"n0": "id-n0-new"})  # back as a new raylet, chosen for the standby spare
     assert keepers.starts[-1] == {"n0": "id-n0-new"} and keepers.waited[-1] is False
     jk.stand_by({"n0": "id-n0-new"})
     assert len(keepers.starts) == 3  # asked once for the new raylet
-    # n1 lost: its replica placed on n0, whose keeper the generation finds by name.
-    on_n0 = dataclasses.replace(job.placement[1], node="n0", node_id="id-n0-new")
-    store.update("j1", lambda j: (dataclasses.replace(j, placement=(on_n2, on_n0)), None))
-    group.infos = [{"node_id": "id-n2"}, {"node_id": "id-n0-new"}]
-    plan = KeeperPlan.from_json(jk.plan())
+    # The generation placing n1's replica there finds that keeper by name, waiting.
+    plan = _lost_n1_onto_new_n0(store, jk, group, on_n2, on_n1)
     assert keepers.starts[-1] == {"n0": "id-n0-new"} and keepers.waited[-1] is True
     assert plan.node_of == {0: "n2", 1: "n0"} and "n0" in plan.keepers
