@@ -90,7 +90,6 @@ from bench.goodput_runs import (  # noqa: E402
     torchft_path,
 )
 from bench.harness import emit, keep_stdout_for_results, local_cluster, log, median  # noqa: E402
-from bench.node_start import NICE as NODE_NICE  # noqa: E402
 from bench.node_start import WINDOW_S as NODE_WINDOW_S  # noqa: E402
 from kuangchao.platform.spec.checkpoint import CheckpointSection  # noqa: E402
 
@@ -148,9 +147,10 @@ def settings_lines(args: argparse.Namespace, in_mem: bool, why_not: str,
             "setting without it: whole-group restart from the newest checkpoint")
     log("one seeded run per system: an exception to the three-repeat rule, as issue 28 allows")
     log(f"between runs: the machine quiet again first (at most {QUIET_WAIT_S:.0f}s); a node that "
-        f"comes back: Ray's start-up of it at niceness {NODE_NICE} for {NODE_WINDOW_S:.0f}s, each "
-        "actor it runs (either system's) back at 0 as it begins (bench/node_start.py), since on "
-        "one machine that start-up would take the cores of the ranks on the other nodes")
+        f"comes back: Ray's start-up of it in a CPU group of the lowest weight for "
+        f"{NODE_WINDOW_S:.0f}s, each actor it runs (either system's) back in the normal group as "
+        "it begins, its niceness as Ray set it (bench/node_start.py), since on one machine that "
+        "start-up would take the cores of the ranks on the other nodes")
     return {"ours": ours, "baseline": theirs}
 
 

@@ -144,7 +144,7 @@ def add_node(cluster: BenchCluster, name: str, cpus: int, gpus: int, leaf: str =
 
     Call it from the process that runs `local_cluster` (it reads KC_HOME) and
     never concurrently with another raylet start (they race for local ports).
-    `prefix` runs `ray start` under a command (bench/node_start.py's `nice`).
+    `prefix` runs `ray start` under a command (bench/node_start.py's, which joins a CPU group).
 
     Returns:
         (node id, `time.time()` when `ray.nodes()` first showed it alive).
