@@ -147,7 +147,7 @@ def settings_lines(args: argparse.Namespace, in_mem: bool, why_not: str,
             "setting without it: whole-group restart from the newest checkpoint")
     log("one seeded run per system: an exception to the three-repeat rule, as issue 28 allows")
     log(f"between runs: the machine quiet again first (at most {QUIET_WAIT_S:.0f}s); a node that "
-        f"comes back: Ray's start-up of it in a CPU group of the lowest weight for "
+        f"comes back: Ray's start-up of it in a CPU group weighing one niceness-19 task for "
         f"{NODE_WINDOW_S:.0f}s, each actor it runs (either system's) back in the normal group as "
         "it begins, its niceness as Ray set it (bench/node_start.py), since on one machine that "
         "start-up would take the cores of the ranks on the other nodes")

@@ -15,10 +15,10 @@ which system runs: both are driven, and measured, the same way.
   20 s deadline (the call `ray drain-node` makes), kills the raylet at the
   deadline if it is still there (on a real cluster the cloud would) and brings
   the node back 30 s after it went. A node that comes back starts as on a machine
-  of its own: Ray's start-up of it runs in a CPU group of the lowest weight, the
-  actors it then runs back beside everything else (bench/node_start.py). A fault whose rank no live process holds
-  (the system is still recovering from the previous one) waits for one, up to
-  WAIT_RANK_S, and records the delay.
+  of its own: Ray's start-up of it runs in a CPU group weighing one niceness-19
+  task, the actors it then runs back beside everything else (bench/node_start.py).
+  A fault whose rank no live process holds (the system is still recovering from
+  the previous one) waits for one, up to WAIT_RANK_S, and records the delay.
 * `Trace`, `analyse`: the per-step trace lines of every process
   (bench/goodput_ray.py) within a run's time window; ETTR, steps redone and the
   stall around each kill, computed the same way for both systems.

@@ -9,9 +9,9 @@ of whichever system is measured, and the chaos run would bill that to the
 system as lost training time.
 
 So `ray start` for a node that comes back runs in a CPU control group of its own
-whose weight is the lowest the kernel allows (`SHARES`: a task of niceness 19
-weighs 15, Ray's workers at their niceness 15 weigh 36, everything at niceness 0
-weighs 1024). The processes it starts are born in that group. For WINDOW_S after
+whose weight is that of one task at niceness 19 (`SHARES`, 15; Ray's workers at
+their niceness 15 weigh 36 each, everything at niceness 0 1024). The processes it
+starts are born in that group. For WINDOW_S after
 it began, a watcher thread moves each of them back to this process's own group as
 soon as it runs an actor (Ray titles an actor's process `ray::<Class>...`): a
 spare, a keeper, a rank or a Ray Train worker is the measured system's own work,
@@ -40,8 +40,8 @@ from pathlib import Path
 
 from bench.report import log
 
-SHARES = 2  # cgroup v1 `cpu.shares`: its minimum (the default is 1024)
-WEIGHT = 1  # cgroup v2 `cpu.weight`: its minimum (the default is 100)
+SHARES = 15  # cgroup v1 `cpu.shares`: a niceness-19 task's weight (the default, niceness 0's, is 1024)
+WEIGHT = 1  # cgroup v2 `cpu.weight`: the nearest to it (the default is 100)
 WINDOW_S = 30.0
 POLL_S = 0.1
 # Ray's own per-node processes that carry a `ray::` title without running an actor.
@@ -81,7 +81,7 @@ def own_cpu_group(root: Path = CGROUP_ROOT) -> tuple[Path, str] | None:
 
 
 class CpuGroup:
-    """A child CPU group of this process's own, at the lowest weight."""
+    """A child CPU group of this process's own, weighing one niceness-19 task."""
 
     def __init__(self, parent: Path, weight_file: str) -> None:
         self.parent = parent

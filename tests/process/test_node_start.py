@@ -1,5 +1,5 @@
 """bench/node_start.py on real processes: a start-up under its prefix runs in a CPU
-group of the lowest weight; a process of it that takes an actor's title
+group weighing one niceness-19 task; a process of it that takes an actor's title
 (`ray::<Class>...`) goes back to this process's group while the window is open,
 with its threads' niceness as it was, Ray's own node processes only when the window
 closes, and then the group is gone. A process begun before the window is never
