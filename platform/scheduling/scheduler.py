@@ -186,10 +186,11 @@ class Scheduler:
             req = open_request(j)
             if req is None or float(req.get("requested_at") or 0.0) != d.requested_at:
                 return None  # answered already, withdrawn, or a newer request
-            if d.plan is None:
+            if d.plan is None:  # said once: a lost replica's request is asked again meanwhile
                 return dataclasses.replace(j, relocate={**req, "refused": d.reason,
-                                                        "answered_at": time.time()}), {
-                    "type": "relocation_refused", "message": d.reason}
+                                                        "answered_at": time.time()}), (
+                    None if req.get("asked_again") else
+                    {"type": "relocation_refused", "message": d.reason})
             added = _placed(d.plan.slots, first=j.world_size)
             placed = {**req, "placed": [p.to_json() for p in added], "answered_at": time.time()}
             return dataclasses.replace(j, relocate=placed, placement=j.placement + added), {

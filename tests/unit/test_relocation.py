@@ -10,6 +10,7 @@ import dataclasses
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -148,6 +149,72 @@ def test_ask_waits_for_the_answer_and_withdraws_when_none_comes(store):
     assert "no longer RECOVERING" in relocation.ask(store, job_id, [1], ["n1"], wait_s=3).why_not
 
 
+def test_a_refused_lost_replica_is_asked_again_and_placed_on_a_node_that_joins(store, monkeypatch):
+    """A node coming back joins a moment after the loss: the job waits for it with its
+    survivors' work instead of going back to the queue. Only the first refusal is an event."""
+    monkeypatch.setattr(relocation, "ASK_AGAIN_S", 0.05)
+    job_id = running(store, "a", ["n0", "n1"])
+    store.update(job_id, lambda j: recover(j, "node lost", {"kind": "node_lost"}))
+    nodes = [node("n0"), node("n1")]  # n1 lost, still listed: no room anywhere yet
+    seen_refusal = threading.Event()
+
+    def note_refusal() -> None:
+        if (store.get(job_id).relocate or {}).get("refused"):
+            seen_refusal.set()
+
+    def cluster() -> tuple[NodeInfo, ...]:
+        if seen_refusal.is_set() and len(nodes) == 2:
+            nodes.append(node("n2"))  # the node back, registered after the first refusal
+        return tuple(nodes)
+
+    with scheduling(store, cluster, after=note_refusal):
+        answer = relocation.ask(store, job_id, [1], ["n1"], wait_s=30)
+    assert [p.node for p in answer.slots] == ["n2"] and not answer.why_not
+    assert seen_refusal.is_set()
+    req = store.get(job_id).relocate
+    assert req["asked_again"] >= 1 and "refused" not in req
+    assert kinds(store, job_id).count("relocation_refused") == 1
+    assert "relocation_placed" in kinds(store, job_id)
+
+
+def test_a_lost_replica_refused_until_the_wait_ends_is_withdrawn_with_why(store, monkeypatch):
+    monkeypatch.setattr(relocation, "ASK_AGAIN_S", 0.05)
+    job_id = running(store, "a", ["n0", "n1"])
+    store.update(job_id, lambda j: recover(j, "node lost", {"kind": "node_lost"}))
+    with scheduling(store, (node("n0"), node("n1"))):
+        answer = relocation.ask(store, job_id, [1], ["n1"], wait_s=0.6)
+    assert answer.slots == () and "do not fit" in answer.why_not and "asked" in answer.why_not
+    assert store.get(job_id).relocate is None  # withdrawn: the job goes back to the queue
+    assert kinds(store, job_id).count("relocation_refused") == 1
+
+
+def test_a_job_cancelled_while_it_waits_for_room_stops_asking(store, monkeypatch):
+    monkeypatch.setattr(relocation, "ASK_AGAIN_S", 0.05)
+    job_id = running(store, "a", ["n0", "n1"])
+    store.update(job_id, lambda j: recover(j, "node lost", {"kind": "node_lost"}))
+
+    def cancel_after_refusal() -> None:
+        if (store.get(job_id).relocate or {}).get("refused"):
+            store.update(job_id, lambda j: (dataclasses.replace(j, state=JobState.CANCELLED), None))
+
+    with scheduling(store, (node("n0"), node("n1")), after=cancel_after_refusal):
+        t0 = time.monotonic()
+        answer = relocation.ask(store, job_id, [1], ["n1"], wait_s=30)
+    assert answer.slots == () and "no longer RECOVERING" in answer.why_not
+    assert time.monotonic() - t0 < 10 and store.get(job_id).relocate is None
+
+
+def test_a_drains_refused_move_is_not_asked_again(store, monkeypatch):
+    monkeypatch.setattr(relocation, "ASK_AGAIN_S", 0.05)
+    job_id = running(store, "a", ["n0", "n1"])
+    with scheduling(store, (node("n0"), node("n1"))):
+        t0 = time.monotonic()
+        answer = relocation.ask(store, job_id, [1], ["n1"], wait_s=30, planned=True)
+    assert answer.slots == () and "do not fit" in answer.why_not and "asked" not in answer.why_not
+    assert time.monotonic() - t0 < 10  # the first refusal ends it, not the 30 s wait
+    assert store.get(job_id).relocate is None
+
+
 def placed(store, tmp_path, nodes: list[str], job_id: str = "j1") -> None:
     """A job PLACING with one rank on each of `nodes`, on GPU 0 (as the scheduler admits)."""
     placement = tuple(PlacedRank(r, n, f"id-{n}", "leaf-0", gpu=0, gpus=(0,))
@@ -158,15 +225,18 @@ def placed(store, tmp_path, nodes: list[str], job_id: str = "j1") -> None:
 
 
 @contextlib.contextmanager
-def scheduling(store, cluster: tuple[NodeInfo, ...]):
-    """A scheduler beside the controller, on the same store, cycling on every wake-up."""
-    scheduler = Scheduler(store, lambda: cluster, lambda _: None)
+def scheduling(store, cluster: tuple[NodeInfo, ...] | Callable[[], tuple[NodeInfo, ...]],
+               after: Callable[[], None] = lambda: None):
+    """A scheduler beside the controller, on the same store, cycling on every wake-up
+    (`cluster`: the nodes, or what returns them at each cycle; `after`: run after each)."""
+    scheduler = Scheduler(store, cluster if callable(cluster) else lambda: cluster, lambda _: None)
     stop = threading.Event()
 
     def schedule() -> None:
         while not stop.is_set():
             store.wait_for_wake(0.05)
             scheduler.step()
+            after()
 
     thread = threading.Thread(target=schedule, daemon=True)
     thread.start()
