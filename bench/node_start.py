@@ -22,7 +22,10 @@ A group, not a niceness: Ray gives its workers niceness 15 and leaves its core
 threads (gRPC, the IO loop) at 0, and moving a process between groups keeps every
 thread's niceness as Ray set it. (An earlier version ran `ray start` under `nice
 -n 19` and set the actors' threads to 0 afterwards: a rank relocated to a returned
-node then ran at 0 and its peer at Ray's 15.)
+node then ran at 0 and its peer at Ray's 15.) The group weighs what that start-up
+weighed under `nice -n 19`, so a node takes as long to come back as before: at the
+lowest weight the kernel allows (2), a returning raylet joined so late in the run of
+2026-12-06 20:51 that the next raylet kill found no node to move its replica to.
 
 Both systems get the same, and only on a node's return: the cluster's first start
 and the nodes that stay are untouched. Where no CPU group can be made (no cgroup
