@@ -85,6 +85,7 @@ class RayWorkerGroup:
         self.spec: JobSpec | None = None
         # What every `run` carries: the job's peer-memory keepers (memory_plan.py), or None.
         self.keeper_plan: Callable[[], dict[str, Any] | None] = lambda: None
+        self.keepers_ahead: Callable[[dict[str, str]], None] = lambda nodes: None  # and ahead
 
     # -- what the controller reads -------------------------------------------
     @property
@@ -307,6 +308,7 @@ class RayWorkerGroup:
         fresh = joiner_pgs(self.job_id, spec, joiners, pinned)
         self.pgs = [self.pgs[i] for i in kept] + [pg for _, pg in joiners]
         slots = [s for group, _ in joiners for s in group]
+        self.keepers_ahead({s.node: s.node_id for s in slots if s.node_id})  # beside the ranks
         self.members = [self.members[r] for r in order] + [
             Member(None, rank_resources(spec, s, pinned), s.gpus if s.node_id in pinned else None)
             for s in slots]

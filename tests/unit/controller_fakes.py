@@ -119,6 +119,7 @@ class FakeGroup:
             self.checkpoints, self.final_step)
         self.next_pid = 1000
         self.keeper_plan: Callable[[], Any] = lambda: None
+        self.keepers_ahead: Callable[[dict[str, str]], None] = lambda nodes: None
         self.plans: list[tuple[tuple[int, ...], Any]] = []  # what each `run` carried
         self.spares = FakeSpares()
 
@@ -238,6 +239,8 @@ class FakeGroup:
     def reshape(self, order: list[int], joiners: list[tuple[list[PlacedRank], Any]],
                 spares: bool = False) -> int:
         self.calls.append(("reshape", tuple(order), len(joiners)))
+        # As the real group: the new ranks' nodes get their keepers started ahead.
+        self.keepers_ahead({s.node: s.node_id for slots, _ in joiners for s in slots if s.node_id})
         # A warm spare on each refilled slot's node, as `start_spares` kept one there.
         taken = sum(len(slots) for slots, _ in joiners if spares)
         if taken:

@@ -132,7 +132,11 @@ def test_joiners_of_a_live_grow_get_the_new_membership_and_keepers_on_their_node
     group = FakeGroup(tmp_path / "ckpt" / "j1", [grow])
     keepers = FakeKeepers()
     assert wired(store, group, keepers).run() == "SUCCEEDED"
-    assert keepers.starts == [{"n0": "id-n0", "n1": "id-n1"}, {"n2": "id-n2", "n3": "id-n3"}]
+    # The joiners' nodes: asked ahead as the group reshapes (their keepers start beside the
+    # new ranks), then waited for by the generation's plan, which finds them by name.
+    assert keepers.starts == [{"n0": "id-n0", "n1": "id-n1"}, {"n2": "id-n2", "n3": "id-n3"},
+                              {"n2": "id-n2", "n3": "id-n3"}]
+    assert keepers.waited == [True, False, True]
     (_, first), (joiners, grown) = plans(group)
     assert first is not None and first.node_of == {0: "n0", 1: "n1"}
     assert joiners == (2, 3) and grown is not None
@@ -149,10 +153,11 @@ def test_a_standby_spares_node_gets_its_keeper_ahead_once_without_waiting(store,
     keepers = FakeKeepers()
     assert wired(store, group, keepers).run() == "SUCCEEDED"
     # At the start, waiting; then n2 ahead, asked once over every poll since, not waited on;
-    # the grow onto n2 then finds it by name (Ray's get_if_exists) and waits for its answer.
-    assert keepers.starts == [{"n0": "id-n0", "n1": "id-n1"}, {"n2": "id-n2"},
+    # the grow asks n3 ahead as its ranks start (n2 is standing already), and its plan then
+    # finds both by name (Ray's get_if_exists) and waits for their answer.
+    assert keepers.starts == [{"n0": "id-n0", "n1": "id-n1"}, {"n2": "id-n2"}, {"n3": "id-n3"},
                               {"n2": "id-n2", "n3": "id-n3"}]
-    assert keepers.waited == [True, False, True]
+    assert keepers.waited == [True, False, False, True]
     (_, grown) = plans(group)[-1]
     assert grown is not None and set(grown.keepers) == {"n0", "n1", "n2", "n3"}
 
@@ -303,6 +308,22 @@ def test_a_node_back_as_a_new_raylet_gets_a_new_keeper_for_the_ranks_placed_ther
     assert plan.node_of == {0: "n2", 1: "n0"} and set(plan.keepers) == {"n0", "n1", "n2"}
     jk.plan()
     assert len(keepers.starts) == 3  # once per new raylet
+
+
+def test_the_nodes_new_ranks_start_on_get_their_keepers_ahead_of_the_generation(store,
+                                                                                 tmp_path):
+    # Found by the goodput run of 2026-12-06 23:54: a lost replica moved to a node back
+    # from a drain, with no standby there, and its keeper started only in the generation's
+    # plan, once the new rank had imported everything: a second more for the survivors.
+    keepers, jk, group, on_n2, on_n1 = _moved_off_n0(store, tmp_path)
+    group.keepers_ahead({"n2": "id-n2", "n0": "id-n0-new"})  # as the group reshapes
+    # n2 has its keeper; n0, back as a new raylet, gets one asked for, not waited on.
+    assert keepers.starts[-1] == {"n0": "id-n0-new"} and keepers.waited[-1] is False
+    plan = _lost_n1_onto_new_n0(store, jk, group, on_n2, on_n1)
+    assert keepers.starts[-1] == {"n0": "id-n0-new"} and keepers.waited[-1] is True
+    assert "n0" in plan.keepers
+    group.keepers_ahead({"n0": "id-n0-new"})
+    assert len(keepers.starts) == 4  # up since: not asked again
 
 
 def test_a_standby_node_back_as_a_new_raylet_gets_its_keeper_ahead_again(store, tmp_path):
