@@ -130,8 +130,9 @@ def settings_lines(args: argparse.Namespace, in_mem: bool, why_not: str,
                                 "every step: every recovery path reads the copies in memory, "
                                 "and the disk serves only the loss of all of them)",
            KC_CKPT_DEFAULT: " (the spec's default)"}
-    log(f"kuangchao's disk checkpoints every {args.kc_ckpt_every} steps"
-        + (why.get(args.kc_ckpt_every, "") if args.kc_ckpt_chosen is None else " (--kc-ckpt-every)")
+    source = (" (--quick: at most 10)" if args.quick else " (--kc-ckpt-every)"
+              if args.kc_ckpt_chosen is not None else why[args.kc_ckpt_every])
+    log(f"kuangchao's disk checkpoints every {args.kc_ckpt_every} steps{source}"
         + f"; Ray Train's every {args.ckpt_every} (its recovery point, --ckpt-every)")
     if not in_mem:
         log("kuangchao runs without peer-memory copies: " + (
