@@ -126,13 +126,7 @@ def settings_lines(args: argparse.Namespace, in_mem: bool, why_not: str,
               "fit_reruns": f"up to {RT_MAX_RERUNS}, same run name (resumes from its newest "
                             "checkpoint) when fit() raises before the run is told to stop"}
     log(f"kuangchao (docs/fault-tolerance.md's fast-recovery settings): {json.dumps(ours)}")
-    why = {KC_CKPT_PEER_MEMORY: " (docs/fault-tolerance.md's interval with peer memory at "
-                                "every step: every recovery path reads the copies in memory, "
-                                "and the disk serves only the loss of all of them)",
-           KC_CKPT_DEFAULT: " (the spec's default)"}
-    source = (" (--quick: at most 10)" if args.quick else " (--kc-ckpt-every)"
-              if args.kc_ckpt_chosen is not None else why[args.kc_ckpt_every])
-    log(f"kuangchao's disk checkpoints every {args.kc_ckpt_every} steps{source}"
+    log(f"kuangchao's disk checkpoints every {args.kc_ckpt_every} steps ({args.kc_ckpt_why})"
         + f"; Ray Train's every {args.ckpt_every} (its recovery point, --ckpt-every)")
     if not in_mem:
         log("kuangchao runs without peer-memory copies: " + (
@@ -244,12 +238,21 @@ def main() -> None:
     in_mem, why_not = in_memory_accepted()
     if args.no_in_memory:
         in_mem, why_not = False, "--no-in-memory"
-    if args.kc_ckpt_chosen is not None and args.kc_ckpt_chosen < 1:
-        ap.error("--kc-ckpt-every: at least 1 step")
-    args.kc_ckpt_every = args.kc_ckpt_chosen or (KC_CKPT_PEER_MEMORY if in_mem else KC_CKPT_DEFAULT)
+    # kuangchao's disk interval and where it comes from, for stderr.
+    if args.kc_ckpt_chosen is not None:
+        if args.kc_ckpt_chosen < 1:
+            ap.error("--kc-ckpt-every: at least 1 step")
+        args.kc_ckpt_every, args.kc_ckpt_why = args.kc_ckpt_chosen, "--kc-ckpt-every"
+    elif in_mem:
+        args.kc_ckpt_every, args.kc_ckpt_why = KC_CKPT_PEER_MEMORY, (
+            "docs/fault-tolerance.md's interval with peer memory at every step: every "
+            "recovery path reads the copies in memory, and the disk serves only the loss "
+            "of all of them")
+    else:
+        args.kc_ckpt_every, args.kc_ckpt_why = KC_CKPT_DEFAULT, "the spec's default"
     if args.quick:
         args.interval, args.kills, args.ckpt_every = QUICK_INTERVAL_S, 0, 10
-        args.kc_ckpt_every = min(args.kc_ckpt_every, 10)
+        args.kc_ckpt_every, args.kc_ckpt_why = min(args.kc_ckpt_every, 10), "--quick: at most 10"
         args.steps = args.steps or QUICK_STEPS
         kinds, count = QUICK_KINDS, args.faults or len(QUICK_KINDS)
     ft_path = torchft_path() if args.ray_mode != "plain" else None
