@@ -182,6 +182,11 @@ class JobKeepers:
         except Exception as exc:  # noqa: BLE001 -- the plan starts it, waiting, if it must
             log.warning("job %s: no keeper started ahead on %s: %s", self.job_id,
                         ", ".join(sorted(new)), exc)
+            return
+        self._event("peer_memory_ahead", f"peer-memory keeper started ahead on "
+                                         f"{', '.join(sorted(new))}, not waited for: ranks "
+                                         "start there next, or a standby spare waits there",
+                    nodes=sorted(new))
 
     # -- the plan ------------------------------------------------------------------
     def plan(self) -> dict[str, Any] | None:

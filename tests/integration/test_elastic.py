@@ -420,6 +420,11 @@ def test_a_drained_nodes_replica_moves_live_to_a_free_node(elastic):
     assert states == ["QUEUED", "PLACING", "RUNNING", "RESIZING", "RUNNING", "CANCELLED"], states
     kinds = [e["type"] for e in events]
     assert "drain_checkpoint" not in kinds and "relocation_placed" in kinds
+    # The free node had no keeper; the group asked for one there as its new rank started,
+    # inside the resize, not in the generation's plan once that rank had imported all.
+    ahead = [i for i, e in enumerate(events) if e["type"] == "peer_memory_ahead"]
+    assert [events[i]["nodes"] for i in ahead] == [sorted(free)], [events[i] for i in ahead]
+    assert [e["to"] for e in events[:ahead[0]] if e["type"] == "state"][-1] == "RESIZING", events
     off = next(e for e in events if e["type"] == "drained_off")
     assert off["how"] == "move" and off["nodes"] == [node], off
     logs = [r["message"] for r in client.logs(job["id"])["logs"]]

@@ -317,13 +317,33 @@ def test_the_nodes_new_ranks_start_on_get_their_keepers_ahead_of_the_generation(
     # plan, once the new rank had imported everything: a second more for the survivors.
     keepers, jk, group, on_n2, on_n1 = _moved_off_n0(store, tmp_path)
     group.keepers_ahead({"n2": "id-n2", "n0": "id-n0-new"})  # as the group reshapes
-    # n2 has its keeper; n0, back as a new raylet, gets one asked for, not waited on.
+    # n2 has its keeper; n0, back as a new raylet, gets one asked for, not waited on,
+    # and the job's events say so (the integration tests read it there).
     assert keepers.starts[-1] == {"n0": "id-n0-new"} and keepers.waited[-1] is False
+    ahead = [e for e in store.events("j1") if e["type"] == "peer_memory_ahead"]
+    assert [e["nodes"] for e in ahead] == [["n0"]] and "n0" in ahead[0]["message"]
     plan = _lost_n1_onto_new_n0(store, jk, group, on_n2, on_n1)
     assert keepers.starts[-1] == {"n0": "id-n0-new"} and keepers.waited[-1] is True
     assert "n0" in plan.keepers
     group.keepers_ahead({"n0": "id-n0-new"})
     assert len(keepers.starts) == 4  # up since: not asked again
+    assert len([e for e in store.events("j1") if e["type"] == "peer_memory_ahead"]) == 1
+
+
+def test_a_keeper_that_cannot_be_asked_ahead_is_left_to_the_plan_without_an_event(store,
+                                                                                  tmp_path):
+    keepers, jk, group, on_n2, on_n1 = _moved_off_n0(store, tmp_path)
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("Ray is away")
+
+    jk.ops.start = refused
+    group.keepers_ahead({"n0": "id-n0-new"})  # logged, never raised into the reshape
+    assert not [e for e in store.events("j1") if e["type"] == "peer_memory_ahead"]
+    jk.ops.start = keepers.start
+    plan = _lost_n1_onto_new_n0(store, jk, group, on_n2, on_n1)
+    assert keepers.starts[-1] == {"n0": "id-n0-new"} and keepers.waited[-1] is True
+    assert "n0" in plan.keepers
 
 
 def test_a_standby_node_back_as_a_new_raylet_gets_its_keeper_ahead_again(store, tmp_path):
