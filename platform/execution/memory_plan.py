@@ -183,7 +183,8 @@ class JobKeepers:
             log.warning("job %s: no keeper started ahead on %s: %s", self.job_id,
                         ", ".join(sorted(new)), exc)
             return
-        self._event("peer_memory_ahead", f"peer-memory keeper started ahead on "
+        # Asked, not confirmed: a keeper that then fails is started again, waiting, by the plan.
+        self._event("peer_memory_ahead", f"peer-memory keeper asked for ahead on "
                                          f"{', '.join(sorted(new))}, not waited for: ranks "
                                          "start there next, or a standby spare waits there",
                     nodes=sorted(new))
